@@ -1,0 +1,32 @@
+# Two-command start: `make demo` (train the tiny PRISM on the embedded corpus, then sample)
+# and `make test`. Both build .venv from a Python >= 3.12 found by tools/find_python.sh.
+SHELL := /bin/bash
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+export JAX_PLATFORMS ?= cpu
+PYTEST_ARGS ?=
+
+.PHONY: venv demo test bench model-card clean
+
+$(STAMP): setup.cfg pyproject.toml
+	@PYBIN="$$(tools/find_python.sh)" || exit 1; \
+	  echo "building $(VENV) with $$PYBIN"; \
+	  [ -x $(PY) ] || "$$PYBIN" -m venv $(VENV)
+	$(PY) -m pip install --quiet --upgrade pip
+	$(PY) -m pip install --quiet -e ".[test]"
+	@touch $(STAMP)
+
+venv: $(STAMP)
+
+demo: $(STAMP)
+	$(PY) -m experiments.demo
+
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS)
+
+model-card: $(STAMP)
+	$(PY) -m experiments.model_card
+
+clean:
+	rm -rf $(VENV) build *.egg-info

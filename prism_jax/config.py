@@ -1,0 +1,211 @@
+"""Frozen, validated configuration dataclasses and the model presets.
+
+Dimension letters used across the package (nanodo style, names carry shapes):
+  B batch, T sequence length, N = B*T tokens, D d_model, V vocab, K prototypes,
+  k active prototypes per token, H heads, Dh head dim, F MLP width, L layers.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from typing import Any, Literal
+
+ResidualRouting = Literal["straight_through", "plain"]
+Mixture = Literal["raw", "normalized"]
+Distance = Literal["cosine", "sqeuclidean"]
+RecKind = Literal["relative", "plain"]
+
+
+def _check(cond: bool, msg: str) -> None:
+  if not cond:
+    raise ValueError(msg)
+
+
+def _check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
+  _check(value in choices, f"{name}={value!r} is not one of {choices}")
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelConfig:
+  """Backbone + prototype head. `kind="dense"` is the same backbone without the head."""
+
+  kind: Literal["prism", "dense"] = "prism"
+  vocab_size: int = 512
+  max_len: int = 128
+  d_model: int = 128
+  n_layers: int = 4
+  n_heads: int = 4
+  mlp_ratio: int = 4
+  # Prototype head (ignored by the dense twin).
+  num_prototypes: int = 256  # K
+  k: int = 8  # active prototypes per token
+  residual_routing: ResidualRouting = "straight_through"
+  mixture: Mixture = "raw"
+  distance: Distance = "cosine"  # for the clustering terms R1/R2
+  proto_init: Literal["data", "normal"] = "data"
+  implementation: str | None = None  # prototype-layer kernel; None = best available
+  # Numerics.
+  dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; params stay fp32
+  remat: bool = False
+  init_std: float = 0.02
+
+  def __post_init__(self):
+    _check_choice("model.kind", self.kind, ("prism", "dense"))
+    for name in ("vocab_size", "max_len", "d_model", "n_layers", "n_heads", "mlp_ratio",
+                 "num_prototypes", "k"):
+      _check(int(getattr(self, name)) > 0, f"model.{name} must be positive, got "
+             f"{getattr(self, name)!r}")
+    _check(self.d_model % self.n_heads == 0,
+           f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}")
+    _check(self.k <= self.num_prototypes,
+           f"model.k={self.k} exceeds model.num_prototypes={self.num_prototypes} (k <= K)")
+    _check_choice("model.residual_routing", self.residual_routing,
+                  ("straight_through", "plain"))
+    _check_choice("model.mixture", self.mixture, ("raw", "normalized"))
+    _check_choice("model.distance", self.distance, ("cosine", "sqeuclidean"))
+    _check_choice("model.proto_init", self.proto_init, ("data", "normal"))
+    _check_choice("model.dtype", self.dtype, ("float32", "bfloat16"))
+
+  @property
+  def head_dim(self) -> int:
+    return self.d_model // self.n_heads
+
+  @property
+  def d_mlp(self) -> int:
+    return self.d_model * self.mlp_ratio
+
+
+@dataclasses.dataclass(frozen=True)
+class LossConfig:
+  """Weights of L = CE + λ_rec REC + λ_1 R1 + λ_2 R2 (PRISM.md §2)."""
+
+  lambda_rec: float = 0.05
+  lambda_r1: float = 0.05
+  lambda_r2: float = 0.05
+  rec_kind: RecKind = "relative"
+
+  def __post_init__(self):
+    for name in ("lambda_rec", "lambda_r1", "lambda_r2"):
+      _check(float(getattr(self, name)) >= 0.0, f"loss.{name} must be >= 0")
+    _check_choice("loss.rec_kind", self.rec_kind, ("relative", "plain"))
+
+
+@dataclasses.dataclass(frozen=True)
+class DataConfig:
+  """Where text comes from and how it is tokenised and packed (prism_jax.data)."""
+
+  sources: tuple[str, ...] = ()  # files/globs (.txt, .jsonl, .parquet); () = embedded corpus
+  text_field: str = "text"  # jsonl field / parquet column holding the text
+  tokenizer: Literal["byte", "bpe"] = "bpe"  # BPE is trained offline to model.vocab_size
+  seq_len: int = 128  # tokens per packed row fed to the model (row holds seq_len + 1)
+  val_fraction: float = 0.05  # split by document
+  on_decode_error: Literal["replace", "strict"] = "replace"  # non-UTF-8 bytes
+  packed_dir: str = ""  # default: <workdir>/data
+  seed: int = 0
+
+  def __post_init__(self):
+    _check(self.seq_len > 0, "data.seq_len must be positive")
+    _check(0.0 <= self.val_fraction < 1.0, "data.val_fraction must be in [0, 1)")
+    _check_choice("data.tokenizer", self.tokenizer, ("byte", "bpe"))
+    _check_choice("data.on_decode_error", self.on_decode_error, ("replace", "strict"))
+
+
+@dataclasses.dataclass(frozen=True)
+class TrainConfig:
+  """Optimisation and bookkeeping (prism_jax.train)."""
+
+  steps: int = 600
+  batch_size: int = 16  # global batch, in rows
+  lr: float = 3e-3
+  warmup_steps: int = 50
+  min_lr_ratio: float = 0.1  # cosine decays to lr * min_lr_ratio
+  weight_decay: float = 0.1  # never applied to prototypes, norms or biases
+  b1: float = 0.9
+  b2: float = 0.95
+  grad_clip: float = 1.0
+  seed: int = 0
+  proto_init_step: int = 50  # dense warm-up steps before prototypes are set from data
+  eval_every: int = 200
+  eval_batches: int = 8
+  ckpt_every: int = 200
+  keep_checkpoints: int = 3
+  log_every: int = 20
+
+  def __post_init__(self):
+    for name in ("steps", "batch_size", "eval_batches", "ckpt_every", "keep_checkpoints",
+                 "log_every", "eval_every"):
+      _check(int(getattr(self, name)) > 0, f"train.{name} must be positive")
+    _check(self.lr > 0, "train.lr must be positive")
+    _check(0 <= self.warmup_steps, "train.warmup_steps must be >= 0")
+
+
+@dataclasses.dataclass(frozen=True)
+class MeshConfig:
+  """Device mesh axes (prism_jax.sharding). One axis may be -1: filled with what is left."""
+
+  data: int = -1
+  fsdp: int = 1
+  model: int = 1
+
+  def __post_init__(self):
+    sizes = (self.data, self.fsdp, self.model)
+    _check(sum(s == -1 for s in sizes) <= 1, "at most one mesh axis may be -1")
+    _check(all(s == -1 or s > 0 for s in sizes), "mesh axis sizes must be positive or -1")
+
+
+@dataclasses.dataclass(frozen=True)
+class Config:
+  """Everything a run needs; written as JSON beside every checkpoint."""
+
+  model: ModelConfig = ModelConfig()
+  loss: LossConfig = LossConfig()
+  data: DataConfig = DataConfig()
+  train: TrainConfig = TrainConfig()
+  mesh: MeshConfig = MeshConfig()
+
+  def __post_init__(self):
+    _check(self.data.seq_len <= self.model.max_len,
+           f"data.seq_len={self.data.seq_len} exceeds model.max_len={self.model.max_len}")
+
+
+def to_dict(cfg: Any) -> dict[str, Any]:
+  return dataclasses.asdict(cfg)
+
+
+def to_json(cfg: Any) -> str:
+  return json.dumps(to_dict(cfg), indent=2, sort_keys=True)
+
+
+GPT2_VOCAB = 50257
+GPT2_CONTEXT = 1024
+
+MODEL_PRESETS: dict[str, ModelConfig] = {
+    # Trains on two CPU cores in minutes.
+    "tiny": ModelConfig(vocab_size=512, max_len=128, d_model=128, n_layers=4, n_heads=4,
+                        num_prototypes=256, k=8),
+    # GPT-2 family (PRISM.md §1): K and k from the paper.
+    "small": ModelConfig(vocab_size=GPT2_VOCAB, max_len=GPT2_CONTEXT, d_model=768,
+                         n_layers=12, n_heads=12, num_prototypes=8192, k=16),
+    "medium": ModelConfig(vocab_size=GPT2_VOCAB, max_len=GPT2_CONTEXT, d_model=1024,
+                          n_layers=24, n_heads=16, num_prototypes=8192, k=16),
+    "large": ModelConfig(vocab_size=GPT2_VOCAB, max_len=GPT2_CONTEXT, d_model=1280,
+                         n_layers=36, n_heads=20, num_prototypes=16384, k=16),
+    "xl": ModelConfig(vocab_size=GPT2_VOCAB, max_len=GPT2_CONTEXT, d_model=1600,
+                      n_layers=48, n_heads=25, num_prototypes=16384, k=16),
+}
+
+
+def model_preset(name: str, **overrides: Any) -> ModelConfig:
+  if name not in MODEL_PRESETS:
+    raise ValueError(f"unknown preset {name!r}; choose from {sorted(MODEL_PRESETS)}")
+  return dataclasses.replace(MODEL_PRESETS[name], **overrides)
+
+
+def preset(name: str) -> Config:
+  """A full run config: the model preset with data/train settings that suit its size."""
+  model = model_preset(name)
+  if name == "tiny":
+    return Config(model=model, data=DataConfig(seq_len=model.max_len))
+  return Config(model=model, data=DataConfig(seq_len=model.max_len),
+                train=TrainConfig(batch_size=8, steps=10, lr=6e-4, warmup_steps=2))

@@ -1,0 +1,81 @@
+"""The four-term PRISM objective (PRISM.md §2) as pure functions.
+
+  L = CE + λ_rec REC + λ_1 R1 + λ_2 R2
+  CE  = mean_t -log softmax(ℓ_t)[y_t]
+  REC = mean_t ‖r_t‖² / ‖z_t‖²        (relative; plain ‖r_t‖² as an option)
+  R1  = mean_i min_t dist(p_i, z_t)   every prototype near some real token of the batch
+  R2  = mean_t min_i dist(z_t, p_i)   every token near some prototype
+
+All means run over valid tokens only (mask_N is False on padding/EOS). R1 needs the column
+minima over the *whole global batch*: pass them already reduced across data shards.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from prism_jax.config import LossConfig
+from prism_jax.model.lm import LMOutput
+from prism_jax.model.prototypes import PrototypeOutput
+
+_EPS = 1e-6
+
+
+def _masked_mean(x_N: jax.Array, mask_N: jax.Array) -> jax.Array:
+  mask = mask_N.astype(jnp.float32)
+  return jnp.sum(x_N * mask) / jnp.maximum(jnp.sum(mask), 1.0)
+
+
+def cross_entropy(logits_NxV: jax.Array, targets_N: jax.Array, mask_N: jax.Array) -> jax.Array:
+  logp = jax.nn.log_softmax(logits_NxV.astype(jnp.float32), axis=-1)
+  nll_N = -jnp.take_along_axis(logp, targets_N[:, None].astype(jnp.int32), axis=-1)[:, 0]
+  return _masked_mean(nll_N, mask_N)
+
+
+def reconstruction(z_NxD: jax.Array, residual_NxD: jax.Array, mask_N: jax.Array,
+                   kind: str = "relative") -> jax.Array:
+  sq_r_N = jnp.sum(jnp.square(residual_NxD.astype(jnp.float32)), axis=-1)
+  if kind == "relative":
+    sq_r_N = sq_r_N / jnp.maximum(jnp.sum(jnp.square(z_NxD.astype(jnp.float32)), -1), _EPS)
+  elif kind != "plain":
+    raise ValueError(f"rec kind {kind!r}; use 'relative' or 'plain'")
+  return _masked_mean(sq_r_N, mask_N)
+
+
+def r1_clustering(col_min_dist_K: jax.Array) -> jax.Array:
+  """Mean over prototypes of the distance to their nearest valid token.
+
+  Prototypes with no valid token in the batch (all-padding batch) carry +inf and are skipped.
+  """
+  finite = jnp.isfinite(col_min_dist_K)
+  vals = jnp.where(finite, col_min_dist_K, 0.0)
+  return jnp.sum(vals) / jnp.maximum(jnp.sum(finite), 1)
+
+
+def r2_clustering(row_min_dist_N: jax.Array, mask_N: jax.Array) -> jax.Array:
+  return _masked_mean(row_min_dist_N, mask_N)
+
+
+def total_loss(out: LMOutput, targets_BxT: jax.Array, mask_BxT: jax.Array,
+               cfg: LossConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Weighted objective and a metrics dict (all scalars, fp32). Dense models get CE only."""
+  batch, seq, vocab = out.logits_BxTxV.shape
+  mask_N = mask_BxT.reshape(batch * seq)
+  ce = cross_entropy(out.logits_BxTxV.reshape(-1, vocab), targets_BxT.reshape(-1), mask_N)
+  metrics = {"ce": ce}
+  loss = ce
+  if out.protos is not None:
+    p: PrototypeOutput = out.protos
+    z_NxD = out.z_BxTxD.reshape(batch * seq, -1)
+    rec = reconstruction(z_NxD, p.residual_NxD, mask_N, cfg.rec_kind)
+    r1 = r1_clustering(p.col_min_dist_K)
+    r2 = r2_clustering(p.row_min_dist_N, mask_N)
+    loss = ce + cfg.lambda_rec * rec + cfg.lambda_r1 * r1 + cfg.lambda_r2 * r2
+    sq_r = _masked_mean(jnp.sum(jnp.square(p.residual_NxD), -1), mask_N)
+    sq_z = _masked_mean(jnp.sum(jnp.square(z_NxD), -1), mask_N)
+    metrics.update(rec=rec, r1=r1, r2=r2, residual_share=sq_r / jnp.maximum(sq_z, _EPS),
+                   mean_active=_masked_mean(jnp.sum(p.act_Nxk > 0, -1).astype(jnp.float32),
+                                            mask_N))
+  metrics["loss"] = loss
+  return loss, metrics

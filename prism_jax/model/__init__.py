@@ -1,0 +1,12 @@
+"""Models: the functional prototype layer, the GPT-2-style backbone, PrismLM and DenseLM."""
+
+from prism_jax.model.lm import (DenseLM, Decomposition, LMOutput, PrismLM, build_model,
+                                decompose, init_prototypes_from_hidden)
+from prism_jax.model.prototypes import PrototypeBank, PrototypeOutput, prototype_layer
+from prism_jax.model.transformer import Backbone, KVCache
+
+__all__ = [
+    "Backbone", "DenseLM", "Decomposition", "KVCache", "LMOutput", "PrismLM", "PrototypeBank",
+    "PrototypeOutput", "build_model", "decompose", "init_prototypes_from_hidden",
+    "prototype_layer",
+]

@@ -1,0 +1,133 @@
+"""PrismLM and its dense twin DenseLM on the same backbone.
+
+PrismLM replaces the dense output path W z by W r + W z_hat, where z_hat is the sparse
+prototype mixture and r the residual (PRISM.md §1). In value this equals W z; the split is
+what makes attribution and control native.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from prism_jax.config import ModelConfig
+from prism_jax.model.prototypes import PrototypeBank, PrototypeOutput
+from prism_jax.model.transformer import Backbone, KVCache
+
+
+class LMOutput(NamedTuple):
+  logits_BxTxV: jax.Array  # fp32
+  z_BxTxD: jax.Array  # final hidden state after the final norm, fp32
+  protos: PrototypeOutput | None  # flattened over N = B*T tokens; None for DenseLM
+  caches: list[KVCache] | None = None
+
+
+class DenseLM(nnx.Module):
+  """GPT-2-style decoder with a tied LM head: the baseline every comparison uses."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.backbone = Backbone(cfg, rngs=rngs)
+
+  def __call__(self, tokens_BxT, positions_BxT=None, *, mask_BxT=None, caches=None):
+    del mask_BxT  # the dense twin has no prototype statistics to mask
+    z_BxTxD, caches = self.backbone(tokens_BxT, positions_BxT, caches)
+    return LMOutput(self.backbone.lm_head(z_BxTxD), z_BxTxD, None, caches)
+
+  def init_cache(self, batch: int):
+    return self.backbone.init_cache(batch, jnp.dtype(self.cfg.dtype))
+
+
+class PrismLM(nnx.Module):
+  """The backbone with the prototype layer on z; returns logits and the decomposition."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.backbone = Backbone(cfg, rngs=rngs)
+    self.bank = PrototypeBank(cfg.num_prototypes, cfg.d_model, cfg.k, rngs=rngs,
+                              residual_routing=cfg.residual_routing, mixture=cfg.mixture,
+                              distance=cfg.distance, implementation=cfg.implementation)
+
+  def __call__(self, tokens_BxT, positions_BxT=None, *, mask_BxT=None, caches=None):
+    """`mask_BxT` marks valid (non-padding) tokens for the prototype statistics."""
+    z_BxTxD, caches = self.backbone(tokens_BxT, positions_BxT, caches)
+    batch, seq, d = z_BxTxD.shape
+    mask_N = None if mask_BxT is None else mask_BxT.reshape(batch * seq)
+    protos = self.bank(z_BxTxD.reshape(batch * seq, d), mask_N)
+    head_in_NxD = protos.residual_NxD + protos.z_hat_NxD  # = z in value; routes gradients
+    logits = self.backbone.lm_head(head_in_NxD.reshape(batch, seq, d))
+    return LMOutput(logits, z_BxTxD, protos, caches)
+
+  def init_cache(self, batch: int):
+    return self.backbone.init_cache(batch, jnp.dtype(self.cfg.dtype))
+
+  def proto_logit_signatures(self) -> jax.Array:
+    """W p_i for every prototype: its fixed token-logit signature, (K, V)."""
+    return jnp.einsum("kd,vd->kv", self.bank.protos[...], self.backbone.wte[...],
+                      precision=jax.lax.Precision.HIGHEST)
+
+
+def build_model(cfg: ModelConfig, seed: int = 0) -> DenseLM | PrismLM:
+  cls = PrismLM if cfg.kind == "prism" else DenseLM
+  return cls(cfg, rngs=nnx.Rngs(params=seed))
+
+
+class Decomposition(NamedTuple):
+  """Logit of `target` for every token: logit = sum(contrib_Nxk) + residual_N."""
+
+  idx_Nxk: jax.Array
+  contrib_Nxk: jax.Array  # a_{t,i} <W_y, p_i>
+  residual_N: jax.Array  # <W_y, r_t>
+  logit_N: jax.Array  # <W_y, r_t + z_hat_t>, the model's logit of y
+
+
+def decompose(model: PrismLM, protos: PrototypeOutput, target_N: jax.Array) -> Decomposition:
+  """Per-prototype logit contributions and the residual slice for target tokens, in fp32."""
+  hi = jax.lax.Precision.HIGHEST
+  w_NxD = model.backbone.wte[...][target_N].astype(jnp.float32)
+  p_NxkxD = model.bank.protos[...][protos.idx_Nxk].astype(jnp.float32)
+  contrib = protos.act_Nxk * jnp.einsum("nkd,nd->nk", p_NxkxD, w_NxD, precision=hi)
+  residual = jnp.einsum("nd,nd->n", protos.residual_NxD, w_NxD, precision=hi)
+  logit = jnp.einsum("nd,nd->n", protos.residual_NxD + protos.z_hat_NxD, w_NxD, precision=hi)
+  return Decomposition(protos.idx_Nxk, contrib, residual, logit)
+
+
+def init_prototypes_from_hidden(model: PrismLM, tokens_BxT: jax.Array, *, seed: int = 0,
+                                mask_BxT: jax.Array | None = None,
+                                kmeans_pp: bool = True) -> np.ndarray:
+  """Set the bank to hidden states z of given tokens (PRISM.md §1 'prototype init').
+
+  Picks K distinct valid token positions, spread by k-means++ seeding on cosine distance
+  when `kmeans_pp` (else uniformly at random). Returns the chosen flat token indices.
+  """
+  z_BxTxD, _ = model.backbone(tokens_BxT)
+  z_NxD = np.asarray(z_BxTxD, np.float64).reshape(-1, z_BxTxD.shape[-1])
+  valid = np.ones(len(z_NxD), bool) if mask_BxT is None else np.asarray(mask_BxT).reshape(-1)
+  candidates = np.flatnonzero(valid)
+  num_protos = model.cfg.num_prototypes
+  if len(candidates) < num_protos:
+    raise ValueError(f"prototype init needs at least K={num_protos} valid tokens, "
+                     f"got {len(candidates)}; pass more tokens")
+  rng = np.random.default_rng(seed)
+  if not kmeans_pp:
+    chosen = rng.choice(candidates, num_protos, replace=False)
+  else:
+    unit = z_NxD[candidates] / np.maximum(np.linalg.norm(z_NxD[candidates], axis=1,
+                                                         keepdims=True), 1e-12)
+    picks = [int(rng.integers(len(candidates)))]
+    best_dist = 1.0 - unit @ unit[picks[0]]
+    for _ in range(num_protos - 1):
+      weights = np.maximum(best_dist, 0.0)
+      weights[picks] = 0.0
+      total = weights.sum()
+      nxt = (int(rng.choice(len(candidates), p=weights / total)) if total > 0
+             else int(rng.choice(np.setdiff1d(np.arange(len(candidates)), picks))))
+      picks.append(nxt)
+      best_dist = np.minimum(best_dist, 1.0 - unit @ unit[nxt])
+    chosen = candidates[np.asarray(picks)]
+  model.bank.protos[...] = jnp.asarray(z_NxD[chosen], jnp.float32)
+  return chosen

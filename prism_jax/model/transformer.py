@@ -1,0 +1,156 @@
+"""GPT-2-style pre-LN decoder backbone in flax NNX.
+
+Every parameter carries logical axis names from birth (`out_sharding=`); the mesh rules that
+map them to devices live in one table elsewhere. Modules hold no shared references, so they
+work in NNX tree mode.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from prism_jax.config import ModelConfig
+from prism_jax.model.params import const_param as _const
+from prism_jax.model.params import normal_param as _param
+
+
+class LayerNorm(nnx.Module):
+
+  def __init__(self, d_model: int):
+    self.scale = _const((d_model,), 1.0, ("norm",))
+    self.bias = _const((d_model,), 0.0, ("norm",))
+
+  def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+    x = x_BxTxD.astype(jnp.float32)  # statistics in fp32 whatever the compute dtype
+    mean = x.mean(-1, keepdims=True)
+    var = jnp.square(x - mean).mean(-1, keepdims=True)
+    y = (x - mean) * jax.lax.rsqrt(var + 1e-5) * self.scale[...] + self.bias[...]
+    return y.astype(x_BxTxD.dtype)
+
+
+class KVCache(NamedTuple):
+  """Per-layer key/value cache for decoding: (B, S, H, Dh) each, S = max_len."""
+
+  k_BxSxHxDh: jax.Array
+  v_BxSxHxDh: jax.Array
+
+
+class Attention(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    d, h, dh = cfg.d_model, cfg.n_heads, cfg.head_dim
+    self.cfg = cfg
+    self.qkv_kernel = _param(rngs, (d, 3, h, dh), cfg.init_std, ("embed", None, "heads", "kv"))
+    self.qkv_bias = _const((3, h, dh), 0.0, (None, "heads", "kv"))
+    proj_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5  # GPT-2 residual scaling
+    self.out_kernel = _param(rngs, (h, dh, d), proj_std, ("heads", "kv", "embed"))
+    self.out_bias = _const((d,), 0.0, ("embed",))
+
+  def __call__(self, x_BxTxD: jax.Array, positions_BxT: jax.Array,
+               cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
+    dtype = x_BxTxD.dtype
+    qkv = jnp.einsum("btd,dchk->btchk", x_BxTxD, self.qkv_kernel[...].astype(dtype))
+    qkv = qkv + self.qkv_bias[...].astype(dtype)
+    q_BxTxHxDh, k_BxTxHxDh, v_BxTxHxDh = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+    if cache is None:
+      keys, values = k_BxTxHxDh, v_BxTxHxDh
+      key_pos_BxS = positions_BxT
+    else:
+      # Write this chunk at its positions; attend over the whole (masked) cache.
+      b_idx = jnp.arange(x_BxTxD.shape[0])[:, None]
+      keys = cache.k_BxSxHxDh.at[b_idx, positions_BxT].set(k_BxTxHxDh.astype(
+          cache.k_BxSxHxDh.dtype))
+      values = cache.v_BxSxHxDh.at[b_idx, positions_BxT].set(v_BxTxHxDh.astype(
+          cache.v_BxSxHxDh.dtype))
+      cache = KVCache(keys, values)
+      key_pos_BxS = jnp.broadcast_to(jnp.arange(keys.shape[1]), keys.shape[:2])
+      keys, values = keys.astype(dtype), values.astype(dtype)
+    scores = jnp.einsum("bthk,bshk->bhts", q_BxTxHxDh, keys).astype(jnp.float32)
+    scores = scores / jnp.sqrt(jnp.float32(self.cfg.head_dim))
+    causal_BxTxS = positions_BxT[:, :, None] >= key_pos_BxS[:, None, :]
+    scores = jnp.where(causal_BxTxS[:, None], scores, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    ctx_BxTxHxDh = jnp.einsum("bhts,bshk->bthk", probs, values)
+    out = jnp.einsum("bthk,hkd->btd", ctx_BxTxHxDh, self.out_kernel[...].astype(dtype))
+    return out + self.out_bias[...].astype(dtype), cache
+
+
+class MLP(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    d, f = cfg.d_model, cfg.d_mlp
+    self.fc_kernel = _param(rngs, (d, f), cfg.init_std, ("embed", "mlp"))
+    self.fc_bias = _const((f,), 0.0, ("mlp",))
+    proj_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
+    self.proj_kernel = _param(rngs, (f, d), proj_std, ("mlp", "embed"))
+    self.proj_bias = _const((d,), 0.0, ("embed",))
+
+  def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+    dtype = x_BxTxD.dtype
+    h = x_BxTxD @ self.fc_kernel[...].astype(dtype) + self.fc_bias[...].astype(dtype)
+    h = jax.nn.gelu(h, approximate=True)
+    return h @ self.proj_kernel[...].astype(dtype) + self.proj_bias[...].astype(dtype)
+
+
+class Block(nnx.Module):
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.ln1 = LayerNorm(cfg.d_model)
+    self.attn = Attention(cfg, rngs=rngs)
+    self.ln2 = LayerNorm(cfg.d_model)
+    self.mlp = MLP(cfg, rngs=rngs)
+
+  def __call__(self, x_BxTxD, positions_BxT, cache=None):
+    attn_out, cache = self.attn(self.ln1(x_BxTxD), positions_BxT, cache)
+    x_BxTxD = x_BxTxD + attn_out
+    x_BxTxD = x_BxTxD + self.mlp(self.ln2(x_BxTxD))
+    return x_BxTxD, cache
+
+
+class Backbone(nnx.Module):
+  """Token + position embeddings, L pre-LN blocks, final LayerNorm -> z (B, T, D)."""
+
+  def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
+    self.cfg = cfg
+    self.wte = _param(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std, ("vocab", "embed"))
+    self.wpe = _param(rngs, (cfg.max_len, cfg.d_model), cfg.init_std / 2, (None, "embed"))
+    self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
+    self.ln_f = LayerNorm(cfg.d_model)
+
+  def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array | None = None,
+               caches: list[KVCache] | None = None):
+    batch, seq = tokens_BxT.shape
+    if positions_BxT is None:
+      positions_BxT = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
+    if caches is None and seq > self.cfg.max_len:
+      raise ValueError(f"sequence length {seq} exceeds model.max_len={self.cfg.max_len}")
+    dtype = jnp.dtype(self.cfg.dtype)
+    x = self.wte[...][tokens_BxT] + self.wpe[...][positions_BxT]
+    x = x.astype(dtype)
+    new_caches = []
+    for i, block in enumerate(self.blocks):
+      cache = None if caches is None else caches[i]
+      if self.cfg.remat and caches is None:
+        x, cache = nnx.remat(lambda blk, h, pos: blk(h, pos))(block, x, positions_BxT)
+      else:
+        x, cache = block(x, positions_BxT, cache)
+      new_caches.append(cache)
+    z_BxTxD = self.ln_f(x).astype(jnp.float32)
+    return z_BxTxD, (None if caches is None else new_caches)
+
+  def lm_head(self, h_BxTxD: jax.Array) -> jax.Array:
+    """Tied LM head W (V x D): logits = h W^T, in fp32."""
+    # Full fp32 accuracy in fp32 mode so the logit decomposition is exact; default (fast)
+    # matmul precision when the model computes in bf16 anyway.
+    precision = jax.lax.Precision.HIGHEST if self.cfg.dtype == "float32" else None
+    return jnp.einsum("btd,vd->btv", h_BxTxD.astype(jnp.float32), self.wte[...],
+                      precision=precision)
+
+  def init_cache(self, batch: int, dtype=jnp.float32) -> list[KVCache]:
+    shape = (batch, self.cfg.max_len, self.cfg.n_heads, self.cfg.head_dim)
+    return [KVCache(jnp.zeros(shape, dtype), jnp.zeros(shape, dtype))
+            for _ in range(self.cfg.n_layers)]
