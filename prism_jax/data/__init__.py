@@ -1,1 +1,23 @@
-"""prism_jax.data."""
+"""prism_jax.data: sources -> tokenizer -> packed rows with example ids -> grain batches.
+
+  packed = prepare_data(cfg.data, cfg.model.vocab_size, workdir)   # packs once, reuses
+  loader = make_loader(packed, "train", global_batch, seed, process_index, process_count)
+  batch = loader.batch_at(step)            # pure function of (seed, step)
+  for batch in loader.resume(state): ...   # state = loader.state(next_step)
+  packed.snippet(example_id, offset)       # the training text around a token
+"""
+
+from prism_jax.data.packed import PackedData, prepare_data
+from prism_jax.data.packing import pack, pack_config
+from prism_jax.data.pipeline import DataState, Loader, PackedRows, make_loader, row_to_example
+from prism_jax.data.sources import (DEFAULT_CORPUS, Document, iter_documents, load_documents,
+                                    resolve_paths, source_hash)
+from prism_jax.data.tokenizers import (BpeTokenizer, ByteTokenizer, Tokenizer, load_tokenizer,
+                                       make_tokenizer, train_bpe)
+
+__all__ = [
+    "BpeTokenizer", "ByteTokenizer", "DEFAULT_CORPUS", "DataState", "Document", "Loader",
+    "PackedData", "PackedRows", "Tokenizer", "iter_documents", "load_documents",
+    "load_tokenizer", "make_loader", "make_tokenizer", "pack", "pack_config",
+    "prepare_data", "resolve_paths", "row_to_example", "source_hash", "train_bpe",
+]

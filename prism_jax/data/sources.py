@@ -1,0 +1,309 @@
+"""Text sources: .txt files/globs, .jsonl, .parquet and the embedded default corpus.
+
+Every source yields `Document`s with a stable integer id (order of sources, then order
+within each file) and a human-readable name (`file:line`, `file:row` or `pydoc:topic`),
+so that attribution can map a training token back to its text.
+
+The embedded corpus is the documentation topics every CPython install carries
+(`pydoc_data.topics.topics`, ~80 topics, ~0.5 MB): the demo runs offline on a fresh machine.
+"""
+
+from __future__ import annotations
+
+import codecs
+import dataclasses
+import glob
+import hashlib
+import json
+import os
+import threading
+from typing import Iterator, Sequence
+
+from absl import logging
+
+DEFAULT_CORPUS = "pydoc_data.topics"
+# Long texts (.txt files, long pydoc topics) are split at blank lines into documents of
+# about this many characters: whole-file documents would make a by-document split useless.
+DOC_MAX_CHARS = 2048
+_HASH_CHUNK = 1 << 20
+
+
+@dataclasses.dataclass(frozen=True)
+class Document:
+  example_id: int
+  name: str  # "path:line", "path:row" or "pydoc:topic"
+  text: str
+
+
+# --- non-UTF-8 bytes -------------------------------------------------------------------
+
+_counter = threading.local()
+
+
+def _count_and_replace(err: UnicodeDecodeError):
+  _counter.bytes += err.end - err.start
+  if _counter.first is None:
+    _counter.first = err.start
+  return "\ufffd", err.end
+
+
+codecs.register_error("prism_count_replace", _count_and_replace)
+
+
+class Utf8Decoder:
+  """Decodes one file's bytes (whole or in pieces); "replace" writes U+FFFD and counts the
+  bytes replaced, "strict" raises naming the file and the byte offset."""
+
+  def __init__(self, path: str, on_decode_error: str):
+    if on_decode_error not in ("replace", "strict"):
+      raise ValueError(f"on_decode_error={on_decode_error!r} is not 'replace' or 'strict'")
+    self.path, self.mode = path, on_decode_error
+    self.replaced, self.first = 0, None
+
+  def __call__(self, raw: bytes, offset: int = 0, where: str | None = None) -> str:
+    """`offset`: where `raw` starts in the file; `where`: how to name it in errors."""
+    if self.mode == "strict":
+      try:
+        return raw.decode("utf-8")
+      except UnicodeDecodeError as e:
+        raise ValueError(
+            f"{where or self.path}: invalid UTF-8 at byte offset {offset + e.start} "
+            f"({e.reason}); set data.on_decode_error=replace to decode such bytes as "
+            "U+FFFD") from None
+    _counter.bytes, _counter.first = 0, None
+    text = raw.decode("utf-8", errors="prism_count_replace")
+    if _counter.bytes:
+      self.replaced += _counter.bytes
+      if self.first is None:
+        self.first = offset + _counter.first
+    return text
+
+  def check_str(self, value: str, where: str) -> str:
+    """JSON "\\ud800" escapes decode to lone surrogates, which are not UTF-8 text."""
+    try:
+      value.encode("utf-8")
+      return value
+    except UnicodeEncodeError as e:
+      if self.mode == "strict":
+        raise ValueError(f"{where}: lone surrogate U+{ord(value[e.start]):04X} at "
+                         f"character {e.start} is not valid UTF-8 text") from None
+    raw = value.encode("utf-8", "surrogatepass")
+    return self(raw, 0, where)
+
+  def report(self, warn: bool = True) -> None:
+    if self.replaced and warn:
+      logging.warning("%s: replaced %d non-UTF-8 byte(s) with U+FFFD (first at byte "
+                      "offset %d)", self.path, self.replaced, self.first)
+
+
+def decode_bytes(raw: bytes, where: str, on_decode_error: str, warn: bool = True) -> str:
+  """UTF-8 decode of one blob; see Utf8Decoder."""
+  decoder = Utf8Decoder(where, on_decode_error)
+  text = decoder(raw)
+  decoder.report(warn)
+  _counter.last = decoder.replaced
+  return text
+
+
+def replaced_bytes_last_decode() -> int:
+  """Bytes replaced by the last file decoded on this thread (for tests)."""
+  return getattr(_counter, "last", 0)
+
+
+# --- paths ---------------------------------------------------------------------------
+
+_KINDS = {".txt": "txt", ".text": "txt", ".md": "txt", ".jsonl": "jsonl",
+          ".parquet": "parquet"}
+
+
+def _kind(path: str) -> str:
+  ext = os.path.splitext(path)[1].lower()
+  if ext not in _KINDS:
+    raise ValueError(f"{path}: unsupported file type {ext!r}; expected one of "
+                     f"{sorted(_KINDS)}")
+  return _KINDS[ext]
+
+
+def resolve_paths(sources: Sequence[str]) -> list[str]:
+  """Expands globs in order (sorted within a glob); errors name what matched nothing."""
+  if isinstance(sources, str):
+    sources = (sources,)
+  paths = []
+  for src in sources:
+    if glob.has_magic(src):
+      matched = sorted(p for p in glob.glob(src, recursive=True) if os.path.isfile(p))
+      if not matched:
+        raise FileNotFoundError(f"data source glob {src!r} matches no files")
+      paths.extend(matched)
+    elif os.path.isdir(src):
+      raise IsADirectoryError(f"data source {src!r} is a directory; pass a glob such as "
+                              f"'{os.path.join(src, '*.txt')}'")
+    elif not os.path.isfile(src):
+      raise FileNotFoundError(f"data source {src!r} does not exist")
+    else:
+      paths.append(src)
+  for p in paths:
+    _kind(p)
+    if os.path.getsize(p) == 0:
+      raise ValueError(f"data source {p!r} is empty (0 bytes)")
+  return paths
+
+
+# --- splitting long texts ------------------------------------------------------------
+
+
+def split_paragraphs(text: str, max_chars: int = DOC_MAX_CHARS) -> list[tuple[int, str]]:
+  """Splits at blank lines into chunks of <= max_chars (a longer paragraph stays whole,
+  cut at line ends). Returns (0-based line of the chunk start, chunk text); chunks
+  joined back with their separators give the text again."""
+  lines = text.splitlines(keepends=True)
+  chunks, cur, cur_len, cur_line = [], [], 0, 0
+  for i, line in enumerate(lines):
+    blank = not line.strip()
+    # Close the chunk at a paragraph start (a non-blank line after a blank one) if this
+    # chunk is full, or anywhere when a single paragraph overflows twice over.
+    para_start = not blank and i > 0 and not lines[i - 1].strip()
+    if cur and ((para_start and cur_len + len(line) > max_chars)
+                or cur_len + len(line) > 2 * max_chars):
+      chunks.append((cur_line, "".join(cur)))
+      cur, cur_len, cur_line = [], 0, i
+    cur.append(line)
+    cur_len += len(line)
+  if cur:
+    chunks.append((cur_line, "".join(cur)))
+  return [(ln, c) for ln, c in chunks if c.strip()]
+
+
+# --- readers -------------------------------------------------------------------------
+
+
+def _read_txt(path, on_decode_error, warn):
+  with open(path, "rb") as f:
+    text = decode_bytes(f.read(), path, on_decode_error, warn)
+  for line, chunk in split_paragraphs(text):
+    yield f"{path}:{line + 1}", chunk
+
+
+def _read_jsonl(path, text_field, on_decode_error, warn):
+  decoder = Utf8Decoder(path, on_decode_error)
+  offset = 0
+  with open(path, "rb") as f:
+    for i, raw in enumerate(f):
+      where = f"{path}:{i + 1}"
+      line = decoder(raw, offset, where)
+      offset += len(raw)
+      if not line.strip():
+        continue
+      try:
+        record = json.loads(line)
+      except json.JSONDecodeError as e:
+        raise ValueError(f"{where}: invalid JSON ({e.msg})") from None
+      if not isinstance(record, dict) or text_field not in record:
+        keys = sorted(record) if isinstance(record, dict) else type(record).__name__
+        raise ValueError(f"{where}: no text field {text_field!r} (found {keys}); set "
+                         "data.text_field")
+      value = record[text_field]
+      if value is None:
+        continue
+      if not isinstance(value, str):
+        raise ValueError(f"{where}: field {text_field!r} is {type(value).__name__}, not "
+                         "a string")
+      yield where, decoder.check_str(value, where)
+  decoder.report(warn)
+  _counter.last = decoder.replaced
+
+
+def _read_parquet(path, text_field, on_decode_error, warn):
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  pf = pq.ParquetFile(path)
+  names = pf.schema_arrow.names
+  if text_field not in names:
+    raise ValueError(f"{path}: no column {text_field!r} (columns: {names}); set "
+                     "data.text_field")
+  col_type = pf.schema_arrow.field(text_field).type
+  is_binary = pa.types.is_binary(col_type) or pa.types.is_large_binary(col_type)
+  if not (is_binary or pa.types.is_string(col_type) or pa.types.is_large_string(col_type)):
+    raise ValueError(f"{path}: column {text_field!r} has type {col_type}, not text")
+  decoder = Utf8Decoder(path, on_decode_error)
+  row = 0
+  for g in range(pf.num_row_groups):
+    for value in pf.read_row_group(g, columns=[text_field]).column(0).to_pylist():
+      where = f"{path}:{row}"
+      row += 1
+      if value is None:
+        continue
+      if is_binary:
+        value = decoder(value, 0, where)  # offsets count within the value
+      yield where, value
+  decoder.report(warn)
+  _counter.last = decoder.replaced
+
+
+def _read_default_corpus():
+  from pydoc_data import topics  # pylint: disable=g-import-not-at-top
+  for name in sorted(topics.topics):
+    chunks = split_paragraphs(topics.topics[name])
+    for part, (_, chunk) in enumerate(chunks):
+      yield (f"pydoc:{name}" if len(chunks) == 1 else f"pydoc:{name}#{part}"), chunk
+
+
+def iter_documents(sources: Sequence[str] = (), text_field: str = "text",
+                   on_decode_error: str = "replace", warn: bool = True
+                   ) -> Iterator[Document]:
+  """Yields every non-blank document of the sources; () means the embedded corpus.
+
+  Ids count documents in order, so the same sources always give the same ids.
+  `warn=False` silences the non-UTF-8 warnings (for a second pass over the same files).
+  """
+  if not sources:
+    records = _read_default_corpus()
+  else:
+    records = _iter_files(resolve_paths(sources), text_field, on_decode_error, warn)
+  example_id = 0
+  for name, text in records:
+    if text.strip():
+      yield Document(example_id, name, text)
+      example_id += 1
+
+
+def _iter_files(paths, text_field, on_decode_error, warn):
+  for path in paths:
+    kind = _kind(path)
+    n = 0
+    if kind == "txt":
+      gen = _read_txt(path, on_decode_error, warn)
+    elif kind == "jsonl":
+      gen = _read_jsonl(path, text_field, on_decode_error, warn)
+    else:
+      gen = _read_parquet(path, text_field, on_decode_error, warn)
+    for name, text in gen:
+      if text.strip():
+        n += 1
+        yield name, text
+    if n == 0:
+      raise ValueError(f"data source {path!r} holds no non-blank documents")
+
+
+def load_documents(sources: Sequence[str] = (), text_field: str = "text",
+                   on_decode_error: str = "replace") -> list[Document]:
+  docs = list(iter_documents(sources, text_field, on_decode_error))
+  if not docs:
+    raise ValueError(f"no documents in data sources {list(sources) or DEFAULT_CORPUS}")
+  return docs
+
+
+def source_hash(sources: Sequence[str] = (), text_field: str = "text") -> str:
+  """sha256 of the sources' bytes (in order) and the text field: identifies the corpus."""
+  h = hashlib.sha256()
+  h.update(f"text_field={text_field}\n".encode())
+  if not sources:
+    from pydoc_data import topics  # pylint: disable=g-import-not-at-top
+    h.update(json.dumps(topics.topics, sort_keys=True).encode())
+    return h.hexdigest()
+  for path in resolve_paths(sources):
+    h.update(f"file {os.path.getsize(path)}\n".encode())
+    with open(path, "rb") as f:
+      while chunk := f.read(_HASH_CHUNK):
+        h.update(chunk)
+  return h.hexdigest()
