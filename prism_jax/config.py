@@ -54,8 +54,9 @@ class ModelConfig:
     _check_choice("model.kind", self.kind, ("prism", "dense"))
     for name in ("vocab_size", "max_len", "d_model", "n_layers", "n_heads", "mlp_ratio",
                  "num_prototypes", "k"):
-      _check(int(getattr(self, name)) > 0, f"model.{name} must be positive, got "
-             f"{getattr(self, name)!r}")
+      value = getattr(self, name)  # a float 2.5 or str "8" would slip through int()
+      _check(isinstance(value, int) and not isinstance(value, bool) and value > 0,
+             f"model.{name} must be a positive int, got {value!r}")
     _check(self.d_model % self.n_heads == 0,
            f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}")
     _check(self.k <= self.num_prototypes,

@@ -1,0 +1,59 @@
+r"""Prints the model card of every preset: parameter counts and forward FLOPs per token.
+
+  python -m experiments.model_card [--presets=small,xl] [--seq_len=1024]
+
+Counts are analytic (prism_jax.flops, checked against real NNX models in
+tests/test_flops.py); nothing is instantiated, so the 1.5B preset prints instantly.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from absl import app
+from absl import flags
+
+from prism_jax import config
+from prism_jax import flops
+
+
+def card_rows(preset_names: Sequence[str], seq_len: int | None = None) -> list[dict]:
+  rows = []
+  for name in preset_names:
+    cfg = config.model_preset(name)
+    counts = flops.param_counts(cfg)
+    fl = flops.flops_per_token(cfg, seq_len or cfg.max_len)
+    rows.append({"preset": name, "K": cfg.num_prototypes, "k": cfg.k,
+                 "seq_len": seq_len or cfg.max_len, **counts,
+                 "backbone_fwd": fl["backbone_fwd"], "proto_fwd": fl["proto_fwd"],
+                 "proto_fwd_pct": 100.0 * fl["proto_fwd"] / fl["backbone_fwd"]})
+  return rows
+
+
+def format_card(rows: Sequence[dict]) -> str:
+  header = ("| preset | K | k | T | dense params | PRISM params | prototype overhead | "
+            "backbone fwd FLOPs/token | prototype head fwd FLOPs/token | head / backbone |")
+  lines = [header, "|" + " --- |" * 10]
+  for r in rows:
+    lines.append(
+        f"| {r['preset']} | {r['K']} | {r['k']} | {r['seq_len']} | {r['dense']:,} "
+        f"({r['dense'] / 1e6:.1f}M) | {r['prism']:,} ({r['prism'] / 1e6:.1f}M) | "
+        f"{r['overhead_pct']:.1f}% | {r['backbone_fwd'] / 1e6:,.2f} MFLOP | "
+        f"{r['proto_fwd'] / 1e6:,.2f} MFLOP | {r['proto_fwd_pct']:.2f}% |")
+  return "\n".join(lines)
+
+
+def main(argv: Sequence[str], presets: Sequence[str] | None = None,
+         seq_len: int | None = None) -> None:
+  del argv
+  print(format_card(card_rows(presets or list(config.MODEL_PRESETS), seq_len)))
+
+
+if __name__ == "__main__":
+  # Flags are defined only when run as a script: other experiments define --presets and
+  # --seq_len too, and absl flags are process-global (tests import several entry points).
+  _PRESETS = flags.DEFINE_list("presets", list(config.MODEL_PRESETS),
+                               "Presets to describe, comma-separated.")
+  _SEQ_LEN = flags.DEFINE_integer(
+      "seq_len", None, "Sequence length for the attention FLOPs (default: max_len).")
+  app.run(lambda argv: main(argv, _PRESETS.value, _SEQ_LEN.value))
