@@ -1,0 +1,326 @@
+"""The PRISM head as a pure function of the prototype bank P, and its output-side curvature.
+
+Everything here treats the backbone as fixed: z_t (final hidden state), W (tied LM head) and
+the targets are constants, and the training loss is a function of P alone (PRISM.md §2):
+
+    L(P) = CE + λ_rec REC + λ_1 R1 + λ_2 R2        (the same terms as prism_jax.losses)
+
+The functions are dtype-generic (run them under `jax.enable_x64(True)` with float64 inputs
+for reference-grade Hessians; prism_jax.model.prototypes always computes in float32).
+
+Which path of ∂L/∂P we differentiate (PRISM.md §4 "the bank as a linear layer"):
+  ẑ_t = Σ_{i∈S_t} a_{t,i} p_i = Pᵀ a_t, and P reaches the loss through ẑ_t in two ways:
+  * path="linear": through the explicit p_i only, with the activations a_t held fixed
+    (stop_gradient on a). This is the linear-layer view of §4: ∂L_t/∂P = a_t g_tᵀ, and the
+    exact Hessian of the ẑ-terms on this path is the Gauss-Newton matrix
+        H_lin = (1/N) Σ_t (a_t a_tᵀ) ⊗ G_t,     G_t = ∂²ℓ_t/∂ẑ_t²,
+    because ẑ is linear in P and the logits are linear in ẑ (no second-order term).
+  * path="full": also through a_t(P) = ReLU(cos(z_t, p_i)) (the similarity routing). This
+    is what `jax.hessian` of the actual training loss sees; §4's Kronecker model ignores it.
+  The top-k index set and the argmins in R1/R2 are piecewise constant in P, so both paths
+  are exact Hessians of the loss (almost everywhere; ties are measure-zero).
+  Under the default straight-through routing, logits = W(z − sg(ẑ) + ẑ): CE reaches P only
+  through ẑ (its value equals W z), and REC (r = z − sg(ẑ)) does not reach P at all. Under
+  "plain" routing CE never reaches P and REC does. `jax.hessian` of a function containing
+  stop_gradient is the Hessian with the stopped values frozen at the evaluation point: that
+  is the curvature the straight-through optimiser follows, and the one we compute.
+
+Per-token output gradient g_t = ∂ℓ_t/∂ẑ_t of the token's own loss ℓ_t = CE_t + λ_rec REC_t
+(not divided by N): under straight-through g_t = Wᵀ(π_t − e_{y_t}) and
+G_t = Wᵀ(diag π_t − π_t π_tᵀ)W = E_{y~π_t}[g_t(y) g_t(y)ᵀ] (the true Fisher of the token);
+under plain routing g_t = −2 λ_rec r_t/‖z_t‖² and G_t = 2 λ_rec/‖z_t‖² I (relative REC).
+The batch loss is a mean over the N valid tokens, so ∇_P L = (1/N) Σ_t a_t g_tᵀ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Any, Literal, NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from prism_jax.config import LossConfig
+
+_EPS = 1e-6  # same guards as prism_jax.model.prototypes / prism_jax.losses
+_HI = jax.lax.Precision.HIGHEST
+Path = Literal["linear", "full"]
+
+
+@dataclasses.dataclass(frozen=True)
+class HeadSpec:
+  """Static description of the prototype head (from ModelConfig)."""
+
+  k: int
+  residual_routing: str = "straight_through"
+  mixture: str = "raw"
+  distance: str = "cosine"
+
+  @classmethod
+  def from_model(cls, model: Any) -> "HeadSpec":
+    cfg = model.cfg
+    if cfg.kind != "prism":
+      raise ValueError("curvature w.r.t. the prototype bank needs a PrismLM (model.kind="
+                       f"'prism'), got kind={cfg.kind!r}")
+    return cls(cfg.k, cfg.residual_routing, cfg.mixture, cfg.distance)
+
+
+class HeadInputs(NamedTuple):
+  """The constants of L(P): backbone output for N = B*T tokens and the LM head."""
+
+  z_NxD: jax.Array
+  protos_KxD: jax.Array  # the bank at which curvature is evaluated
+  wte_VxD: jax.Array
+  targets_N: jax.Array
+  mask_N: jax.Array  # bool: True on tokens that enter the loss
+
+
+class OutputGrads(NamedTuple):
+  """Per-token output side of the bank: ∂L_t/∂P = a_t g_tᵀ (rows idx_Nxk only)."""
+
+  idx_Nxk: jax.Array  # int32 active prototype ids
+  act_Nxk: jax.Array  # a_t on S_t (zero on masked tokens)
+  g_NxD: jax.Array  # ∂ℓ_t/∂ẑ_t of the token's own loss (zero on masked tokens)
+  mask_N: jax.Array  # bool
+
+
+class HeadForward(NamedTuple):
+  idx_Nxk: jax.Array
+  act_Nxk: jax.Array
+  z_hat_NxD: jax.Array
+  residual_NxD: jax.Array
+  logits_NxV: jax.Array
+  cos_NxK: jax.Array
+  dist_NxK: jax.Array  # dist(z_t, p_i) for the configured distance
+
+
+@nnx.jit
+def _backbone_z(model, inputs_BxT):
+  return model.backbone(inputs_BxT)[0]
+
+
+def head_inputs(model: Any, batch: dict[str, Any], dtype: Any = None) -> HeadInputs:
+  """Runs the backbone once; casts the head's constants to `dtype` (default float32)."""
+  for key in ("inputs", "targets", "mask"):
+    if key not in batch:
+      raise ValueError(f"batch is missing {key!r}; a batch holds inputs, targets, mask (B, T)")
+  HeadSpec.from_model(model)  # validates the model kind
+  inputs = jnp.asarray(batch["inputs"], jnp.int32)
+  if inputs.ndim != 2 or np.shape(batch["targets"]) != inputs.shape or \
+     np.shape(batch["mask"]) != inputs.shape:
+    raise ValueError(f"inputs/targets/mask must share one (B, T) shape, got {inputs.shape}, "
+                     f"{np.shape(batch['targets'])}, {np.shape(batch['mask'])}")
+  dtype = jnp.float32 if dtype is None else dtype
+  z_NxD = _backbone_z(model, inputs).reshape(-1, model.cfg.d_model)
+  return HeadInputs(z_NxD.astype(dtype), model.bank.protos[...].astype(dtype),
+                    model.backbone.wte[...].astype(dtype),
+                    jnp.asarray(batch["targets"], jnp.int32).reshape(-1),
+                    jnp.asarray(batch["mask"], bool).reshape(-1))
+
+
+def _norm_inv(x_NxD):
+  sq = jnp.sum(x_NxD * x_NxD, -1)
+  return sq, jax.lax.rsqrt(jnp.maximum(sq, _EPS * _EPS))
+
+
+def head_forward(protos_KxD: jax.Array, head: HeadInputs, spec: HeadSpec, *,
+                 path: Path = "full") -> HeadForward:
+  """prototype_layer + tied head of PrismLM, in the inputs' dtype (see module docstring)."""
+  if path not in ("linear", "full"):
+    raise ValueError(f"path={path!r}; use 'linear' (activations fixed) or 'full'")
+  z = head.z_NxD
+  sqz, inv_z = _norm_inv(z)
+  sqp, inv_p = _norm_inv(protos_KxD)
+  dot_NxK = jnp.dot(z, protos_KxD.T, precision=_HI)
+  cos_NxK = dot_NxK * inv_z[:, None] * inv_p[None, :]
+  sim_Nxk, idx_Nxk = jax.lax.top_k(cos_NxK, spec.k)
+  act_Nxk = jax.nn.relu(sim_Nxk)
+  if spec.mixture == "normalized":
+    act_Nxk = act_Nxk / jnp.maximum(jnp.sum(act_Nxk, -1, keepdims=True), _EPS)
+  if path == "linear":
+    act_Nxk = jax.lax.stop_gradient(act_Nxk)
+  z_hat = jnp.einsum("nk,nkd->nd", act_Nxk, protos_KxD[idx_Nxk], precision=_HI)
+  residual = z - (jax.lax.stop_gradient(z_hat)
+                  if spec.residual_routing == "straight_through" else z_hat)
+  logits = jnp.dot(residual + z_hat, head.wte_VxD.T, precision=_HI)
+  if spec.distance == "cosine":
+    dist_NxK = 1.0 - cos_NxK
+  else:
+    dist_NxK = jnp.maximum(sqz[:, None] + sqp[None, :] - 2.0 * dot_NxK, 0.0)
+  return HeadForward(idx_Nxk.astype(jnp.int32), act_Nxk, z_hat, residual, logits, cos_NxK,
+                     dist_NxK)
+
+
+def _masked_mean(x_N, mask_N):
+  m = mask_N.astype(x_N.dtype)
+  return jnp.sum(x_N * m) / jnp.maximum(jnp.sum(m), 1.0)
+
+
+def token_losses(fwd: HeadForward, head: HeadInputs, loss_cfg: LossConfig):
+  """Per-token (CE_N, REC_N), unmasked, as prism_jax.losses defines them."""
+  logp = jax.nn.log_softmax(fwd.logits_NxV, -1)
+  ce_N = -jnp.take_along_axis(logp, head.targets_N[:, None], -1)[:, 0]
+  rec_N = jnp.sum(fwd.residual_NxD ** 2, -1)
+  if loss_cfg.rec_kind == "relative":
+    rec_N = rec_N / jnp.maximum(jnp.sum(head.z_NxD ** 2, -1), _EPS)
+  return ce_N, rec_N
+
+
+def clustering_terms(fwd: HeadForward, mask_N: jax.Array):
+  """(R1, R2) with prism_jax.losses' conventions (R1 over prototypes with a valid token)."""
+  col_min_K = jnp.min(jnp.where(mask_N[:, None], fwd.dist_NxK, jnp.inf), axis=0)
+  finite = jnp.isfinite(col_min_K)
+  r1 = jnp.sum(jnp.where(finite, col_min_K, 0.0)) / jnp.maximum(jnp.sum(finite), 1)
+  r2 = _masked_mean(jnp.min(fwd.dist_NxK, axis=1), mask_N)
+  return r1, r2
+
+
+def bank_loss(protos_KxD: jax.Array, head: HeadInputs, spec: HeadSpec, loss_cfg: LossConfig,
+              *, path: Path = "full", terms: str = "all") -> jax.Array:
+  """The training loss as a function of P. terms: "all" | "output" (CE + λ_rec REC, the
+  ẑ-terms) | "clustering" (λ_1 R1 + λ_2 R2)."""
+  if terms not in ("all", "output", "clustering"):
+    raise ValueError(f"terms={terms!r}; use 'all', 'output' or 'clustering'")
+  fwd = head_forward(protos_KxD, head, spec, path=path)
+  loss = jnp.zeros((), protos_KxD.dtype)
+  if terms in ("all", "output"):
+    ce_N, rec_N = token_losses(fwd, head, loss_cfg)
+    loss = loss + _masked_mean(ce_N, head.mask_N) + \
+        loss_cfg.lambda_rec * _masked_mean(rec_N, head.mask_N)
+  if terms in ("all", "clustering"):
+    r1, r2 = clustering_terms(fwd, head.mask_N)
+    loss = loss + loss_cfg.lambda_r1 * r1 + loss_cfg.lambda_r2 * r2
+  return loss
+
+
+def output_loss_sum(z_hat_NxD, head: HeadInputs, spec: HeadSpec, loss_cfg: LossConfig):
+  """Σ_t ℓ_t(ẑ_t) over valid tokens, with ẑ an independent input (routing as the model)."""
+  z = head.z_NxD
+  residual = z - (jax.lax.stop_gradient(z_hat_NxD)
+                  if spec.residual_routing == "straight_through" else z_hat_NxD)
+  logits = jnp.dot(residual + z_hat_NxD, head.wte_VxD.T, precision=_HI)
+  fwd = HeadForward(None, None, z_hat_NxD, residual, logits, None, None)
+  ce_N, rec_N = token_losses(fwd, head, loss_cfg)
+  m = head.mask_N.astype(z.dtype)
+  return jnp.sum((ce_N + loss_cfg.lambda_rec * rec_N) * m), logits
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "loss_cfg"))
+def output_grads_from_head(head: HeadInputs, spec: HeadSpec,
+                           loss_cfg: LossConfig) -> OutputGrads:
+  """One vjp w.r.t. ẑ gives every token's g_t (ℓ_t depends on ẑ_t only)."""
+  fwd = head_forward(head.protos_KxD, head, spec, path="linear")
+  g_NxD = jax.grad(lambda zh: output_loss_sum(zh, head, spec, loss_cfg)[0])(fwd.z_hat_NxD)
+  m = head.mask_N
+  return OutputGrads(fwd.idx_Nxk, jnp.where(m[:, None], fwd.act_Nxk, 0.0),
+                     jnp.where(m[:, None], g_NxD, 0.0), m)
+
+
+def output_grads(model: Any, batch: dict[str, Any], loss_cfg: LossConfig,
+                 dtype: Any = None) -> OutputGrads:
+  """Per-token (idx, a, g = ∂ℓ_t/∂ẑ_t, mask) for a batch dict (inputs/targets/mask, B×T)."""
+  head = head_inputs(model, batch, dtype)
+  return output_grads_from_head(head, HeadSpec.from_model(model), loss_cfg)
+
+
+def output_hessians(head: HeadInputs, spec: HeadSpec, loss_cfg: LossConfig,
+                    logits_NxV: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """Per-token output Hessians as (probs_NxV scaled, iso_N) so that, on valid tokens,
+
+      G_t = Wᵀ diag(π_t) W − (Wᵀπ_t)(Wᵀπ_t)ᵀ  (CE, straight-through)  +  iso_t I  (REC, plain)
+
+  Returns (pi_NxV masked, zero when CE does not reach ẑ) and iso_N (masked)."""
+  m = head.mask_N.astype(head.z_NxD.dtype)
+  if spec.residual_routing == "straight_through":
+    pi_NxV = jax.nn.softmax(logits_NxV, -1) * m[:, None]
+    iso_N = jnp.zeros_like(m)
+  else:
+    pi_NxV = jnp.zeros_like(logits_NxV)
+    scale_N = (1.0 / jnp.maximum(jnp.sum(head.z_NxD ** 2, -1), _EPS)
+               if loss_cfg.rec_kind == "relative" else jnp.ones_like(m))
+    iso_N = 2.0 * loss_cfg.lambda_rec * scale_N * m
+  return pi_NxV, iso_N
+
+
+def per_token_G(head: HeadInputs, spec: HeadSpec, loss_cfg: LossConfig) -> jax.Array:
+  """G_t for every token, (N, D, D): small sizes only (tests, exact per-token GN blocks)."""
+  fwd = head_forward(head.protos_KxD, head, spec, path="linear")
+  pi_NxV, iso_N = output_hessians(head, spec, loss_cfg, fwd.logits_NxV)
+  w = head.wte_VxD
+  m_NxD = jnp.dot(pi_NxV, w, precision=_HI)
+  g = jnp.einsum("nv,va,vb->nab", pi_NxV, w, w, precision=_HI)
+  g = g - m_NxD[:, :, None] * m_NxD[:, None, :]
+  return g + iso_N[:, None, None] * jnp.eye(w.shape[1], dtype=w.dtype)
+
+
+def output_hessian_sum(head: HeadInputs, spec: HeadSpec, loss_cfg: LossConfig,
+                       logits_NxV: jax.Array) -> jax.Array:
+  """Σ_t G_t over valid tokens, (D, D), without forming per-token D×D matrices."""
+  pi_NxV, iso_N = output_hessians(head, spec, loss_cfg, logits_NxV)
+  w = head.wte_VxD
+  m_NxD = jnp.dot(pi_NxV, w, precision=_HI)
+  g = jnp.dot(w.T * jnp.sum(pi_NxV, 0)[None, :], w, precision=_HI)
+  g = g - jnp.dot(m_NxD.T, m_NxD, precision=_HI)
+  return g + jnp.sum(iso_N) * jnp.eye(w.shape[1], dtype=w.dtype)
+
+
+def _nearest(fwd: HeadForward, mask_N):
+  """Nearest valid token of each prototype (R1) and nearest prototype of each token (R2)."""
+  col_d = jnp.where(mask_N[:, None], fwd.dist_NxK, jnp.inf)
+  tok_of_K = jnp.argmin(col_d, axis=0)
+  has_tok_K = jnp.isfinite(jnp.min(col_d, axis=0))
+  proto_of_N = jnp.argmin(fwd.dist_NxK, axis=1)
+  return tok_of_K, has_tok_K, proto_of_N
+
+
+def clustering_curvature(head: HeadInputs, spec: HeadSpec, loss_cfg: LossConfig, *,
+                         blocks: bool = False):
+  """Curvature of λ_1 R1 + λ_2 R2 w.r.t. each p_i; it is block-diagonal (local to p_i).
+
+  With t*(i) the nearest valid token of prototype i, i*(t) the nearest prototype of token t,
+  K' the prototypes with a valid token and N the valid tokens:
+      C_i = λ_1/K' ∇²_p dist(p_i, z_{t*(i)}) + λ_2/N Σ_{t: i*(t)=i} ∇²_p dist(p_i, z_t).
+  sqeuclidean: ∇²_p ‖p − z‖² = 2 I, so C_i = μ_i I exactly with
+      μ_i = 2λ_1/K' + 2λ_2 n_i/N    (n_i = number of tokens whose nearest prototype is i).
+  cosine: with u = p/‖p‖, v = z/‖z‖, c = uᵀv,
+      ∇²_p (1 − cos) = (u vᵀ + v uᵀ + c (I − 3 u uᵀ)) / ‖p‖²,
+  whose trace is c (D − 1)/‖p‖²; it vanishes along u (cosine is scale-invariant), so the
+  cosine clustering terms add no curvature in the radial direction. The local isotropic
+  approximation replaces C_i by μ_i I with μ_i = tr(C_i)/D (trace-matched):
+      μ_i = (D−1)/(D ‖p_i‖²) (λ_1/K' c_{i,t*(i)} + λ_2/N Σ_{t: i*(t)=i} c_{i,t}).
+  Returns mu_K, and with blocks=True also the exact C_KxDxD (small sizes).
+  """
+  fwd = head_forward(head.protos_KxD, head, spec, path="linear")
+  tok_of_K, has_tok_K, proto_of_N = _nearest(fwd, head.mask_N)
+  dt = head.z_NxD.dtype
+  num_k, d = head.protos_KxD.shape
+  valid = head.mask_N.astype(dt)
+  n_valid = jnp.maximum(jnp.sum(valid), 1.0)
+  k_with = jnp.maximum(jnp.sum(has_tok_K.astype(dt)), 1.0)
+  w1_K = loss_cfg.lambda_r1 / k_with * has_tok_K.astype(dt)  # R1 weight of t*(i)
+  assign_NxK = jax.nn.one_hot(proto_of_N, num_k, dtype=dt) * valid[:, None]
+  w2_NxK = loss_cfg.lambda_r2 / n_valid * assign_NxK  # R2 weight of (t, i)
+  if spec.distance == "sqeuclidean":
+    mu_K = 2.0 * (w1_K + jnp.sum(w2_NxK, 0))
+    if not blocks:
+      return mu_K
+    return mu_K, mu_K[:, None, None] * jnp.eye(d, dtype=dt)
+  # Cosine: weights per (token, prototype) pair, R1 and R2 together.
+  w_NxK = w2_NxK + jax.nn.one_hot(tok_of_K, head.z_NxD.shape[0], dtype=dt).T * w1_K[None, :]
+  sqp, inv_p = _norm_inv(head.protos_KxD)
+  inv_sqp = inv_p ** 2
+  wc_K = jnp.sum(w_NxK * fwd.cos_NxK, 0)
+  mu_K = (d - 1) / d * inv_sqp * wc_K
+  if not blocks:
+    return mu_K
+  u_KxD = head.protos_KxD * inv_p[:, None]
+  _, inv_z = _norm_inv(head.z_NxD)
+  v_NxD = head.z_NxD * inv_z[:, None]
+  s_KxD = jnp.dot(w_NxK.T, v_NxD, precision=_HI)  # Σ_t w_ti v_t
+  uu = u_KxD[:, :, None] * u_KxD[:, None, :]
+  c = (u_KxD[:, :, None] * s_KxD[:, None, :] + s_KxD[:, :, None] * u_KxD[:, None, :]
+       + wc_K[:, None, None] * (jnp.eye(d, dtype=dt) - 3.0 * uu))
+  return mu_K, inv_sqp[:, None, None] * c
