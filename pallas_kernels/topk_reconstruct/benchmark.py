@@ -1,0 +1,178 @@
+"""Reference-vs-kernel timing, traffic and roofline for the top-k reconstruction.
+
+Library half of experiments/bench_kernels.py (importable from a notebook). Every number
+comes from one run measuring both implementations side by side.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from pallas_kernels.topk_reconstruct import api, reference
+
+# name -> (N tokens per device, D, K, k)
+SHAPES = {
+    "micro": (256, 64, 512, 16),
+    "tiny": (1024, 128, 1024, 16),
+    "small": (8192, 768, 8192, 16),
+    "medium": (16384, 1024, 8192, 16),
+    "large": (32768, 1280, 16384, 16),
+    "xl": (65536, 1600, 16384, 16),
+}
+# Dense peaks (FLOP/s by input dtype) and HBM bandwidth (B/s). fp32 on NVIDIA tensor cores
+# runs as 3xTF32 (a third of the TF32 peak); on TPU as a 6-pass bf16 product.
+_PEAKS = {
+    "H200": ({"bfloat16": 989e12, "float32": 989e12 / 2 / 3}, 4.8e12),
+    "H100": ({"bfloat16": 989e12, "float32": 989e12 / 2 / 3}, 3.35e12),
+    "TPU v5 lite": ({"bfloat16": 197e12, "float32": 197e12 / 6}, 819e9),
+}
+
+
+class Row(NamedTuple):
+  shape: str
+  dtype: str
+  impl: str
+  pass_: str
+  ms: float
+  gflop: float
+  gbytes: float
+  tflops: float
+  tbps: float
+  roofline_pct: float | None
+  temp_gib: float
+
+
+def device_peaks():
+  kind = jax.devices()[0].device_kind
+  for name, peaks in _PEAKS.items():
+    if name in kind:
+      return kind, peaks
+  return kind, None
+
+
+def _cost(compiled):
+  cost = compiled.cost_analysis()
+  if isinstance(cost, (list, tuple)):
+    cost = cost[0] if cost else {}
+  cost = cost or {}
+  return float(cost.get("flops", 0.0)), float(cost.get("bytes accessed", 0.0))
+
+
+def _time(fn, args, iters):
+  jax.block_until_ready(fn(*args))
+  times = []
+  for _ in range(iters):
+    t0 = time.perf_counter()
+    jax.block_until_ready(fn(*args))
+    times.append(time.perf_counter() - t0)
+  return float(np.median(times))
+
+
+def _fns(impl, k, kw):
+  def fwd(z, p, mask):
+    if impl == "xla":
+      return reference.topk_reconstruct_reference(z, p, k, distance="sqeuclidean",
+                                                  mask_N=mask)
+    return api.topk_reconstruct(z, p, k, distance="sqeuclidean", mask_N=mask,
+                                implementation=impl, **kw)
+
+  def fwd_bwd(z, p, mask):
+    def loss(z, p):
+      out = fwd(z, p, mask)
+      col = jnp.where(jnp.isfinite(out[7]), out[7], 0.0)
+      return (jnp.sum(out[3] * z.astype(jnp.float32)) + jnp.sum(out[5]) + jnp.sum(out[6])
+              + jnp.sum(col))
+    return jax.grad(loss, (0, 1))(z, p)
+  return {"fwd": fwd, "fwd+bwd": fwd_bwd}
+
+
+def bench_shape(name, dtype, impl, *, iters=5, seed=0, kernel_kwargs=None):
+  """Rows for the XLA reference and `impl` at one shape (sqeuclidean: every statistic)."""
+  n, d, num_protos, k = SHAPES[name]
+  rng = np.random.default_rng(seed)
+  z = jnp.asarray(rng.standard_normal((n, d), np.float32), dtype)
+  p = jnp.asarray(rng.standard_normal((num_protos, d), np.float32), dtype)
+  mask = jnp.asarray(rng.random(n) > 0.1)
+  _, peaks = device_peaks()
+  rows = []
+  for which in ("xla", impl):
+    for pass_, fn in _fns(which, k, kernel_kwargs or {}).items():
+      compiled = jax.jit(fn).lower(z, p, mask).compile()
+      flops, nbytes = _cost(compiled)
+      flops = max(flops, 2.0 * n * num_protos * d)  # the similarity product at least
+      sec = _time(compiled, (z, p, mask), iters)
+      temp = compiled.memory_analysis().temp_size_in_bytes / 2**30
+      pct = None
+      if peaks is not None:
+        roof = max(flops / peaks[0][jnp.dtype(dtype).name], nbytes / peaks[1])
+        pct = 100.0 * roof / sec
+      rows.append(Row(name, jnp.dtype(dtype).name, which, pass_, 1e3 * sec, flops / 1e9,
+                      nbytes / 1e9, flops / sec / 1e12, nbytes / sec / 1e12, pct, temp))
+  return rows
+
+
+def check_correctness(impl, *, shapes=((512, 96, 1000, 16), (300, 200, 2100, 32)),
+                      kernel_kwargs=None):
+  """Kernel vs reference on fresh inputs: id agreement, max relative errors (fwd, grads)."""
+  lines = []
+  for n, d, num_protos, k in shapes:
+    for dtype in (jnp.float32, jnp.bfloat16):
+      rng = np.random.default_rng(n + k)
+      z = jnp.asarray(rng.standard_normal((n, d), np.float32), dtype)
+      p = jnp.asarray(rng.standard_normal((num_protos, d), np.float32), dtype)
+      mask = jnp.asarray(rng.random(n) > 0.2)
+      fk, fr = _fns(impl, k, kernel_kwargs or {}), _fns("xla", k, {})
+      out, ref = jax.jit(fk["fwd"])(z, p, mask), jax.jit(fr["fwd"])(z, p, mask)
+      ids = float(np.mean(np.asarray(out[0]) == np.asarray(ref[0])))
+      rel = lambda a, b: float(jnp.max(jnp.abs(jnp.where(jnp.isfinite(b), a - b, 0.0)))
+                               / jnp.max(jnp.abs(jnp.where(jnp.isfinite(b), b, 0.0))))
+      err = max(rel(a, b) for a, b in zip(out[1:], ref[1:]))
+      gk, gr = jax.jit(fk["fwd+bwd"])(z, p, mask), jax.jit(fr["fwd+bwd"])(z, p, mask)
+      gerr = max(rel(a.astype(jnp.float32), b.astype(jnp.float32)) for a, b in zip(gk, gr))
+      lines.append(f"N={n} D={d} K={num_protos} k={k} {jnp.dtype(dtype).name}: "
+                   f"ids equal {100 * ids:.2f}%  fwd max rel err {err:.2e}  "
+                   f"grad max rel err {gerr:.2e}")
+  return lines
+
+
+def format_table(rows):
+  head = ("| shape | dtype | impl | pass | ms | GFLOP | GB (cost model) | TFLOP/s | TB/s "
+          "| % roofline | temp GiB | speed-up vs xla |")
+  out = [head, "|" + "---|" * 12]
+  base = {(r.shape, r.dtype, r.pass_): r.ms for r in rows if r.impl == "xla"}
+  for r in rows:
+    pct = "n/a" if r.roofline_pct is None else f"{r.roofline_pct:.1f}"
+    speed = base.get((r.shape, r.dtype, r.pass_), float("nan")) / r.ms
+    out.append(f"| {r.shape} | {r.dtype} | {r.impl} | {r.pass_} | {r.ms:.2f} | "
+               f"{r.gflop:.1f} | {r.gbytes:.2f} | {r.tflops:.2f} | {r.tbps:.3f} | {pct} | "
+               f"{r.temp_gib:.3f} | {speed:.2f}x |")
+  return "\n".join(out)
+
+
+def aot_memory(topology: str, shape: str, dtype, impl: str = "pallas_tpu"):
+  """Compiled temp memory (GiB) of reference vs kernel, compiled ahead of time for one chip
+  of a TPU `topology` (needs libtpu); 'OOM' when XLA cannot fit it in the chip's HBM."""
+  from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")  # compile-only: share libtpu
+  topo = topologies.get_topology_desc(platform="tpu", topology_name=topology)
+  mesh = jax.sharding.Mesh(np.array(topo.devices[:1]), ("x",))
+  rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  n, d, num_protos, k = SHAPES[shape]
+  args = (jax.ShapeDtypeStruct((n, d), dtype, sharding=rep),
+          jax.ShapeDtypeStruct((num_protos, d), dtype, sharding=rep),
+          jax.ShapeDtypeStruct((n,), jnp.bool_, sharding=rep))
+  result = {}
+  for which in ("xla", impl):
+    for pass_, fn in _fns(which, k, {}).items():
+      try:
+        compiled = jax.jit(fn).lower(*args).compile()
+        result[(which, pass_)] = f"{compiled.memory_analysis().temp_size_in_bytes / 2**30:.3f}"
+      except Exception as e:  # pylint: disable=broad-except
+        result[(which, pass_)] = "OOM" if "RESOURCE_EXHAUSTED" in str(e) else "error"
+  return result

@@ -1,0 +1,196 @@
+"""Pallas top-k reconstruction kernels vs the pure-JAX reference (interpret mode on CPU).
+
+Every case draws fresh random inputs; ids must match exactly (ties: lower prototype id),
+values within 1e-5 (fp32) / 1e-2 (bf16) relative, gradients within autodiff of the
+reference. Blocks are kept small so K spans several tiles and is not a multiple of them.
+"""
+
+import chex
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from pallas_kernels.topk_reconstruct import api, reference
+
+NAMES = ("idx", "act", "sim", "z_hat", "row_max_cos", "col_max_cos", "row_min_dist",
+         "col_min_dist")
+TPU_INTERP = dict(interpret=True, block_n=16, block_k=128)
+GPU_INTERP = dict(backend="gpu", interpret=True, block_n=16, block_k=32, block_d=16)
+
+
+def _inputs(seed, n, d, num_protos, dtype=jnp.float32, masked=True):
+  rng = np.random.default_rng(seed)
+  z = jnp.asarray(rng.standard_normal((n, d)), dtype)
+  p = jnp.asarray(rng.standard_normal((num_protos, d)), dtype)
+  mask = jnp.asarray(rng.random(n) > 0.3) if masked else None
+  return z, p, mask
+
+
+def _run(z, p, k, opts, mixture="raw", mask=None):
+  fn = jax.jit(lambda z, p, m: api.run_with_options(z, p, k, opts, mixture=mixture, mask_N=m))
+  return fn(z, p, mask)
+
+
+def _assert_matches(out, ref, rtol):
+  np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(ref[0]), err_msg="idx")
+  for name, a, b in zip(NAMES[1:], out[1:], ref[1:]):
+    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
+    np.testing.assert_array_equal(np.isfinite(a), np.isfinite(b), err_msg=name)
+    fin = np.isfinite(b)
+    scale = max(np.max(np.abs(b[fin]), initial=0.0), 1e-30)
+    np.testing.assert_allclose(a[fin], b[fin], rtol=0, atol=rtol * scale, err_msg=name)
+
+
+@pytest.mark.parametrize("n,d,num_protos,k,distance,mixture", [
+    (40, 24, 300, 5, "cosine", "raw"),  # K=300: 3 tiles of 128, last one partial
+    (33, 16, 130, 1, "sqeuclidean", "raw"),  # k = 1, N not a multiple of the block
+    (24, 32, 260, 16, "cosine", "normalized"),
+    (16, 8, 100, 32, "sqeuclidean", "normalized"),  # k = 32, K smaller than one tile
+])
+def test_fp32_forward_matches_reference(n, d, num_protos, k, distance, mixture):
+  z, p, mask = _inputs(n * 7 + k, n, d, num_protos)
+  opts = api.KernelOptions(distance=distance, **TPU_INTERP)
+  out = _run(z, p, k, opts, mixture, mask)
+  ref = reference.topk_reconstruct_reference(z, p, k, mixture=mixture, distance=distance,
+                                             mask_N=mask)
+  _assert_matches(out, ref, 1e-5)
+
+
+def test_bf16_forward_matches_reference():
+  z, p, mask = _inputs(3, 32, 32, 260, jnp.bfloat16)
+  opts = api.KernelOptions(distance="sqeuclidean", **TPU_INTERP)
+  out = _run(z, p, 16, opts, "raw", mask)
+  ref = reference.topk_reconstruct_reference(z, p, 16, distance="sqeuclidean", mask_N=mask)
+  # bf16 products are exact in fp32: ids agree unless two cosines are within fp32 noise.
+  assert np.mean(np.asarray(out[0]) == np.asarray(ref[0])) > 0.99
+  _assert_matches((ref[0],) + tuple(out[1:]), ref, 1e-2)
+
+
+def test_gpu_kernel_interpreted_matches_reference():
+  z, p, mask = _inputs(11, 24, 40, 150, jnp.float32)
+  opts = api.KernelOptions(distance="sqeuclidean", **GPU_INTERP)
+  out = _run(z, p, 16, opts, "raw", mask)
+  ref = reference.topk_reconstruct_reference(z, p, 16, distance="sqeuclidean", mask_N=mask)
+  _assert_matches(out, ref, 1e-5)
+
+
+def test_ties_go_to_lower_prototype_id():
+  """Exact ties (duplicate prototypes in different tiles) and near-ties (one coordinate
+  off by one). Integer inputs make every dot product exact, so kernel and reference see
+  bitwise-equal cosines whatever their accumulation order."""
+  rng = np.random.default_rng(5)
+  n, d, k = 16, 16, 8
+  base = rng.integers(-3, 4, (60, d)).astype(np.float32)
+  near = base[:40].copy()
+  near[np.arange(40), rng.integers(0, d, 40)] += 1.0
+  p = np.concatenate([base, base[:40][::-1], near], axis=0)  # K = 140
+  p = p[rng.permutation(len(p))]
+  z = base[rng.integers(0, 60, n)] + rng.integers(-1, 2, (n, d)).astype(np.float32)
+  z, p = jnp.asarray(z), jnp.asarray(p)
+  ref = reference.topk_reconstruct_reference(z, p, k)
+  sims, ids = np.asarray(ref[2]), np.asarray(ref[0])
+  # The reference's documented order: value desc, then id asc among exact ties.
+  tied = sims[:, :-1] == sims[:, 1:]
+  assert tied.sum() >= n, "inputs must contain exact ties"
+  assert np.all(ids[:, :-1][tied] < ids[:, 1:][tied])
+  for opts in (api.KernelOptions(**TPU_INTERP), api.KernelOptions(**GPU_INTERP)):
+    _assert_matches(_run(z, p, k, opts), ref, 1e-5)
+
+
+def test_arg_statistics_match_reference():
+  z, p, mask = _inputs(17, 40, 16, 200)
+  got = api.argstats(z, p, 4, api.KernelOptions(distance="sqeuclidean", **TPU_INTERP),
+                     mask_N=mask)
+  want = reference.argstats_reference(z, p, distance="sqeuclidean", mask_N=mask)
+  for name, a, b in zip(("row_cos", "col_cos", "row_sq", "col_sq"), got, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
+def _weighted_loss(fn, seed, n, num_protos, d, k):
+  rng = np.random.default_rng(seed)
+  shapes = [(n, k), (n, k), (n, d), (n,), (num_protos,), (n,), (num_protos,)]
+  weights = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes]
+
+  def loss(z, p):
+    out = fn(z, p)
+    return sum(jnp.sum(w * jnp.where(jnp.isfinite(o), o, 0.0))
+               for w, o in zip(weights, out[1:]))
+  return loss
+
+
+@pytest.mark.parametrize("distance,mixture,opts", [
+    ("cosine", "raw", TPU_INTERP),
+    ("sqeuclidean", "normalized", TPU_INTERP),
+    ("cosine", "normalized", GPU_INTERP),
+])
+def test_gradients_match_autodiff_of_reference(distance, mixture, opts):
+  n, d, num_protos, k = 32, 24, 200, 6
+  z, p, mask = _inputs(23, n, d, num_protos)
+  mask = mask.at[:3].set(False)
+  kopts = api.KernelOptions(distance=distance, **opts)
+  kernel = lambda z, p: api.run_with_options(z, p, k, kopts, mixture=mixture, mask_N=mask)
+  ref = lambda z, p: reference.topk_reconstruct_reference(z, p, k, mixture=mixture,
+                                                          distance=distance, mask_N=mask)
+  g_kernel = jax.jit(jax.grad(_weighted_loss(kernel, 1, n, num_protos, d, k), (0, 1)))(z, p)
+  g_ref = jax.grad(_weighted_loss(ref, 1, n, num_protos, d, k), (0, 1))(z, p)
+  scale = max(float(jnp.max(jnp.abs(g))) for g in g_ref)
+  chex.assert_trees_all_close(g_kernel, g_ref, atol=1e-5 * scale, rtol=0)
+
+
+def test_implementation_switch():
+  assert api.resolve_implementation(None) == "xla"  # CPU: the fast XLA reference
+  assert api.resolve_implementation("pallas_interpret") == "pallas_interpret"
+  with pytest.raises(ValueError, match="implementation"):
+    api.resolve_implementation("cuda")
+  z, p, _ = _inputs(2, 8, 8, 20)
+  with pytest.raises(ValueError, match="k must be"):
+    api.topk_reconstruct(z, p, 21, implementation="pallas_interpret")
+  out = api.topk_reconstruct(z, p, 3, implementation=None)
+  _assert_matches(out, reference.topk_reconstruct_reference(z, p, 3), 0.0)
+
+
+def test_gpu_kernel_lowers_to_triton_for_h200():
+  """The Triton lowering (not PTX compilation) runs on CPU against an abstract H200."""
+  from jax._src import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
+  device = mesh_lib.AbstractDevice(device_kind="NVIDIA H200", num_cores=132, platform="gpu")
+  mesh = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
+                                   abstract_device=device)
+
+  def f(z, p):
+    loss = lambda z, p: jnp.sum(api.topk_reconstruct(z, p, 16, implementation="pallas_gpu")[3])
+    return jax.grad(loss, (0, 1))(z, p)
+  with jax.sharding.use_abstract_mesh(mesh):
+    lowered = jax.jit(f).trace(jax.ShapeDtypeStruct((256, 200), jnp.bfloat16),
+                               jax.ShapeDtypeStruct((1000, 200), jnp.bfloat16)).lower(
+                                   lowering_platforms=("cuda",))
+  text = lowered.as_text()
+  assert text.count("xla.gpu.triton") == 1
+  assert "256x1000" not in text and "256,1000" not in text  # no N x K tensor anywhere
+
+
+def test_sharded_over_tokens_matches_reference():
+  """Under a (data=4, fsdp=2) mesh the kernel runs per token shard inside shard_map and
+  the per-prototype statistics are reduced over the whole batch."""
+  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
+  n, d, num_protos, k = 64, 16, 200, 5
+  z, p, mask = _inputs(31, n, d, num_protos)
+  mesh = jax.make_mesh((4, 2, 1), ("data", "fsdp", "model"), axis_types=(AxisType.Auto,) * 3)
+  kernel = lambda z, p, m: api.topk_reconstruct(
+      z, p, k, distance="sqeuclidean", mask_N=m, implementation="pallas_interpret",
+      block_n=8, block_k=128)
+  ref = lambda z, p, m: reference.topk_reconstruct_reference(z, p, k, distance="sqeuclidean",
+                                                             mask_N=m)
+  loss = lambda fn: lambda z, p, m: _weighted_loss(
+      lambda z, p: fn(z, p, m), 2, n, num_protos, d, k)(z, p)
+  with jax.set_mesh(mesh):
+    tokens = NamedSharding(mesh, P(("data", "fsdp")))
+    zs = jax.device_put(z, NamedSharding(mesh, P(("data", "fsdp"), None)))
+    ms = jax.device_put(mask, tokens)
+    assert "shard_map" in str(jax.make_jaxpr(kernel)(zs, p, ms))
+    out = jax.jit(kernel)(zs, p, ms)
+    grads = jax.jit(jax.grad(loss(kernel), (0, 1)))(zs, p, ms)
+  _assert_matches(out, ref(z, p, mask), 1e-5)
+  g_ref = jax.grad(loss(ref), (0, 1))(z, p, mask)
+  scale = max(float(jnp.max(jnp.abs(g))) for g in g_ref)
+  chex.assert_trees_all_close(grads, g_ref, atol=1e-5 * scale, rtol=0)
