@@ -1,1 +1,27 @@
-"""prism_jax.train."""
+"""prism_jax.train: optimiser, sharded state, jitted steps, loop, orbax checkpoints, metrics.
+
+  cfg = apply_overrides(preset("tiny"), ["model.k=8", "train.steps=100"])
+  summary = train(cfg, "runs/x")                  # resumes from runs/x if present
+  model, cfg, tokenizer = load_for_inference("runs/x")
+"""
+
+from prism_jax.train.checkpoint import Checkpointer, ConfigMismatchError
+from prism_jax.train.evaluation import Evaluator, evaluate
+from prism_jax.train.inference import load_config, load_for_inference, load_params
+from prism_jax.train.loop import TrainingDivergedError, init_prototypes, prepare, train
+from prism_jax.train.metrics import read_metrics
+from prism_jax.train.optimizer import decay_mask, lr_schedule, make_optimizer, reset_moments
+from prism_jax.train.overrides import (apply_overrides, config_diff, config_from_dict,
+                                       valid_keys)
+from prism_jax.train.state import (TrainState, abstract_state, create_train_state,
+                                   default_mesh, state_shardings)
+from prism_jax.train.step import make_eval_step, make_train_step
+
+__all__ = [
+    "Checkpointer", "ConfigMismatchError", "Evaluator", "TrainState",
+    "TrainingDivergedError", "abstract_state", "apply_overrides", "config_diff",
+    "config_from_dict", "create_train_state", "decay_mask", "default_mesh", "evaluate",
+    "init_prototypes", "load_config", "load_for_inference", "load_params", "lr_schedule",
+    "make_eval_step", "make_optimizer", "make_train_step", "prepare", "read_metrics",
+    "reset_moments", "state_shardings", "train", "valid_keys",
+]

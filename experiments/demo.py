@@ -1,0 +1,79 @@
+"""`make demo`: train the tiny PRISM on the embedded corpus, then show a traced sample.
+
+Trains into ./runs/demo (resuming if a run is there; a finished run is reused), prints the
+validation metrics, then greedily generates a continuation of a prompt and prints, for each
+generated token, its top prototypes and their contributions to the token's logit (the
+contributions of all k active prototypes plus the residual slice sum to the logit).
+
+  python -m experiments.demo [--workdir=runs/demo] [--prompt=...] [--set train.steps=...]
+"""
+
+import sys
+
+from absl import app, flags
+
+flags.DEFINE_string("workdir", "runs/demo", "run directory (resumed if present)")
+flags.DEFINE_string("prompt", "The for statement", "text to continue")
+flags.DEFINE_integer("max_new_tokens", 32, "tokens to generate")
+flags.DEFINE_integer("top", 3, "prototypes shown per token")
+flags.DEFINE_multi_string("set", [], "config override KEY=VALUE on the tiny preset")
+FLAGS = flags.FLAGS
+
+# On top of the tiny preset: a convex (normalised) mixture and stronger clustering terms.
+# Measured at 600 steps on the embedded corpus (docs/results/train.md): val loss within
+# ~1% of the preset's, with R̄1/R̄2 0.97/0.93 instead of 0.86/0.79 and a residual share of
+# 0.25 instead of 3.2, so each token's prototype contributions are meaningful.
+DEMO_SETS = ("model.mixture=normalized", "loss.lambda_r1=1.0", "loss.lambda_r2=1.0")
+
+
+def _signature(model, proto_id: int, decode, n: int = 3) -> str:
+  """The tokens prototype `proto_id` pushes up most: top entries of W p_i."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  sig_V = np.asarray(model.proto_logit_signatures()[proto_id])
+  return " ".join(repr(decode([int(t)])) for t in np.argsort(-sig_V)[:n])
+
+
+def main(argv):
+  del argv
+  from prism_jax.config import preset  # pylint: disable=g-import-not-at-top
+  from prism_jax.train import (ConfigMismatchError, apply_overrides,  # pylint: disable=g-import-not-at-top
+                               load_for_inference, train)
+  from prism_jax.train.metrics import quiet_library_logs  # pylint: disable=g-import-not-at-top
+  quiet_library_logs(40)  # orbax's read-only notices are noise here
+  try:
+    cfg = apply_overrides(preset("tiny"), list(DEMO_SETS) + list(FLAGS.set))
+  except ValueError as e:
+    sys.exit(f"error: {e}")
+  try:
+    summary = train(cfg, FLAGS.workdir)
+  except ConfigMismatchError as e:
+    sys.exit(f"error: {e}\n(remove {FLAGS.workdir} to retrain the demo from scratch)")
+  ev = summary.get("eval") or {}
+  if summary["start_step"] == summary["final_step"]:
+    print(f"\nreusing the finished run in {summary['workdir']} (step {summary['final_step']})")
+  else:
+    print(f"\ntrained steps {summary['start_step']}..{summary['final_step']} in "
+          f"{summary['wall_s']:.0f} s; workdir {summary['workdir']}")
+  if ev:
+    print("validation: " + ", ".join(f"{k} {v:.4g}" for k, v in ev.items()))
+
+  from prism_jax.generate import generate  # pylint: disable=g-import-not-at-top
+  from prism_jax.analysis.token_report import token_report  # pylint: disable=g-import-not-at-top
+  model, cfg, tok = load_for_inference(FLAGS.workdir)
+  prompt_ids = tok.encode(FLAGS.prompt)
+  max_new = min(FLAGS.max_new_tokens, cfg.model.max_len - len(prompt_ids))
+  out = generate(model, [prompt_ids], max_new_tokens=max_new, temperature=0.0,
+                 eos_id=tok.eos_id)
+  n = int(out.lengths_B[0])
+  print(f"\nprompt: {FLAGS.prompt!r}")
+  print(f"sample: {FLAGS.prompt + tok.decode(out.tokens_BxL[0, :n].tolist())!r}\n")
+  print(token_report(out, tok.decode, top=FLAGS.top))
+  if out.trace is not None:
+    shown = sorted({int(i) for i in out.trace.idx_BxLxk[0, :n, 0]})[:12]
+    print("\nprototype signatures (tokens each pushes up most, from W p_i):")
+    for pid in shown:
+      print(f"  #{pid:<4} {_signature(model, pid, tok.decode)}")
+
+
+if __name__ == "__main__":
+  app.run(main)

@@ -1,0 +1,174 @@
+"""Orbax checkpoints: params + optimizer + step + data state + the resolved config (JSON).
+
+Layout: <workdir>/checkpoints/<step>/{params, opt, data, config}. Saves are async and
+keep the newest `train.keep_checkpoints`. Restores go into an abstract target carrying the
+current mesh's shardings (so a run may resume on another mesh). A checkpoint whose config
+differs from the requested one (in fields that change the math) is refused, naming the
+fields; an unreadable checkpoint is reported, moved to <workdir>/corrupt_checkpoints/
+(never deleted) and the previous one is used.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import time
+from typing import Any
+
+import jax
+import orbax.checkpoint as ocp
+from absl import logging
+
+from prism_jax.config import Config, to_dict, to_json
+from prism_jax.train import overrides
+from prism_jax.train.state import TrainState
+
+CKPT_DIR = "checkpoints"
+CORRUPT_DIR = "corrupt_checkpoints"
+CONFIG_FILE = "config.json"
+
+# Fields that may change between a checkpoint and its resume: bookkeeping, placement and
+# kernel choice, none of which changes what is computed.
+RESUMABLE_CHANGES = (
+    "train.eval_every", "train.eval_batches", "train.ckpt_every", "train.keep_checkpoints",
+    "train.log_every", "mesh.data", "mesh.fsdp", "mesh.model", "data.packed_dir",
+    "model.implementation", "model.remat",
+)
+
+
+class ConfigMismatchError(ValueError):
+  """The requested config differs from the checkpoint's in fields that matter."""
+
+
+def describe_mismatch(diffs: list[tuple[str, Any, Any]], where: str) -> str:
+  lines = [f"  {k}: checkpoint {a!r}, requested {b!r}" for k, a, b in diffs]
+  return (f"the checkpoint in {where} was trained with a different config:\n"
+          + "\n".join(lines) + "\nuse a new --workdir, or pass the checkpoint's values "
+          "(see its config.json)")
+
+
+def write_config(workdir: str, cfg: Config) -> str:
+  if jax.process_index() == 0:
+    path = os.path.join(workdir, CONFIG_FILE)
+    tmp = f"{path}.tmp"
+    with open(tmp, "w") as f:
+      f.write(to_json(cfg))
+    os.replace(tmp, path)
+  return os.path.join(workdir, CONFIG_FILE)
+
+
+class Checkpointer:
+  """Thin wrapper over ocp.CheckpointManager with the items above."""
+
+  def __init__(self, workdir: str, keep: int = 3, async_save: bool = True,
+               read_only: bool = False):
+    self.workdir = os.path.abspath(workdir)
+    self.directory = os.path.join(self.workdir, CKPT_DIR)
+    options = ocp.CheckpointManagerOptions(
+        max_to_keep=keep, create=not read_only, read_only=read_only,
+        enable_async_checkpointing=async_save, cleanup_tmp_directories=not read_only)
+    self.manager = ocp.CheckpointManager(self.directory, options=options)
+
+  # ------------------------------------------------------------------ saving
+  def save(self, step: int, state: TrainState, data_state: dict[str, Any], cfg: Config):
+    """Starts an async save (device->host copy happens before this returns)."""
+    args = ocp.args.Composite(
+        params=ocp.args.StandardSave(state.params),
+        opt=ocp.args.StandardSave({"step": state.step, "opt_state": state.opt_state}),
+        data=ocp.args.JsonSave(data_state),
+        config=ocp.args.JsonSave(to_dict(cfg)))
+    self.manager.save(int(step), args=args, force=True)
+
+  def wait(self) -> None:
+    """Blocks until pending saves are on disk; raises if one failed."""
+    self.manager.wait_until_finished()
+    self.manager.check_for_errors()
+
+  def close(self) -> None:
+    try:
+      self.wait()
+    finally:
+      self.manager.close()
+
+  # ------------------------------------------------------------------ reading
+  def all_steps(self) -> list[int]:
+    self.manager.reload()
+    return sorted(self.manager.all_steps())
+
+  def latest_step(self) -> int | None:
+    steps = self.all_steps()
+    return steps[-1] if steps else None
+
+  def read_config(self, step: int) -> dict[str, Any]:
+    out = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
+    return dict(out["config"])
+
+  def restore(self, step: int, target: TrainState) -> tuple[TrainState, dict[str, Any]]:
+    """(state, data_state) of `step`, placed as `target`'s shardings say."""
+    out = self.manager.restore(step, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(target.params),
+        opt=ocp.args.StandardRestore({"step": target.step, "opt_state": target.opt_state}),
+        data=ocp.args.JsonRestore()))
+    opt = out["opt"]
+    return TrainState(opt["step"], out["params"], opt["opt_state"]), dict(out["data"])
+
+  def restore_params(self, step: int, target_params: Any) -> Any:
+    out = self.manager.restore(step, args=ocp.args.Composite(
+        params=ocp.args.StandardRestore(target_params)))
+    return out["params"]
+
+  def check_config(self, step: int, cfg: Config,
+                   allow: tuple[str, ...] = RESUMABLE_CHANGES) -> None:
+    diffs = overrides.config_diff(self.read_config(step), cfg, ignore=allow)
+    if diffs:
+      raise ConfigMismatchError(describe_mismatch(diffs, os.path.join(self.directory,
+                                                                      str(step))))
+
+  def _quarantine(self, step: int) -> str:
+    src = os.path.join(self.directory, str(step))
+    dst = os.path.join(self.workdir, CORRUPT_DIR, f"{step}-{time.strftime('%Y%m%dT%H%M%S')}")
+    if jax.process_index() == 0 and os.path.exists(src):
+      os.makedirs(os.path.dirname(dst), exist_ok=True)
+      shutil.move(src, dst)
+    self.manager.reload()
+    return dst
+
+  def restore_latest(self, target: TrainState, cfg: Config,
+                     allow: tuple[str, ...] = RESUMABLE_CHANGES):
+    """(state, data_state, step) of the newest readable checkpoint, or None if none.
+
+    A config mismatch raises ConfigMismatchError (nothing is moved or deleted). An
+    unreadable checkpoint is logged, moved aside and the previous one tried.
+    """
+    for step in reversed(self.all_steps()):
+      try:
+        saved_cfg = self.read_config(step)
+      except Exception as e:  # pylint: disable=broad-except
+        self._report_corrupt(step, e)
+        continue
+      diffs = overrides.config_diff(saved_cfg, cfg, ignore=allow)
+      if diffs:
+        raise ConfigMismatchError(describe_mismatch(diffs, os.path.join(self.directory,
+                                                                        str(step))))
+      try:
+        state, data_state = self.restore(step, target)
+      except Exception as e:  # pylint: disable=broad-except
+        self._report_corrupt(step, e)
+        continue
+      return state, data_state, step
+    return None
+
+  def _report_corrupt(self, step: int, err: Exception) -> None:
+    dst = self._quarantine(step)
+    logging.error("checkpoint %d in %s is unreadable (%s: %s); moved it to %s and falling "
+                  "back to the previous checkpoint", step, self.directory,
+                  type(err).__name__, str(err).splitlines()[0] if str(err) else "", dst)
+
+
+def read_workdir_config(workdir: str) -> dict[str, Any]:
+  path = os.path.join(workdir, CONFIG_FILE)
+  if not os.path.isfile(path):
+    raise FileNotFoundError(f"{workdir} has no {CONFIG_FILE}: not a prism_jax run directory")
+  with open(path) as f:
+    return json.load(f)

@@ -1,0 +1,53 @@
+"""Evaluation on the val split: loss, perplexity and, for PRISM, the grounding metrics.
+
+Grounding (PRISM.md §3) over the evaluated tokens D:
+  r1_bar = mean_i max_{t in D} cos(p_i, z_t)     r2_bar = mean_{t in D} max_i cos(z_t, p_i)
+  residual_share = sum ||r||^2 / sum ||z||^2     dead_prototypes = #{i never active on D}
+Statistics accumulate on device across batches (one host transfer per evaluation).
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import numpy as np
+
+from prism_jax.config import Config
+from prism_jax.train import step as step_lib
+
+
+class Evaluator:
+  """Callable `params -> metrics dict` over the first `train.eval_batches` val batches."""
+
+  def __init__(self, graphdef, cfg: Config, param_shardings: Any, mesh, loader,
+               num_batches: int | None = None):
+    self.cfg, self.mesh, self.loader = cfg, mesh, loader
+    self._step = step_lib.make_eval_step(graphdef, cfg, param_shardings, mesh)
+    n = cfg.train.eval_batches if num_batches is None else num_batches
+    total = getattr(loader, "num_batches", None) if loader is not None else 0
+    self.num_batches = n if total is None else min(n, total)
+
+  def __call__(self, params) -> dict[str, float]:
+    if self.loader is None:
+      return {}
+    stats = step_lib.eval_stats_init(self.cfg)
+    for i in range(self.num_batches):
+      batch = step_lib.device_batch(self.loader.batch_at(i), self.mesh, self.cfg.train.batch_size)
+      stats = self._step(params, batch, stats)
+    return step_lib.eval_stats_finalize(stats)
+
+
+def evaluate(graphdef, params, cfg: Config, loader, mesh=None,
+             num_batches: int | None = None) -> dict[str, float]:
+  """One-off evaluation of `params` on `loader` (e.g. from a notebook)."""
+  from prism_jax.train.state import default_mesh, state_shardings  # pylint: disable=g-import-not-at-top
+  mesh = default_mesh(cfg) if mesh is None else mesh
+  with jax.set_mesh(mesh):
+    shardings = state_shardings(cfg, mesh).params
+    params = jax.device_put(params, shardings)
+    return Evaluator(graphdef, cfg, shardings, mesh, loader, num_batches)(params)
+
+
+def perplexity(loss: float) -> float:
+  return float(np.exp(min(loss, 80.0)))

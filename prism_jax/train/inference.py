@@ -1,0 +1,68 @@
+"""Loading a trained run for generation, attribution and analysis."""
+
+from __future__ import annotations
+
+import os
+from typing import Any
+
+import jax
+from flax import nnx
+
+from prism_jax.config import Config
+from prism_jax.train import checkpoint as ckpt_lib
+from prism_jax.train import overrides
+from prism_jax.train.state import abstract_state, default_mesh, model_template
+
+
+def load_config(workdir: str) -> Config:
+  """The resolved Config of a run (<workdir>/config.json)."""
+  return overrides.config_from_dict(ckpt_lib.read_workdir_config(workdir))
+
+
+def load_tokenizer(workdir: str, cfg: Config):
+  """The tokenizer saved beside the run's packed data."""
+  from prism_jax import data as data_lib  # pylint: disable=g-import-not-at-top
+  packed_dir = cfg.data.packed_dir or os.path.join(workdir, "data")
+  return data_lib.load_tokenizer(packed_dir)
+
+
+def load_params(workdir: str, cfg: Config | None = None, step: int | None = None,
+                mesh: jax.sharding.Mesh | None = None):
+  """(graphdef, params, cfg, step) from the newest (or given) checkpoint, on `mesh`.
+
+  `cfg` defaults to the checkpoint's own config; a given one must agree on model.*.
+  """
+  workdir = os.path.abspath(workdir)
+  ckpt = ckpt_lib.Checkpointer(workdir, read_only=True)
+  try:
+    steps = ckpt.all_steps()
+    if not steps:
+      raise FileNotFoundError(f"no checkpoint in {ckpt.directory}")
+    step = steps[-1] if step is None else step
+    if step not in steps:
+      raise FileNotFoundError(f"no checkpoint {step} in {ckpt.directory}; have {steps}")
+    saved = overrides.config_from_dict(ckpt.read_config(step))
+    if cfg is None:
+      cfg = saved
+    else:
+      diffs = [d for d in overrides.config_diff(saved, cfg, ckpt_lib.RESUMABLE_CHANGES)
+               if d[0].startswith("model.")]
+      if diffs:
+        raise ckpt_lib.ConfigMismatchError(ckpt_lib.describe_mismatch(
+            diffs, os.path.join(ckpt.directory, str(step))))
+    mesh = default_mesh(cfg) if mesh is None else mesh
+    graphdef, _ = model_template(cfg.model)
+    target = abstract_state(cfg, mesh).params
+    with jax.set_mesh(mesh):
+      params = ckpt.restore_params(step, target)
+  finally:
+    ckpt.manager.close()
+  return graphdef, params, cfg, step
+
+
+def load_for_inference(workdir: str, step: int | None = None,
+                       mesh: jax.sharding.Mesh | None = None) -> tuple[Any, Config, Any]:
+  """(model, cfg, tokenizer) of a trained run: the NNX module with the checkpoint's params."""
+  graphdef, params, cfg, _ = load_params(workdir, step=step, mesh=mesh)
+  model = nnx.merge(graphdef, params)
+  return model, cfg, load_tokenizer(workdir, cfg)

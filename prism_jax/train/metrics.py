@@ -1,0 +1,170 @@
+"""Metric writers (JSONL always, TensorBoard via tensorboardX) and throughput accounting.
+
+Throughput: tokens/s counts every position of every row (B*T per step); TFLOP/s uses
+`prism_jax.flops.flops_per_token(model_cfg, T)["train"]` (3x forward, prototype head
+included); MFU is reported only where `prism_jax.flops.device_peak_flops` knows the peak.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import time
+from typing import Any
+
+import jax
+from absl import logging
+
+from prism_jax.config import ModelConfig
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _clean(value: Any) -> Any:
+  """JSON-safe: non-finite floats become strings ("nan", "inf")."""
+  if isinstance(value, float) and not math.isfinite(value):
+    return str(value)
+  return value
+
+
+class MetricsWriter:
+  """Appends {"step", "split", ...} records to <workdir>/metrics.jsonl and TensorBoard."""
+
+  def __init__(self, workdir: str, start_step: int = 0, tensorboard: bool = True):
+    self.enabled = jax.process_index() == 0
+    self.path = os.path.join(workdir, METRICS_FILE)
+    self._tb = None
+    if not self.enabled:
+      return
+    _truncate_after(self.path, start_step)  # a resumed run rewrites later steps
+    self._file = open(self.path, "a", buffering=1)
+    if tensorboard:
+      try:
+        from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+        self._tb = SummaryWriter(os.path.join(workdir, "tb"), purge_step=start_step + 1)
+      except Exception as e:  # pylint: disable=broad-except
+        logging.warning("TensorBoard disabled: %s", e)
+
+  def write(self, step: int, split: str, metrics: dict[str, Any]) -> None:
+    if not self.enabled:
+      return
+    record = {"step": int(step), "split": split}
+    record.update({k: _clean(float(v)) if isinstance(v, (int, float)) else v
+                   for k, v in metrics.items()})
+    self._file.write(json.dumps(record) + "\n")
+    if self._tb is not None:
+      for k, v in metrics.items():
+        if isinstance(v, (int, float)) and math.isfinite(float(v)):
+          self._tb.add_scalar(f"{split}/{k}", float(v), int(step))
+
+  def flush(self) -> None:
+    if self.enabled:
+      self._file.flush()
+      if self._tb is not None:
+        self._tb.flush()
+
+  def close(self) -> None:
+    if self.enabled:
+      self._file.close()
+      if self._tb is not None:
+        self._tb.close()
+
+
+def _truncate_after(path: str, step: int) -> None:
+  if not os.path.exists(path):
+    return
+  with open(path) as f:
+    lines = f.readlines()
+  keep = []
+  for line in lines:
+    try:
+      if json.loads(line)["step"] <= step:
+        keep.append(line)
+    except (ValueError, KeyError):
+      pass  # a line cut by a kill
+  with open(path, "w") as f:
+    f.writelines(keep)
+
+
+def read_metrics(workdir: str, split: str | None = "train") -> list[dict[str, Any]]:
+  """The records of <workdir>/metrics.jsonl (one split, or all with split=None)."""
+  path = os.path.join(workdir, METRICS_FILE)
+  with open(path) as f:
+    records = [json.loads(line) for line in f if line.strip()]
+  return [r for r in records if split is None or r.get("split") == split]
+
+
+def train_flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float | None:
+  """Training FLOPs per token from prism_jax.flops, or None if unavailable."""
+  try:
+    from prism_jax import flops  # pylint: disable=g-import-not-at-top
+    return float(flops.flops_per_token(model_cfg, seq_len)["train"])
+  except Exception as e:  # pylint: disable=broad-except
+    logging.warning("FLOP count unavailable (%s); TFLOP/s and MFU not reported", e)
+    return None
+
+
+def device_peak(device) -> float | None:
+  try:
+    from prism_jax import flops  # pylint: disable=g-import-not-at-top
+    return flops.device_peak_flops(device)
+  except Exception:  # pylint: disable=broad-except
+    return None
+
+
+class Throughput:
+  """Tokens/s, TFLOP/s and MFU over windows between `mark` calls."""
+
+  def __init__(self, model_cfg: ModelConfig, seq_len: int, tokens_per_step: int,
+               num_devices: int, device=None):
+    self.tokens_per_step = tokens_per_step
+    self.num_devices = num_devices
+    self.flops_per_token = train_flops_per_token(model_cfg, seq_len)
+    peak = device_peak(device or jax.devices()[0])
+    self.peak_total = peak * num_devices if peak else None
+    self._t0 = None
+    self._steps = 0
+
+  def start(self) -> None:
+    self._t0, self._steps = time.perf_counter(), 0
+
+  def step(self) -> None:
+    self._steps += 1
+
+  def read(self) -> dict[str, float]:
+    """Rates since the last start() (then restarts the window)."""
+    if self._t0 is None or self._steps == 0:
+      self.start()
+      return {}
+    dt = max(time.perf_counter() - self._t0, 1e-9)
+    tok_s = self._steps * self.tokens_per_step / dt
+    out = {"tokens_per_s": tok_s, "tokens_per_s_per_device": tok_s / self.num_devices,
+           "steps_per_s": self._steps / dt}
+    if self.flops_per_token:
+      flops_s = tok_s * self.flops_per_token
+      out["tflops_per_s"] = flops_s / 1e12
+      if self.peak_total:
+        out["mfu"] = flops_s / self.peak_total
+    self.start()
+    return out
+
+
+class _DropLibraryLogs:
+  """absl-handler filter: drops records below `min_level` logged from inside orbax."""
+
+  def __init__(self, min_level: int):
+    self.min_level = min_level
+
+  def filter(self, record) -> bool:
+    return record.levelno >= self.min_level or "/orbax/" not in record.pathname
+
+
+def quiet_library_logs(min_level: int = 30) -> None:
+  """Hide orbax's per-save chatter (below `min_level`, default WARNING) on the absl
+  handler; our own log lines are untouched."""
+  handler = logging.get_absl_handler()
+  for f in list(handler.filters):
+    if isinstance(f, _DropLibraryLogs):
+      handler.removeFilter(f)
+  handler.addFilter(_DropLibraryLogs(min_level))

@@ -1,0 +1,72 @@
+"""AdamW with linear warm-up + cosine decay, global-norm clipping and a weight-decay mask.
+
+No weight decay on (PRISM.md §2 and GPT-2 practice):
+  * the prototype bank `bank.protos`: prototypes must stay on the data manifold (R1/R2
+    pull them to real hidden states); decay would drag them towards the origin;
+  * LayerNorm scales/biases and every bias: shrinking them changes the function without
+    reducing capacity.
+Embeddings (`wte`, `wpe`) ARE decayed: `wte` is also the tied LM head (a matmul weight
+whose scale sets the logit scale), and nanoGPT/GPT-2 decay both embeddings; the decay
+keeps the logit norm in check without touching the prototypes.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+import optax
+
+from prism_jax.config import TrainConfig
+
+PROTO_PATH = ("bank", "protos")
+
+
+def lr_schedule(cfg: TrainConfig) -> optax.Schedule:
+  """0 -> lr linearly over warmup_steps, then cosine to lr * min_lr_ratio at `steps`."""
+  warmup = min(cfg.warmup_steps, cfg.steps)
+  return optax.warmup_cosine_decay_schedule(
+      init_value=0.0, peak_value=cfg.lr, warmup_steps=warmup,
+      decay_steps=max(cfg.steps, warmup + 1), end_value=cfg.lr * cfg.min_lr_ratio)
+
+
+def _key_names(path) -> tuple[str, ...]:
+  return tuple(str(getattr(k, "key", getattr(k, "name", getattr(k, "idx", k))))
+               for k in path)
+
+
+def decays(path) -> bool:
+  """True where weight decay applies, given a parameter's tree path."""
+  names = _key_names(path)
+  if names[-len(PROTO_PATH):] == PROTO_PATH:
+    return False
+  last = names[-1]
+  parent = names[-2] if len(names) > 1 else ""
+  is_norm = parent.startswith("ln") and last in ("scale", "bias")
+  return not (is_norm or last == "bias" or last.endswith("_bias"))
+
+
+def decay_mask(params: Any) -> Any:
+  """Pytree of bools (like `params`): True = weight decay applies."""
+  return jax.tree_util.tree_map_with_path(lambda p, _: decays(p), params)
+
+
+def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
+  """Clip by global norm, then AdamW (decay masked) on the warm-up + cosine schedule."""
+  return optax.chain(
+      optax.clip_by_global_norm(cfg.grad_clip),
+      optax.adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=1e-8,
+                  weight_decay=cfg.weight_decay, mask=decay_mask))
+
+
+def reset_moments(opt_state: Any, path: tuple[str, ...] = PROTO_PATH) -> Any:
+  """Zero every optimiser leaf that mirrors the parameter at `path` (Adam mu/nu).
+
+  Used when prototypes are re-initialised from data: moments accumulated for the old bank
+  would push the new one. Adam's shared step count is kept, so the first updates after the
+  reset are smaller than usual (a built-in mini warm-up for the new bank).
+  """
+  def one(p, x):
+    return jnp.zeros_like(x) if _key_names(p)[-len(path):] == path else x
+  return jax.tree_util.tree_map_with_path(one, opt_state)

@@ -1,0 +1,140 @@
+"""The pure jitted train step (donated state) and the eval step.
+
+`train_step(state, batch) -> (state, metrics)`; metrics are device scalars that the loop
+fetches one step late. During the dense warm-up of a PRISM model (before its bank is set
+from data) the loss is the dense CE of W z: the random bank is bypassed, so nothing but
+the backbone trains and the bank's optimiser moments stay zero.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+from flax import nnx
+
+from prism_jax import losses
+from prism_jax.analysis import grounding
+from prism_jax import sharding as shard_lib
+from prism_jax.config import Config
+from prism_jax.train.optimizer import lr_schedule
+from prism_jax.train.state import TrainState
+
+BATCH_KEYS = ("inputs", "targets", "mask")
+
+
+def device_batch(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh,
+                 global_batch: int) -> dict[str, jax.Array]:
+  """This process's rows of a batch -> global arrays split over the data axes."""
+  local = {k: np.asarray(batch[k]) for k in BATCH_KEYS}
+  make = getattr(shard_lib, "make_global_batch", None)
+  if make is not None:
+    return make(local, mesh, global_batch)
+  sh = shard_lib.batch_sharding(mesh)
+  return {k: jax.make_array_from_process_local_data(sh, v, (global_batch,) + v.shape[1:])
+          for k, v in local.items()}
+
+
+def uses_dense_warmup(cfg: Config) -> bool:
+  return (cfg.model.kind == "prism" and cfg.model.proto_init == "data"
+          and cfg.train.proto_init_step > 0)
+
+
+def _dense_loss(model, batch) -> tuple[jax.Array, dict[str, jax.Array]]:
+  z_BxTxD, _ = model.backbone(batch["inputs"])
+  logits = model.backbone.lm_head(z_BxTxD)
+  vocab = logits.shape[-1]
+  ce = losses.cross_entropy(logits.reshape(-1, vocab), batch["targets"].reshape(-1),
+                            batch["mask"].reshape(-1))
+  return ce, {"ce": ce, "loss": ce}
+
+
+def _model_loss(model, batch, cfg: Config) -> tuple[jax.Array, dict[str, jax.Array]]:
+  out = model(batch["inputs"], mask_BxT=batch["mask"])
+  return losses.total_loss(out, batch["targets"], batch["mask"], cfg.loss)
+
+
+def _all_finite(tree) -> jax.Array:
+  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
+
+
+def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation,
+                    shardings: TrainState, mesh: jax.sharding.Mesh, *,
+                    dense_phase: bool = False) -> Callable:
+  """Jitted `train_step(state, batch) -> (state, metrics)` with the state donated.
+
+  `dense_phase=True` builds the warm-up variant (dense CE through W z; see module doc).
+  """
+  schedule = lr_schedule(cfg.train)
+
+  def loss_fn(params, batch):
+    model = nnx.merge(graphdef, params)
+    if dense_phase:
+      return _dense_loss(model, batch)
+    return _model_loss(model, batch, cfg)
+
+  def train_step(state: TrainState, batch: dict[str, jax.Array]):
+    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
+    updates, opt_state = tx.update(grads, state.opt_state, state.params)
+    params = optax.apply_updates(state.params, updates)
+    metrics = dict(metrics)
+    metrics["grad_norm"] = optax.tree.norm(grads)
+    metrics["lr"] = schedule(state.step)
+    # Guards the checkpoint: a finite loss can still produce an overflowing update.
+    metrics["params_finite"] = _all_finite(params).astype(jnp.float32)
+    return TrainState(state.step + 1, params, opt_state), metrics
+
+  batch_sh = {k: shard_lib.batch_sharding(mesh) for k in BATCH_KEYS}
+  return jax.jit(train_step, in_shardings=(shardings, batch_sh),
+                 out_shardings=(shardings, None), donate_argnums=0)
+
+
+def eval_stats_init(cfg: Config) -> dict[str, Any]:
+  """Running sufficient statistics of the evaluation metrics (summed over batches)."""
+  stats: dict[str, Any] = {"nll_sum": jnp.zeros((), jnp.float32),
+                           "tokens": jnp.zeros((), jnp.float32)}
+  if cfg.model.kind == "prism":
+    stats["grounding"] = grounding.grounding_init(cfg.model.num_prototypes)
+  return stats
+
+
+def make_eval_step(graphdef, cfg: Config, param_shardings: Any,
+                   mesh: jax.sharding.Mesh) -> Callable:
+  """Jitted `eval_step(params, batch, stats) -> stats` accumulating eval statistics."""
+
+  def eval_step(params, batch, stats):
+    model = nnx.merge(graphdef, params)
+    out = model(batch["inputs"], mask_BxT=batch["mask"])
+    vocab = out.logits_BxTxV.shape[-1]
+    mask_N = batch["mask"].reshape(-1)
+    maskf_N = mask_N.astype(jnp.float32)
+    logp = jax.nn.log_softmax(out.logits_BxTxV.reshape(-1, vocab), axis=-1)
+    nll_N = -jnp.take_along_axis(logp, batch["targets"].reshape(-1, 1), axis=-1)[:, 0]
+    new = dict(stats)
+    new["nll_sum"] = stats["nll_sum"] + jnp.sum(nll_N * maskf_N)
+    new["tokens"] = stats["tokens"] + jnp.sum(maskf_N)
+    if out.protos is not None:
+      z_NxD = out.z_BxTxD.reshape(-1, out.z_BxTxD.shape[-1])
+      new["grounding"] = grounding.grounding_update(stats["grounding"], out.protos, z_NxD,
+                                                    mask_N)
+    return new
+
+  batch_sh = {k: shard_lib.batch_sharding(mesh) for k in BATCH_KEYS}
+  return jax.jit(eval_step, in_shardings=(param_shardings, batch_sh, None))
+
+
+def eval_stats_finalize(stats: dict[str, Any]) -> dict[str, float]:
+  """Host-side metrics: val loss (CE), perplexity and, for PRISM, the grounding metrics
+  of prism_jax.analysis.grounding (r1_bar, r2_bar, residual_share, dead prototypes)."""
+  s = jax.device_get(stats)
+  tokens = max(float(s["tokens"]), 1.0)
+  ce = float(s["nll_sum"]) / tokens
+  out = {"loss": ce, "perplexity": float(np.exp(min(ce, 80.0))), "tokens": float(s["tokens"])}
+  if "grounding" in s:
+    g = grounding.grounding_finalize(s["grounding"])
+    out.update(r1_bar=g["r1_bar"], r2_bar=g["r2_bar"], residual_share=g["residual_share"],
+               dead_prototypes=float(g["dead"]), dead_frac=g["dead_frac"])
+  return out
