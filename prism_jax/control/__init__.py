@@ -1,1 +1,0 @@
-"""prism_jax.control."""
