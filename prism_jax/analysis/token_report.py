@@ -1,0 +1,64 @@
+"""Plain-text report of a generation: each token with its top prototypes (PRISM.md §1).
+
+    text = token_report(out, tokenizer.decode, row=0, top=3)
+
+For PRISM each generated token gets one line: its id and text, the sampled logit, the
+residual slice <W_y, r_t> and the `top` active prototypes by contribution, as
+`#id a=activation c=contribution`. The contributions over all k active prototypes plus the
+residual slice sum to the logit (the line shows the sum of the listed ones too).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+
+import numpy as np
+
+from prism_jax.generate import GenerationOutput
+
+Decode = Callable[[Iterable[int]], str]
+
+
+def token_text(decode: Decode, token_id: int) -> str:
+  """One token as a short printable literal (byte-level pieces may be partial UTF-8)."""
+  return repr(decode([int(token_id)]))
+
+
+def token_rows(out: GenerationOutput, row: int = 0, top: int = 3) -> list[dict]:
+  """Per generated token of batch row `row`: id, logit and (PRISM) top prototypes, residual."""
+  if not 0 <= row < out.tokens_BxL.shape[0]:
+    raise ValueError(f"row={row} is outside the batch of {out.tokens_BxL.shape[0]}")
+  if top < 1:
+    raise ValueError(f"top must be >= 1, got {top}")
+  rows = []
+  for t in range(int(out.lengths_B[row])):
+    entry = {"step": t, "token": int(out.tokens_BxL[row, t]),
+             "logit": float(out.logit_BxL[row, t])}
+    if out.trace is not None:
+      tr = out.trace
+      contrib_k = tr.contrib_BxLxk[row, t]
+      order = np.argsort(-contrib_k, kind="stable")[:top]
+      entry["prototypes"] = [(int(tr.idx_BxLxk[row, t, j]), float(tr.act_BxLxk[row, t, j]),
+                              float(contrib_k[j])) for j in order]
+      entry["proto_total"] = float(contrib_k.sum())
+      entry["residual"] = float(tr.residual_BxL[row, t])
+    rows.append(entry)
+  return rows
+
+
+def token_report(out: GenerationOutput, decode: Decode, *, row: int = 0, top: int = 3) -> str:
+  """The generated text of `row`, then one line per token (see module docstring)."""
+  n = int(out.lengths_B[row]) if 0 <= row < len(out.lengths_B) else 0
+  lines = [f"generated text: {decode(out.tokens_BxL[row, :n].tolist())!r}"]
+  if out.trace is not None:
+    lines.append("step     id token        logit  = protos  + residual | top prototypes "
+                 "(#id a=activation c=contribution)")
+  for e in token_rows(out, row, top):
+    head = (f"{e['step']:>4} {e['token']:>6} {token_text(decode, e['token'])[:10]:<10} "
+            f"{e['logit']:>8.3f}")
+    if "prototypes" not in e:
+      lines.append(head)
+      continue
+    protos = "  ".join(f"#{i} a={a:.3f} c={c:+.3f}" for i, a, c in e["prototypes"])
+    lines.append(f"{head}  = {e['proto_total']:>+7.3f} + {e['residual']:>+7.3f} | {protos}")
+  return "\n".join(lines)
