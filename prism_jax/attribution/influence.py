@@ -1,0 +1,327 @@
+"""Attribute a prediction to training sequences: cached PRISM scores and the full reference.
+
+PRISM.md §5 steps 2–3. A query is the summed token loss at `target_positions` of a token
+sequence (position p: the model predicts tokens[p] from tokens[:p]). One forward pass gives
+its active prototypes S_q, activations a_q and g_q = ∂ℓ_q/∂ẑ_q. With the bank's curvature
+in G's eigenbasis, G = U E Uᵀ and ĝ = U_rᵀ g, the block of prototype i is
+H_ii = A_ii G + μ_i I + λ I, so
+
+    score(q, t) = Σ_{i∈S_q∩S_t} a_{q,i} a_{t,i} Σ_j ĝ_{q,j} ĝ_{t,j} / (A_ii e_j + μ_i + λ)
+                = ∇_P ℓ_qᵀ H⁻¹ ∇_P ℓ_t   (linear-layer gradients a gᵀ),
+
+summed over a sequence's tokens (kronfluence's summed-loss convention). **Sign: positive =
+the training sequence helps the query** (kronfluence's convention; PRISM.md's
+I(q,t) = −score). λ = damping_ratio × mean_{i,j}(A_ii e_j + μ_i) (0.1, like EK-FAC's default;
+0 gives the bare §5 formula). coupling="co_usage" keeps A's off-diagonal blocks: for each
+eigen-direction j it solves (e_j A + diag μ + λ I) x_j = b_j over all K prototypes.
+
+The full prototype-space reference (`full_scores`) needs no cache records: it takes the
+exact autodiff gradient of the query loss w.r.t. P, preconditions it with the same H in
+full rank, and gets ⟨H⁻¹∇_P L_q, ∇_P L_seq⟩ for every training sequence from one JVP of the
+per-token losses along that direction (= the exact per-sequence gradient's inner product),
+streaming the backbone over the training rows. path="linear" holds a fixed (the cached
+model, equal to the cache at rank D); path="full" also differentiates a(P) (similarities).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+from typing import Iterator, Literal, NamedTuple, Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from prism_jax.attribution import cache as cache_lib
+from prism_jax.attribution import curvature as cv
+from prism_jax.config import LossConfig
+
+
+@dataclasses.dataclass(frozen=True)
+class InfluenceConfig:
+  coupling: Literal["block_diagonal", "co_usage"] = "block_diagonal"
+  damping_ratio: float = 0.1
+  max_per_proto: int | None = None  # keep the top-M tokens (by activation) per prototype
+  top: int = 10  # ranked sequences returned
+  snippet_width: int = 16
+  unit: Literal["document", "row"] = "document"  # a training sequence: document | packed row
+
+  def __post_init__(self):
+    if self.unit not in ("document", "row"):
+      raise ValueError(f"unit={self.unit!r}; use 'document' (example id) or 'row'")
+    if self.coupling not in ("block_diagonal", "co_usage"):
+      raise ValueError(f"coupling={self.coupling!r}; use 'block_diagonal' or 'co_usage'")
+    if self.damping_ratio < 0:
+      raise ValueError(f"damping_ratio must be >= 0, got {self.damping_ratio}")
+
+
+class Attribution(NamedTuple):
+  example_ids: np.ndarray  # ranked training sequences (documents, or rows if unit="row")
+  scores: np.ndarray  # their scores (positive = helps the query)
+  snippets: list[str]  # text around each sequence's highest-scoring token ('' w/o data)
+  breakdown: list[dict[int, float]]  # per sequence: prototype id -> its share of the score
+  query_protos: np.ndarray  # the union of the query's active prototypes
+  all_ids: np.ndarray  # every scored sequence (sorted by id) ...
+  all_scores: np.ndarray  # ... and its score, for retention / overlap metrics
+
+
+class QuerySide(NamedTuple):
+  idx_Qxk: np.ndarray
+  act_Qxk: np.ndarray
+  g_QxD: np.ndarray
+
+
+def _query_batch(tokens, target_positions, max_len):
+  tokens = np.asarray(tokens, np.int32).reshape(-1)
+  pos = np.asarray(target_positions, np.int64).reshape(-1)
+  if len(pos) == 0:
+    raise ValueError("target_positions is empty: give at least one position to attribute")
+  if pos.min() < 1 or pos.max() >= len(tokens):
+    raise ValueError(f"target positions must be in [1, {len(tokens) - 1}] (position p is "
+                     f"the prediction of tokens[p] from tokens[:p]); got {pos.tolist()}")
+  if len(tokens) - 1 > max_len:
+    raise ValueError(f"query of {len(tokens) - 1} inputs exceeds model.max_len={max_len}")
+  # Pad to max_len (causal: the tail cannot change earlier positions) so that one compiled
+  # program serves every query length.
+  padded = np.zeros(max_len + 1, np.int32)
+  padded[:len(tokens)] = tokens
+  mask = np.zeros((1, max_len), bool)
+  mask[0, pos - 1] = True
+  return {"inputs": padded[None, :-1], "targets": padded[None, 1:], "mask": mask}, pos - 1
+
+
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("spec", "loss_cfg"))
+def _query_outputs(graphdef, state, inputs_BxT, targets_BxT, mask_BxT, *, spec, loss_cfg):
+  model = nnx.merge(graphdef, state)
+  z_NxD = model.backbone(inputs_BxT)[0].reshape(-1, model.cfg.d_model)
+  head = cv.HeadInputs(z_NxD, model.bank.protos[...], model.backbone.wte[...],
+                       targets_BxT.reshape(-1), mask_BxT.reshape(-1))
+  return cv.output_grads_from_head(head, spec, loss_cfg)
+
+
+def query_side(model, tokens, target_positions, loss_cfg: LossConfig,
+               split=None) -> QuerySide:
+  """One forward pass: S_q, a_q and g_q of every target position.
+
+  `split`: a (graphdef, state) of `model` taken earlier (saves the graph traversal)."""
+  batch, rows = _query_batch(tokens, target_positions, model.cfg.max_len)
+  graphdef, state = nnx.split(model) if split is None else split
+  og = _query_outputs(graphdef, state, jnp.asarray(batch["inputs"]),
+                      jnp.asarray(batch["targets"]), jnp.asarray(batch["mask"]),
+                      spec=cv.HeadSpec.from_model(model), loss_cfg=loss_cfg)
+  return QuerySide(np.asarray(og.idx_Nxk)[rows], np.asarray(og.act_Nxk, np.float64)[rows],
+                   np.asarray(og.g_NxD, np.float64)[rows])
+
+
+class Preconditioner:
+  """(A_ii G + μ_i I + λ I)⁻¹ in G's eigenbasis (or the co-usage version), from a cache."""
+
+  def __init__(self, cache: cache_lib.AttributionCache, cfg: InfluenceConfig, model=None):
+    """With `model`, also snapshots its (graphdef, state) for fast repeated queries: the
+    cache pins the parameters anyway (fingerprint), so do not mutate them afterwards."""
+    self.cfg = cfg
+    self.model, self.split = model, (None if model is None else nnx.split(model))
+    self.a_diag, self.mu = cache.a_diag, np.asarray(cache.mu, np.float64)
+    self.A = cache.A
+    evals, evecs = np.linalg.eigh(0.5 * (cache.G + cache.G.T))
+    order = np.argsort(evals)[::-1]
+    self.e_full, self.u_full = np.maximum(evals[order], 0.0), evecs[:, order]
+    # The cache's own eigenvectors (its g coordinates are in this basis).
+    self.e_r = np.maximum(np.asarray(cache.g_evals, np.float64), 0.0)
+    self.u_r = np.asarray(cache.g_evecs, np.float64)
+    mean_block = self.a_diag.mean() * self.e_full.mean() + self.mu.mean()
+    self.damping = cfg.damping_ratio * mean_block
+
+  def apply(self, b_KxR: np.ndarray, protos: np.ndarray, evals: np.ndarray) -> tuple:
+    """Preconditions rows b (one per prototype in `protos`, eigen coordinates).
+
+    Returns (protos', X) with X the rows of H⁻¹ b for protos' (all K under co-usage)."""
+    if self.cfg.coupling == "block_diagonal":
+      denom = self.a_diag[protos, None] * evals[None, :] + self.mu[protos, None] + self.damping
+      return protos, b_KxR / denom
+    num_k = len(self.a_diag)
+    a = self.A.toarray() if hasattr(self.A, "toarray") else np.asarray(self.A)
+    b_full = np.zeros((num_k, b_KxR.shape[1]))
+    b_full[protos] = b_KxR
+    base = np.diag(self.mu + self.damping)
+    x = np.stack([np.linalg.solve(e * a + base, b_full[:, j]) for j, e in enumerate(evals)], 1)
+    return np.arange(num_k), x
+
+
+def _proto_rows(idx_Qxk, act_Qxk, coords_QxR):
+  """Σ_q a_{q,i} coords_q for every prototype i in the union of the S_q."""
+  protos = np.unique(idx_Qxk)
+  pos = np.searchsorted(protos, idx_Qxk)
+  b = np.zeros((len(protos), coords_QxR.shape[1]))
+  np.add.at(b, pos.reshape(-1), (act_Qxk[..., None] * coords_QxR[:, None, :]).reshape(
+      -1, coords_QxR.shape[1]))
+  return protos, b
+
+
+def token_scores(rec: dict[str, np.ndarray], protos: np.ndarray, x_SxR: np.ndarray,
+                 num_protos: int) -> tuple[np.ndarray, np.ndarray]:
+  """Per candidate token score and its per-(token, slot) parts, from cached records."""
+  lookup = np.full(num_protos, -1, np.int64)
+  lookup[protos] = np.arange(len(protos))
+  pos_Cxk = lookup[rec["idx"]]
+  m_CxS = np.asarray(rec["g"], np.float64) @ x_SxR.T
+  parts = np.where(pos_Cxk >= 0, rec["act"] * np.take_along_axis(
+      m_CxS, np.maximum(pos_Cxk, 0), 1), 0.0)
+  return parts.sum(1), parts
+
+
+def _rank(ids_E, scores_E, top):
+  return np.lexsort((ids_E, -scores_E))[:top]
+
+
+def _scored_pairs(cache, q: QuerySide, pre: Preconditioner, cfg: InfluenceConfig):
+  """(token, prototype, contribution) for every scored (training token, prototype) pair."""
+  q_protos, b = _proto_rows(q.idx_Qxk, q.act_Qxk, q.g_QxD @ pre.u_r)
+  protos, x = pre.apply(b, q_protos, pre.e_r)
+  if cfg.coupling == "block_diagonal":
+    # Each (t, i) with i ∈ S_q ∩ S_t is one entry of prototype i's list: no dedup needed.
+    toks, pids, vals = [], [], []
+    for s, i in enumerate(protos):
+      tok, act = cache.proto_entries(int(i), cfg.max_per_proto)
+      toks.append(tok)
+      pids.append(np.full(len(tok), i, np.int64))
+      vals.append(act * (cache.gather("g", tok) @ x[s].astype(np.float32)))  # sgemv
+    cat = lambda xs, dt: np.concatenate(xs) if xs else np.zeros(0, dt)
+    return q_protos, cat(toks, np.int64), cat(pids, np.int64), cat(vals, np.float64)
+  cand = cache.candidates(q_protos, cfg.max_per_proto)
+  rec = cache.records(cand)
+  _, parts = token_scores(rec, protos, x, len(pre.a_diag))
+  keep = parts.reshape(-1) != 0.0
+  return (q_protos, np.repeat(cand, parts.shape[1])[keep], rec["idx"].reshape(-1)[keep]
+          .astype(np.int64), parts.reshape(-1)[keep])
+
+
+def attribute(model, cache: cache_lib.AttributionCache, prompt_tokens,
+              target_positions: Sequence[int], *, loss_cfg: LossConfig | None = None,
+              cfg: InfluenceConfig = InfluenceConfig(), packed=None,
+              precond: Preconditioner | None = None) -> Attribution:
+  """Cached PRISM attribution of the loss at `target_positions` (see module docstring)."""
+  loss_cfg = LossConfig(**cache.metadata["identity"]["config"]["loss"]) if loss_cfg is None \
+      else loss_cfg
+  pre = Preconditioner(cache, cfg) if precond is None else precond
+  q = query_side(model, prompt_tokens, target_positions, loss_cfg,
+                 pre.split if pre.model is model else None)
+  q_protos, tok, pid, val = _scored_pairs(cache, q, pre, cfg)
+  if cfg.unit == "document":
+    ex, n_ex = np.asarray(cache.gather("example_id", tok), np.int64), cache.num_examples
+  else:
+    ex, n_ex = cache.row_of(tok), cache.sizes["num_rows"]
+  n_ex = max(n_ex, 1)
+  seq_scores = np.bincount(ex, weights=val, minlength=n_ex)
+  all_ids = np.flatnonzero(np.bincount(ex, minlength=n_ex))
+  order = _rank(all_ids, seq_scores[all_ids], cfg.top)
+  top_ids = all_ids[order]
+  snippets, breakdown = [], []
+  for e in top_ids:
+    sel = np.flatnonzero(ex == e)
+    utok, inv = np.unique(tok[sel], return_inverse=True)
+    tok_total = np.bincount(inv, weights=val[sel])
+    best = utok[np.argmax(tok_total)]
+    doc = int(cache.gather("example_id", best[None])[0])
+    snippets.append(packed.snippet(doc, int(cache.gather("offset", best[None])[0]),
+                                   cfg.snippet_width) if packed is not None else "")
+    per = np.bincount(pid[sel], weights=val[sel], minlength=len(pre.a_diag))
+    nz = np.flatnonzero(per)
+    breakdown.append({int(i): float(per[i]) for i in nz[np.argsort(-np.abs(per[nz]))]})
+  return Attribution(top_ids, seq_scores[top_ids], snippets, breakdown, q_protos, all_ids,
+                     seq_scores[all_ids])
+
+
+def attribute_generation(model, cache: cache_lib.AttributionCache, prompt_tokens, *,
+                         max_new_tokens: int = 16, cfg: InfluenceConfig = InfluenceConfig(),
+                         packed=None, **generate_kwargs) -> Iterator[tuple[int, Attribution]]:
+  """Generates with prism_jax.generate and yields (token, its Attribution) one at a time."""
+  from prism_jax import generate as gen  # pylint: disable=import-outside-toplevel
+  prompt = np.asarray(prompt_tokens, np.int32).reshape(-1)
+  out = gen.generate(model, prompt[None], max_new_tokens=max_new_tokens, **generate_kwargs)
+  new = out.tokens_BxL[0, :int(out.lengths_B[0])]
+  seq = np.concatenate([prompt, new]).astype(np.int32)
+  pre = Preconditioner(cache, cfg, model)
+  for i, tok in enumerate(new):
+    pos = len(prompt) + i
+    yield int(tok), attribute(model, cache, seq[:pos + 1], [pos], cfg=cfg, packed=packed,
+                              precond=pre)
+
+
+# --- full prototype-space reference -------------------------------------------------------
+
+def _summed_token_loss(protos, head, spec, loss_cfg, path, weight_N):
+  fwd = cv.head_forward(protos, head, spec, path=path)
+  ce_N, rec_N = cv.token_losses(fwd, head, loss_cfg)
+  return (ce_N + loss_cfg.lambda_rec * rec_N) * weight_N
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "loss_cfg", "path"))
+def _query_grad(protos, head, spec, loss_cfg, path):
+  w = head.mask_N.astype(protos.dtype)
+  return jax.grad(lambda p: jnp.sum(_summed_token_loss(p, head, spec, loss_cfg, path, w)))(
+      protos)
+
+
+@functools.partial(jax.jit, static_argnames=("spec", "loss_cfg", "path"))
+def _token_directional(protos, head, spec, loss_cfg, path, x_QxKxD):
+  """⟨X_q, ∇_P ℓ_t⟩ for every query direction and token: (Q, N), one JVP per direction."""
+  w = head.mask_N.astype(protos.dtype)
+  f = lambda p: _summed_token_loss(p, head, spec, loss_cfg, path, w)
+  return jax.vmap(lambda x: jax.jvp(f, (protos,), (x,))[1])(x_QxKxD)
+
+
+def full_scores(model, cache: cache_lib.AttributionCache, packed, queries, *,
+                loss_cfg: LossConfig | None = None, cfg: InfluenceConfig = InfluenceConfig(),
+                path: Literal["linear", "full"] = "linear", split: str = "train",
+                max_rows: int | None = None, batch_rows: int = 16,
+                precond: Preconditioner | None = None) -> tuple[np.ndarray, np.ndarray]:
+  """Exact prototype-space influence of every training sequence on each query.
+
+  `queries`: a list of (tokens, target_positions). Streams `split`'s rows (the first
+  `max_rows`; default: the rows the cache was built from) once for all queries.
+  Returns (ids_E sorted, scores_QxE).
+  """
+  ident = cache.metadata["identity"]
+  loss_cfg = LossConfig(**ident["config"]["loss"]) if loss_cfg is None else loss_cfg
+  max_rows = cache.sizes["num_rows"] if max_rows is None else max_rows
+  pre = Preconditioner(cache, cfg) if precond is None else precond
+  spec = cv.HeadSpec.from_model(model)
+  protos = jnp.asarray(model.bank.protos[...], jnp.float32)
+  xs = []
+  for tokens, positions in queries:
+    batch, _ = _query_batch(tokens, positions, model.cfg.max_len)
+    g_KxD = np.asarray(_query_grad(protos, cv.head_inputs(model, batch), spec, loss_cfg,
+                                   path), np.float64)
+    rows = np.flatnonzero(np.any(g_KxD != 0, 1))
+    p_rows, x = pre.apply(g_KxD[rows] @ pre.u_full, rows, pre.e_full)
+    x_full = np.zeros_like(g_KxD)
+    x_full[p_rows] = x @ pre.u_full.T
+    xs.append(x_full)
+  x_QxKxD = jnp.asarray(np.stack(xs), jnp.float32)
+  totals: dict[int, np.ndarray] = {}
+  for _, batch in cache_lib.iter_rows(packed, split, batch_rows, 0, max_rows):
+    batch = cache_lib._pad_rows(batch, batch_rows)  # pylint: disable=protected-access
+    head = cv.head_inputs(model, batch)
+    s_QxN = np.asarray(_token_directional(protos, head, spec, loss_cfg, path, x_QxKxD),
+                       np.float64)
+    ex_N = (batch["example_id"] if cfg.unit == "document" else np.broadcast_to(
+        batch["row_id"][:, None], batch["example_id"].shape)).reshape(-1)
+    valid = batch["mask"].reshape(-1)
+    ids, inv = np.unique(ex_N[valid], return_inverse=True)
+    for q in range(len(xs)):
+      sums = np.bincount(inv, weights=s_QxN[q][valid], minlength=len(ids))
+      for e, v in zip(ids, sums):
+        totals.setdefault(int(e), np.zeros(len(xs)))[q] += v
+  ids = np.asarray(sorted(totals), np.int64)
+  return ids, (np.stack([totals[e] for e in ids], 1) if len(ids) else
+               np.zeros((len(xs), 0)))
+
+
+def top_overlap(ids_a, scores_a, ids_b, scores_b, m: int) -> float:
+  """|top-m(a) ∩ top-m(b)| / m, ranking by decreasing score (ties by id)."""
+  top_a = set(np.asarray(ids_a)[_rank(np.asarray(ids_a), np.asarray(scores_a), m)].tolist())
+  top_b = set(np.asarray(ids_b)[_rank(np.asarray(ids_b), np.asarray(scores_b), m)].tolist())
+  return len(top_a & top_b) / max(1, min(m, len(top_b)))
