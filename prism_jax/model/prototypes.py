@@ -125,6 +125,9 @@ def prototype_layer(z_NxD: jax.Array, protos_KxD: jax.Array, k: int, *,
   validate_inputs(z_NxD, protos_KxD, k, residual_routing=residual_routing, mixture=mixture,
                   distance=distance, implementation=implementation, mask_N=mask_N)
   fn = _dispatch(implementation)
+  from prism_jax.model import sharded_prototypes  # pylint: disable=import-outside-toplevel
+  if sharded_prototypes.use_sharded(protos_KxD.shape[0]):  # mesh with model axis > 1
+    fn = sharded_prototypes.topk_reconstruct_sharded
   kwargs = dict(mixture=mixture, distance=distance, mask_N=mask_N)
   if fn is not topk_reconstruct_xla:
     kwargs["implementation"] = implementation

@@ -16,6 +16,7 @@ from flax import nnx
 from prism_jax.config import ModelConfig
 from prism_jax.model.params import const_param as _const
 from prism_jax.model.params import normal_param as _param
+from prism_jax.sharding import constrain
 
 
 class LayerNorm(nnx.Module):
@@ -130,7 +131,7 @@ class Backbone(nnx.Module):
       raise ValueError(f"sequence length {seq} exceeds model.max_len={self.cfg.max_len}")
     dtype = jnp.dtype(self.cfg.dtype)
     x = self.wte[...][tokens_BxT] + self.wpe[...][positions_BxT]
-    x = x.astype(dtype)
+    x = constrain(x.astype(dtype), ("batch", "seq", "act_embed"))
     new_caches = []
     for i, block in enumerate(self.blocks):
       cache = None if caches is None else caches[i]
@@ -139,7 +140,7 @@ class Backbone(nnx.Module):
       else:
         x, cache = block(x, positions_BxT, cache)
       new_caches.append(cache)
-    z_BxTxD = self.ln_f(x).astype(jnp.float32)
+    z_BxTxD = constrain(self.ln_f(x).astype(jnp.float32), ("batch", "seq", "act_embed"))
     return z_BxTxD, (None if caches is None else new_caches)
 
   def lm_head(self, h_BxTxD: jax.Array) -> jax.Array:
@@ -147,8 +148,9 @@ class Backbone(nnx.Module):
     # Full fp32 accuracy in fp32 mode so the logit decomposition is exact; default (fast)
     # matmul precision when the model computes in bf16 anyway.
     precision = jax.lax.Precision.HIGHEST if self.cfg.dtype == "float32" else None
-    return jnp.einsum("btd,vd->btv", h_BxTxD.astype(jnp.float32), self.wte[...],
-                      precision=precision)
+    logits = jnp.einsum("btd,vd->btv", h_BxTxD.astype(jnp.float32), self.wte[...],
+                        precision=precision)
+    return constrain(logits, ("batch", "seq", "act_vocab"))
 
   def init_cache(self, batch: int, dtype=jnp.float32) -> list[KVCache]:
     shape = (batch, self.cfg.max_len, self.cfg.n_heads, self.cfg.head_dim)

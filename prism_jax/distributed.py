@@ -1,0 +1,140 @@
+"""Multi-host set-up: `jax.distributed` from flags or environment, process-0 logging.
+
+JAX multi-controller SPMD: every host runs the same command; each process sees its local
+devices and all of them form one global mesh (prism_jax.sharding.make_mesh). What each
+process must do differently is small and lives here or in sharding:
+
+  * initialise the distributed runtime before anything touches a device (`initialize`);
+  * read only its rows of each global batch (`sharding.process_batch_slice` gives the
+    grain shard index/count; `sharding.make_global_batch` assembles the global arrays);
+  * call orbax save/restore on every process (orbax coordinates; no process-0 guard);
+  * log from process 0 only (`configure_logging`, `log_main`).
+
+Resolution order for the runtime parameters: explicit arguments (flags), then environment
+(PRISM_COORDINATOR_ADDRESS / PRISM_NUM_PROCESSES / PRISM_PROCESS_ID, or JAX_*), then
+auto-detection by JAX on a TPU pod slice, SLURM or Open MPI; otherwise one process.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Mapping
+
+import jax
+from absl import flags, logging
+
+_ENV = {
+    "coordinator_address": ("PRISM_COORDINATOR_ADDRESS", "JAX_COORDINATOR_ADDRESS"),
+    "num_processes": ("PRISM_NUM_PROCESSES", "JAX_NUM_PROCESSES"),
+    "process_id": ("PRISM_PROCESS_ID", "JAX_PROCESS_ID"),
+}
+MODES = ("auto", "on", "off")
+
+
+def define_flags() -> None:
+  """Registers --distributed, --coordinator_address, --num_processes, --process_id."""
+  if "coordinator_address" in flags.FLAGS:
+    return
+  flags.DEFINE_enum("distributed", "auto", MODES,
+                    "auto: initialise jax.distributed when flags/env/cluster say so; on: "
+                    "always (auto-detect what is not given); off: single process")
+  flags.DEFINE_string("coordinator_address", None, "host:port of process 0")
+  flags.DEFINE_integer("num_processes", None, "total number of processes")
+  flags.DEFINE_integer("process_id", None, "this process's id in [0, num_processes)")
+
+
+def detected_cluster(env: Mapping[str, str] = os.environ) -> str | None:
+  """Name of a multi-process cluster JAX can auto-configure from env, else None."""
+  if "SLURM_JOB_ID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+    return "slurm"
+  hosts = env.get("TPU_WORKER_HOSTNAMES", "")
+  if "," in hosts or "MEGASCALE_COORDINATOR_ADDRESS" in env:
+    return "tpu"
+  if int(env.get("OMPI_COMM_WORLD_SIZE", "1")) > 1:
+    return "ompi"
+  return None
+
+
+def resolve(coordinator_address: str | None = None, num_processes: int | None = None,
+            process_id: int | None = None, mode: str = "auto",
+            env: Mapping[str, str] = os.environ) -> dict[str, Any] | None:
+  """kwargs for `jax.distributed.initialize`, or None for a single process."""
+  if mode not in MODES:
+    raise ValueError(f"distributed mode {mode!r}; use one of {MODES}")
+  if mode == "off":
+    return None
+  given = {"coordinator_address": coordinator_address, "num_processes": num_processes,
+           "process_id": process_id}
+  for key, names in _ENV.items():
+    if given[key] is None:
+      value = next((env[n] for n in names if env.get(n)), None)
+      if value is not None:
+        given[key] = value if key == "coordinator_address" else int(value)
+  if given["coordinator_address"] is not None:
+    missing = [k for k in ("num_processes", "process_id") if given[k] is None]
+    if missing and detected_cluster(env) is None:
+      raise ValueError(f"coordinator_address={given['coordinator_address']!r} is set but "
+                       f"{', '.join(missing)} is not (flag --{missing[0]} or env "
+                       f"{_ENV[missing[0]][0]})")
+  if given["num_processes"] is not None and given["process_id"] is not None:
+    if not 0 <= given["process_id"] < given["num_processes"]:
+      raise ValueError(f"process_id={given['process_id']} not in "
+                       f"[0, num_processes={given['num_processes']})")
+  kwargs = {k: v for k, v in given.items() if v is not None}
+  if kwargs.get("num_processes") == 1:
+    return None
+  if kwargs or detected_cluster(env) is not None or mode == "on":
+    return kwargs  # JAX's cluster detection fills whatever is missing
+  return None
+
+
+def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
+               process_id: int | None = None, mode: str = "auto",
+               initialization_timeout: int = 300) -> bool:
+  """Starts the distributed runtime if needed (idempotent). Returns True if multi-process.
+
+  Must run before the first use of a device. Also restricts logging to process 0.
+  """
+  kwargs = resolve(coordinator_address, num_processes, process_id, mode)
+  if kwargs is not None and not jax.distributed.is_initialized():
+    jax.distributed.initialize(initialization_timeout=initialization_timeout, **kwargs)
+  configure_logging()
+  return jax.process_count() > 1
+
+
+def initialize_from_flags() -> bool:
+  """`initialize` with the values of the flags registered by `define_flags`."""
+  f = flags.FLAGS
+  return initialize(f.coordinator_address, f.num_processes, f.process_id, f.distributed)
+
+
+def is_main_process() -> bool:
+  return jax.process_index() == 0
+
+
+def configure_logging() -> None:
+  """Process 0 logs at INFO; the others only warnings and errors."""
+  if not is_main_process():
+    logging.set_verbosity(logging.WARNING)
+
+
+def log_main(msg: str, *args: Any) -> None:
+  """absl INFO log from process 0 only."""
+  if is_main_process():
+    logging.info(msg, *args)
+
+
+def sync(name: str) -> None:
+  """Barrier across all processes (no-op on one process)."""
+  if jax.process_count() > 1:
+    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
+    multihost_utils.sync_global_devices(name)
+
+
+def shard_options(mesh: jax.sharding.Mesh, global_batch: int):
+  """grain ShardOptions giving this process exactly its rows of each global batch."""
+  import grain  # pylint: disable=import-outside-toplevel
+  from prism_jax.sharding import process_batch_slice  # pylint: disable=import-outside-toplevel
+  index, count = process_batch_slice(mesh, global_batch)
+  return grain.sharding.ShardOptions(shard_index=index, shard_count=count,
+                                     drop_remainder=True)

@@ -1,0 +1,158 @@
+"""The prototype layer with the bank sharded over K on the `model` mesh axis.
+
+With m = size of the `model` axis and the N tokens split over the data axes (n per shard),
+each device holds z (n x D) and its K/m prototypes, and:
+
+  1. computes its n x (K/m) cosine similarities and their local top-k (values, global ids);
+  2. all-gathers the k*m candidates over `model` and takes the global top-k from them
+     (ties go to the lower prototype id, as in the unsharded layer);
+  3. rebuilds z_hat from the owning shards: each adds the active prototypes it holds and
+     a psum over `model` completes the sum;
+  4. reduces the row statistics over `model` (n x m gathered values) and the per-prototype
+     column statistics over the data axes (K/m x data-shard gathered values), so R1's
+     minimum over tokens covers the whole global batch.
+
+No device ever holds or receives the N x K matrix: per step the collectives move
+O(N*k*m + N*D + K*data) values (forward and backward), independent of N*K.
+
+Reductions whose gradient matters use `all_gather(to="invarying")` followed by a local
+max/min, because `lax.pmax`/`pmin` have no differentiation rule.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+from jax.sharding import AxisType, PartitionSpec as P
+
+_EPS = 1e-6  # same guard as prism_jax.model.prototypes
+MODEL_AXIS = "model"
+TOKEN_AXES = ("data", "fsdp")
+
+
+def model_shards() -> int:
+  """Size of the active mesh's `model` axis (1 without a mesh or inside shard_map)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or MODEL_AXIS not in mesh.axis_names:
+    return 1
+  if dict(zip(mesh.axis_names, mesh.axis_types))[MODEL_AXIS] == AxisType.Manual:
+    return 1  # already inside a shard_map over `model`: the caller handles it
+  return mesh.shape[MODEL_AXIS]
+
+
+def use_sharded(num_protos: int) -> bool:
+  """True when `prototype_layer` should take the K-sharded path on the active mesh."""
+  m = model_shards()
+  if m <= 1:
+    return False
+  if num_protos % m:
+    raise ValueError(f"K={num_protos} prototypes cannot be sharded over the mesh's "
+                     f"model axis of size {m}: K must be divisible by it")
+  return True
+
+
+def _token_axes(mesh, num_tokens: int) -> tuple[str, ...]:
+  """Data axes the N tokens are split over: all of them when they divide N, else fewer."""
+  axes = tuple(a for a in TOKEN_AXES if a in mesh.axis_names and mesh.shape[a] > 1)
+  while axes and num_tokens % math.prod(mesh.shape[a] for a in axes):
+    axes = axes[:-1]
+  return axes
+
+
+def _gather_max(x, axes, axis):
+  """Max over shards of `axes` (differentiable, invariant result) along array `axis`."""
+  if not axes:
+    return x
+  return jnp.max(jax.lax.all_gather(x, axes, axis=axis, tiled=False, to="invarying"),
+                 axis=axis)
+
+
+def _gather_min(x, axes, axis):
+  return -_gather_max(-x, axes, axis)
+
+
+def _local_layer(z_nxD, protos_KmxD, mask_n, *, k: int, mixture: str, distance: str,
+                 token_axes: tuple[str, ...]):
+  """Per-device body of the sharded layer (inside shard_map)."""
+  hi = jax.lax.Precision.HIGHEST
+  z = z_nxD.astype(jnp.float32)
+  p = protos_KmxD.astype(jnp.float32)
+  num_local = p.shape[0]
+  offset = jax.lax.axis_index(MODEL_AXIS) * num_local
+  sqnorm_z_n = jnp.sum(z * z, axis=-1)
+  sqnorm_p_Km = jnp.sum(p * p, axis=-1)
+  inv_z_n = jax.lax.rsqrt(jnp.maximum(sqnorm_z_n, _EPS * _EPS))
+  inv_p_Km = jax.lax.rsqrt(jnp.maximum(sqnorm_p_Km, _EPS * _EPS))
+  dot_nxKm = jnp.dot(z, p.T, precision=hi)
+  cos_nxKm = dot_nxKm * inv_z_n[:, None] * inv_p_Km[None, :]
+
+  # Local top-k, then the global top-k among the k*m gathered candidates. Candidates are
+  # ordered by shard, then by (value desc, id asc), so on ties top_k keeps the lower id.
+  k_local = min(k, num_local)
+  vals_nxkl, lidx_nxkl = jax.lax.top_k(cos_nxKm, k_local)
+  gid_nxkl = lidx_nxkl.astype(jnp.int32) + offset.astype(jnp.int32)
+  cand_vals = jax.lax.all_gather(vals_nxkl, MODEL_AXIS, axis=1, tiled=True, to="invarying")
+  cand_ids = jax.lax.all_gather(gid_nxkl, MODEL_AXIS, axis=1, tiled=True, to="invarying")
+  sim_nxk, pos_nxk = jax.lax.top_k(cand_vals, k)
+  idx_nxk = jnp.take_along_axis(cand_ids, pos_nxk, axis=1)
+
+  act_nxk = jax.nn.relu(sim_nxk)
+  if mixture == "normalized":
+    act_nxk = act_nxk / jnp.maximum(jnp.sum(act_nxk, axis=-1, keepdims=True), _EPS)
+  # Reconstruction from the owning shards.
+  local_nxk = idx_nxk - offset
+  owned_nxk = (local_nxk >= 0) & (local_nxk < num_local)
+  p_nxkxD = p[jnp.clip(local_nxk, 0, num_local - 1)]
+  z_hat_part = jnp.einsum("nk,nkd->nd", jnp.where(owned_nxk, act_nxk, 0.0), p_nxkxD,
+                          precision=hi)
+  z_hat_nxD = jax.lax.psum(z_hat_part, MODEL_AXIS)
+
+  valid_n = mask_n
+  row_max_cos_n = sim_nxk[:, 0]  # the global top-1 is the row maximum
+  col_max_cos_Km = _gather_max(
+      jnp.max(jnp.where(valid_n[:, None], cos_nxKm, -jnp.inf), axis=0), token_axes, 0)
+  if distance == "cosine":
+    row_min_dist_n = 1.0 - row_max_cos_n
+    col_min_dist_Km = 1.0 - col_max_cos_Km
+  else:
+    sqdist_nxKm = jnp.maximum(
+        sqnorm_z_n[:, None] + sqnorm_p_Km[None, :] - 2.0 * dot_nxKm, 0.0)
+    row_min_dist_n = _gather_min(jnp.min(sqdist_nxKm, axis=-1), (MODEL_AXIS,), 1)
+    col_min_dist_Km = _gather_min(
+        jnp.min(jnp.where(valid_n[:, None], sqdist_nxKm, jnp.inf), axis=0), token_axes, 0)
+  return (idx_nxk, act_nxk, sim_nxk, z_hat_nxD, row_max_cos_n, col_max_cos_Km,
+          row_min_dist_n, col_min_dist_Km)
+
+
+def topk_reconstruct_sharded(z_NxD: jax.Array, protos_KxD: jax.Array, k: int, *,
+                             mixture: str = "raw", distance: str = "cosine",
+                             mask_N: jax.Array | None = None,
+                             implementation: str | None = None):
+  """Same contract and outputs as `topk_reconstruct_xla`, on the active mesh.
+
+  Needs a mesh (jax.set_mesh) with a `model` axis dividing K. `implementation` is
+  accepted for signature parity; the per-shard similarity/top-k runs in XLA.
+  """
+  del implementation
+  mesh = jax.sharding.get_abstract_mesh()
+  num_tokens, num_protos = z_NxD.shape[0], protos_KxD.shape[0]
+  if mesh.empty or MODEL_AXIS not in mesh.axis_names:
+    raise ValueError("topk_reconstruct_sharded needs an active mesh with a 'model' axis "
+                     "(use `with jax.set_mesh(mesh):`)")
+  if num_protos % mesh.shape[MODEL_AXIS]:
+    raise ValueError(f"K={num_protos} is not divisible by the model axis "
+                     f"({mesh.shape[MODEL_AXIS]})")
+  tok = _token_axes(mesh, num_tokens)
+  tok_spec = tok if tok else None
+  row, rows2 = P(tok_spec), P(tok_spec, None)
+  col = P(MODEL_AXIS)
+
+  def body(z, p, mask):
+    return _local_layer(z, p, mask, k=k, mixture=mixture, distance=distance, token_axes=tok)
+
+  mask = jnp.ones(num_tokens, bool) if mask_N is None else mask_N.astype(bool)
+  fn = jax.shard_map(body, mesh=mesh, in_specs=(rows2, P(MODEL_AXIS, None), row),
+                     out_specs=(rows2, rows2, rows2, rows2, row, col, row, col))
+  return fn(z_NxD, protos_KxD, mask)
