@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export JAX_PLATFORMS ?= cpu
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test bench model-card clean
+.PHONY: venv demo test test-tpu-aot model-card clean
 
 $(STAMP): setup.cfg pyproject.toml
 	@PYBIN="$$(tools/find_python.sh)" || exit 1; \
@@ -23,7 +23,12 @@ demo: $(STAMP)
 	$(PY) -m experiments.demo
 
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS)
+	$(PY) -m pytest -q -m "not tpu_aot" $(PYTEST_ARGS)
+
+# Optional job: ahead-of-time TPU compiles (train step, Pallas kernel) with libtpu, no TPU.
+test-tpu-aot: $(STAMP)
+	$(PY) -m pip install --quiet -e ".[tpu-aot]"
+	$(PY) -m pytest -q -m tpu_aot $(PYTEST_ARGS)
 
 model-card: $(STAMP)
 	$(PY) -m experiments.model_card

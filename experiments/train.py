@@ -21,6 +21,10 @@ flags.DEFINE_multi_string("set", [], "dotted config override KEY=VALUE (repeatab
 flags.mark_flag_as_required("workdir")
 FLAGS = flags.FLAGS
 
+from prism_jax import distributed  # noqa: E402  (registers the multi-host flags)
+
+distributed.define_flags()
+
 
 def build_config(preset_name: str, data: str | None, model: str | None, sets: list[str]):
   from prism_jax.config import preset  # pylint: disable=g-import-not-at-top
@@ -35,6 +39,8 @@ def build_config(preset_name: str, data: str | None, model: str | None, sets: li
 
 def main(argv):
   del argv
+  distributed.initialize_from_flags()  # no-op for a single process
+  distributed.configure_logging()
   try:
     cfg = build_config(FLAGS.config, FLAGS.data, FLAGS.model, FLAGS.set)
   except ValueError as e:
@@ -45,7 +51,8 @@ def main(argv):
   summary = train(cfg, FLAGS.workdir)
   printable = {k: v for k, v in summary.items() if k not in ("state", "graphdef")}
   logging.info("done: %s", json.dumps(printable, default=str))
-  print(json.dumps(printable, default=str, indent=1))
+  if distributed.is_main_process():
+    print(json.dumps(printable, default=str, indent=1))
 
 
 if __name__ == "__main__":

@@ -180,3 +180,18 @@ def test_checkpoint_resumes_on_another_mesh(single_device, tmp_path):
                                 np.asarray(state.params["bank"]["protos"]))
   rest, _, _ = train_losses(CFG, (1, 2, 4), batches[3:6], state=restored)
   np.testing.assert_allclose(np.concatenate([first, rest]), ref_losses[:6], rtol=1e-5)
+
+
+def test_model_built_under_a_mesh_is_sharded_by_the_rules():
+  """Constructing a model inside `jax.set_mesh` shards each parameter via LOGICAL_RULES
+  (not flax's eager lookup of logical names) and gives the same values as without a mesh."""
+  cfg = ModelConfig(vocab_size=64, max_len=16, d_model=32, n_layers=1, n_heads=2,
+                    num_prototypes=16, k=4)
+  mesh = sharding.make_mesh(MeshConfig(data=2, fsdp=2, model=2))
+  with jax.set_mesh(mesh):
+    sharded = build_model(cfg, seed=3)
+  plain = build_model(cfg, seed=3)
+  assert sharded.backbone.wte[...].sharding.spec == P("model", "fsdp")
+  assert sharded.bank.protos[...].sharding.spec == P("model", "fsdp")
+  np.testing.assert_array_equal(np.asarray(sharded.bank.protos[...]),
+                                np.asarray(plain.bank.protos[...]))

@@ -13,12 +13,11 @@ from flax import nnx
 Axes = tuple[str | None, ...]
 
 
-def _mesh_active() -> bool:
-  return not jax.sharding.get_abstract_mesh().empty
-
-
 def logical_param(value: jax.Array, axes: Axes) -> nnx.Param:
-  return nnx.Param(value, out_sharding=axes, eager_sharding=_mesh_active())
+  # Flax's eager sharding would look the *logical* names up as mesh axes; instead the
+  # value is constrained through the rules table (a no-op without a mesh).
+  from prism_jax.sharding import constrain  # pylint: disable=import-outside-toplevel
+  return nnx.Param(constrain(value, axes), out_sharding=axes, eager_sharding=False)
 
 
 def normal_param(rngs: nnx.Rngs, shape, std: float, axes: Axes) -> nnx.Param:
