@@ -17,6 +17,11 @@ O(N*k*m + N*D + K*data) values (forward and backward), independent of N*K.
 
 Reductions whose gradient matters use `all_gather(to="invarying")` followed by a local
 max/min, because `lax.pmax`/`pmin` have no differentiation rule.
+
+With a Pallas `implementation` (or None on TPU/GPU) step 1 and the local row/column
+statistics come from the fused kernel (pallas_kernels.topk_reconstruct), so not even the
+n x (K/m) block is materialised; its sparse custom_vjp supplies their gradients, and the
+merge, z_hat (sparse `gather_mix`) and the reductions are the same plain JAX.
 """
 
 from __future__ import annotations
@@ -73,9 +78,67 @@ def _gather_min(x, axes, axis):
   return -_gather_max(-x, axes, axis)
 
 
+def _kernel_opts(implementation: str | None, distance: str):
+  """Kernel options when `implementation` resolves to a Pallas kernel, else None (XLA)."""
+  try:
+    from pallas_kernels.topk_reconstruct import api  # pylint: disable=import-outside-toplevel
+  except ImportError:
+    if implementation in (None, "xla"):
+      return None
+    raise
+  impl = api.resolve_implementation(implementation)
+  if impl == "xla":
+    return None
+  return api.KernelOptions(distance=distance, backend="gpu" if impl == "pallas_gpu" else "tpu",
+                           interpret=impl == "pallas_interpret")
+
+
+def _local_kernel(z_nxD, protos_KmxD, mask_n, *, k: int, mixture: str, distance: str,
+                  token_axes: tuple[str, ...], opts):
+  """`_local_layer` with the per-shard similarity, top-k and statistics from the kernel."""
+  from pallas_kernels.topk_reconstruct import api  # pylint: disable=import-outside-toplevel
+  # Runs under shard_map(check_vma=False): the Pallas interpreter rejects operands of
+  # mixed varying axes. shard_map's transpose then psums the cotangents of inputs it does
+  # not split over an axis (dz over `model`, dprotos over the token axes) and splits those
+  # of outputs replicated over an axis; both are exact here because every replicated
+  # output is computed identically on each shard (all_gather / psum results).
+  z, p_in, valid_n = z_nxD, protos_KmxD, mask_n.astype(jnp.float32)
+  num_local = p_in.shape[0]
+  offset = (jax.lax.axis_index(MODEL_AXIS) * num_local).astype(jnp.int32)
+  k_local = min(k, num_local)
+  out = api._stats(z, p_in, valid_n, k_local, opts)  # pylint: disable=protected-access
+  vals_nxkl, lidx_nxkl, col_max_cos_Km = out[0], out[1], out[2]
+  gid_nxkl = lidx_nxkl + offset
+  # Same merge as the XLA body: candidates ordered by shard, then (value desc, id asc).
+  cand_vals = jax.lax.all_gather(vals_nxkl, MODEL_AXIS, axis=1, tiled=True, to="invarying")
+  cand_ids = jax.lax.all_gather(gid_nxkl, MODEL_AXIS, axis=1, tiled=True, to="invarying")
+  sim_nxk, pos_nxk = jax.lax.top_k(cand_vals, k)
+  idx_nxk = jnp.take_along_axis(cand_ids, pos_nxk, axis=1)
+  act_nxk = jax.nn.relu(sim_nxk)
+  if mixture == "normalized":
+    act_nxk = act_nxk / jnp.maximum(jnp.sum(act_nxk, axis=-1, keepdims=True), _EPS)
+  local_nxk = idx_nxk - offset
+  owned_nxk = (local_nxk >= 0) & (local_nxk < num_local)
+  p = p_in.astype(jnp.float32)
+  z_hat_part = api.gather_mix(jnp.where(owned_nxk, act_nxk, 0.0),
+                              jnp.clip(local_nxk, 0, num_local - 1), p, opts.backend == "tpu")
+  z_hat_nxD = jax.lax.psum(z_hat_part, MODEL_AXIS)
+  row_max_cos_n = sim_nxk[:, 0]
+  # The kernel's column statistics cover this shard's tokens: reduce over token shards.
+  col_max_cos_Km = _gather_max(col_max_cos_Km, token_axes, 0)
+  if distance == "cosine":
+    row_min_dist_n = 1.0 - row_max_cos_n
+    col_min_dist_Km = 1.0 - col_max_cos_Km
+  else:
+    row_min_dist_n = _gather_min(out[4], (MODEL_AXIS,), 1)
+    col_min_dist_Km = _gather_min(out[6], token_axes, 0)
+  return (idx_nxk, act_nxk, sim_nxk, z_hat_nxD, row_max_cos_n, col_max_cos_Km,
+          row_min_dist_n, col_min_dist_Km)
+
+
 def _local_layer(z_nxD, protos_KmxD, mask_n, *, k: int, mixture: str, distance: str,
                  token_axes: tuple[str, ...]):
-  """Per-device body of the sharded layer (inside shard_map)."""
+  """Per-device body of the sharded layer (inside shard_map), XLA implementation."""
   hi = jax.lax.Precision.HIGHEST
   z = z_nxD.astype(jnp.float32)
   p = protos_KmxD.astype(jnp.float32)
@@ -132,10 +195,11 @@ def topk_reconstruct_sharded(z_NxD: jax.Array, protos_KxD: jax.Array, k: int, *,
                              implementation: str | None = None):
   """Same contract and outputs as `topk_reconstruct_xla`, on the active mesh.
 
-  Needs a mesh (jax.set_mesh) with a `model` axis dividing K. `implementation` is
-  accepted for signature parity; the per-shard similarity/top-k runs in XLA.
+  Needs a mesh (jax.set_mesh) with a `model` axis dividing K. `implementation` as in
+  `prototype_layer`: a Pallas one (or None on TPU/GPU) runs the per-shard similarity,
+  top-k and statistics in the fused kernel; "xla" (or None on CPU) in XLA.
   """
-  del implementation
+  opts = _kernel_opts(implementation, distance)
   mesh = jax.sharding.get_abstract_mesh()
   num_tokens, num_protos = z_NxD.shape[0], protos_KxD.shape[0]
   if mesh.empty or MODEL_AXIS not in mesh.axis_names:
@@ -150,9 +214,13 @@ def topk_reconstruct_sharded(z_NxD: jax.Array, protos_KxD: jax.Array, k: int, *,
   col = P(MODEL_AXIS)
 
   def body(z, p, mask):
+    if opts is not None:
+      return _local_kernel(z, p, mask, k=k, mixture=mixture, distance=distance,
+                           token_axes=tok, opts=opts)
     return _local_layer(z, p, mask, k=k, mixture=mixture, distance=distance, token_axes=tok)
 
   mask = jnp.ones(num_tokens, bool) if mask_N is None else mask_N.astype(bool)
   fn = jax.shard_map(body, mesh=mesh, in_specs=(rows2, P(MODEL_AXIS, None), row),
-                     out_specs=(rows2, rows2, rows2, rows2, row, col, row, col))
+                     out_specs=(rows2, rows2, rows2, rows2, row, col, row, col),
+                     check_vma=opts is None)
   return fn(z_NxD, protos_KxD, mask)
