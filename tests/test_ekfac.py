@@ -140,7 +140,33 @@ def test_dense_model_and_bad_query_batch():
   assert "bank" not in ekfac.layer_names(model)
   b = _batch(8)
   factors = ekfac.fit_factors(model, [b], ekfac.EkfacConfig(seed=1))
+  # No bank: layer-group streaming still equals the whole-model program.
+  got, _ = ekfac.ekfac_scores(model, factors, b, [b], train_batch_size=2)
+  ref, _ = ekfac.ekfac_scores(model, factors, b, [b], layerwise=False)
+  np.testing.assert_allclose(got, ref, rtol=1e-4, atol=1e-4 * np.max(np.abs(ref)))
   with pytest.raises(ValueError, match="query_batch_size"):
     ekfac.ekfac_scores(model, factors, b, [b], query_batch_size=0)
   with pytest.raises(ValueError, match="no valid training tokens"):
     ekfac.fit_factors(model, [dict(b, mask=np.zeros_like(b["mask"]))])
+
+
+def test_streamed_chunked_scores_equal_whole_batch_scores():
+  """Layer-group streaming with 1-query / 1-row (padded) chunks == one whole-model program."""
+  with jax.enable_x64(True):
+    model = _random_model(9)
+    cfg = ekfac.EkfacConfig(seed=3)
+    train = [_batch(10, batch=3), _batch(11, batch=2)]
+    factors = ekfac.fit_factors(model, train, cfg, dtype=jnp.float64)
+    query = _batch(12, batch=3, two_docs=False)
+    for by_example in (True, False):
+      ref, ref_ids = ekfac.ekfac_scores(model, factors, query, train, cfg=cfg,
+                                        layerwise=False, by_example=by_example,
+                                        dtype=jnp.float64)
+      for qbs, tbs in ((1, 1), (2, 2)):  # tbs=2 pads the 3-row batch's last chunk
+        got, ids = ekfac.ekfac_scores(model, factors, query, lambda: iter(train), cfg=cfg,
+                                      query_batch_size=qbs, train_batch_size=tbs,
+                                      by_example=by_example, dtype=jnp.float64)
+        np.testing.assert_array_equal(ids, ref_ids)
+        assert np.max(np.abs(got - ref)) <= 1e-10 * np.max(np.abs(ref)), (by_example, qbs)
+  with pytest.raises(ValueError, match="train_batch_size"):
+    ekfac.ekfac_scores(model, factors, query, train, train_batch_size=0)

@@ -17,6 +17,11 @@ Layers: per block qkv (D→3D), attention out (D→D), MLP fc (D→F), MLP proj 
 bias; plus the bank as the linear map ẑ = Pᵀa (input a ∈ R^K, no bias; a held fixed, i.e.
 the Gauss-Newton view of PRISM.md §4). The tied embedding / LM head is *not* included.
 
+Memory-bounded scoring (`ekfac_scores`, default `layerwise`): `stream_capture` chains the
+backward by hand one layer group at a time (bank, then blocks last to first), each group a
+small program shared by every block, so the peak is one block's programs and per-sequence
+gradients plus the query chunk's preconditioned gradients, whatever the depth.
+
 Capture design (no hooks): `_forward` re-implements the model's forward on a plain dict of
 arrays with a zero "probe" added to every linear layer's output; the gradient of the loss
 w.r.t. the probes is the per-token δ, and the layer inputs come back as aux. It keeps the
@@ -89,10 +94,17 @@ def _ln(x, scale_bias):
   return (x - mean) * jax.lax.rsqrt(var + _LN_EPS) * scale_bias[0] + scale_bias[1]
 
 
-def _forward(p, probes, tokens_BxT, mcfg):
-  """Logits (B, T, V) and the per-layer inputs (bias column appended) of the probed layers."""
+_BLOCK_LAYERS = ("qkv", "attn_out", "mlp_fc", "mlp_proj")
+
+
+def _embed(p, tokens_BxT):
+  return p["wte"][tokens_BxT] + p["wpe"][jnp.arange(tokens_BxT.shape[1])][None]
+
+
+def _block(blk, x, probes, mcfg):
+  """One transformer block; probes / returned inputs are keyed by _BLOCK_LAYERS names."""
   hi = jax.lax.Precision.HIGHEST
-  batch, seq = tokens_BxT.shape
+  batch, seq, _ = x.shape
   h_, dh = mcfg.n_heads, mcfg.head_dim
   acts = {}
 
@@ -102,20 +114,22 @@ def _forward(p, probes, tokens_BxT, mcfg):
       acts[name] = jnp.concatenate([x, jnp.ones(x.shape[:-1] + (1,), x.dtype)], -1)
     return jnp.einsum("bti,io->bto", x, w, precision=hi) + b + probes.get(name, 0.0)
 
-  x = p["wte"][tokens_BxT] + p["wpe"][jnp.arange(seq)][None]
   causal_TxT = jnp.tril(jnp.ones((seq, seq), bool))
-  for i, blk in enumerate(p["blocks"]):
-    qkv = linear(f"block{i}.qkv", _ln(x, blk["ln1"]), blk["qkv"]).reshape(
-        batch, seq, 3, h_, dh)
-    q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-    scores = jnp.einsum("bthk,bshk->bhts", q, k, precision=hi) / jnp.sqrt(
-        jnp.asarray(dh, x.dtype))
-    scores = jnp.where(causal_TxT, scores, jnp.finfo(scores.dtype).min)
-    ctx = jnp.einsum("bhts,bshk->bthk", jax.nn.softmax(scores, -1), v, precision=hi)
-    x = x + linear(f"block{i}.attn_out", ctx.reshape(batch, seq, h_ * dh), blk["attn_out"])
-    hid = jax.nn.gelu(linear(f"block{i}.mlp_fc", _ln(x, blk["ln2"]), blk["mlp_fc"]),
-                      approximate=True)
-    x = x + linear(f"block{i}.mlp_proj", hid, blk["mlp_proj"])
+  qkv = linear("qkv", _ln(x, blk["ln1"]), blk["qkv"]).reshape(batch, seq, 3, h_, dh)
+  q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
+  scores = jnp.einsum("bthk,bshk->bhts", q, k, precision=hi) / jnp.sqrt(
+      jnp.asarray(dh, x.dtype))
+  scores = jnp.where(causal_TxT, scores, jnp.finfo(scores.dtype).min)
+  ctx = jnp.einsum("bhts,bshk->bthk", jax.nn.softmax(scores, -1), v, precision=hi)
+  x = x + linear("attn_out", ctx.reshape(batch, seq, h_ * dh), blk["attn_out"])
+  hid = jax.nn.gelu(linear("mlp_fc", _ln(x, blk["ln2"]), blk["mlp_fc"]), approximate=True)
+  return x + linear("mlp_proj", hid, blk["mlp_proj"]), acts
+
+
+def _head(p, probes, x, mcfg):
+  """ln_f, the prototype layer (bank probe / input a under "bank") and the tied LM head."""
+  hi = jax.lax.Precision.HIGHEST
+  acts = {}
   z = _ln(x, p["ln_f"])
   head_in = z
   if "bank" in p:
@@ -138,7 +152,19 @@ def _forward(p, probes, tokens_BxT, mcfg):
       head_in = z - jax.lax.stop_gradient(z_hat) + z_hat
     else:
       head_in = (z - z_hat) + z_hat
-  logits = jnp.einsum("btd,vd->btv", head_in, p["wte"], precision=hi)
+  return jnp.einsum("btd,vd->btv", head_in, p["wte"], precision=hi), acts
+
+
+def _forward(p, probes, tokens_BxT, mcfg):
+  """Logits (B, T, V) and the per-layer inputs (bias column appended) of the probed layers."""
+  x = _embed(p, tokens_BxT)
+  acts = {}
+  for i, blk in enumerate(p["blocks"]):
+    local = {n: probes[f"block{i}.{n}"] for n in _BLOCK_LAYERS if f"block{i}.{n}" in probes}
+    x, a = _block(blk, x, local, mcfg)
+    acts.update({f"block{i}.{n}": v for n, v in a.items()})
+  logits, a = _head(p, probes, x, mcfg)
+  acts.update(a)
   return logits, acts
 
 
@@ -339,6 +365,118 @@ def _score_step(mcfg, names, p, pre_q, tokens_BxT, labels_BxT, weight_SxBxT):
   return sum(jnp.einsum("qoi,sboi->qsb", pre_q[n], grads[n], precision=_HI) for n in names)
 
 
+# Layer-group streaming: the same per-sequence gradients as `_capture`, computed one group
+# (the bank, then each block from the last) at a time by a hand-chained backward. Each piece
+# is a small program compiled once and reused by every block (equal shapes), so peak memory
+# is one block's programs and activations, not the whole model's backward at once.
+_embed_jit = jax.jit(_embed)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _block_fwd(mcfg, blk, x_BxTxD):
+  return _block(blk, x_BxTxD, {}, mcfg)[0]
+
+
+@functools.partial(jax.jit, static_argnums=(0, 1))
+def _head_bwd(mcfg, with_bank, head_p, x_BxTxD, labels_BxT, weight_SxBxT):
+  """Per-segment ∂loss/∂x (S, B, T, D), the bank's δ (S, B, T, D) and input a (B, T, K)."""
+  probes0 = {"bank": jnp.zeros(x_BxTxD.shape, x_BxTxD.dtype)} if with_bank else {}
+
+  def loss(x, probes, w_BxT):
+    logits, acts = _head(head_p, probes, x, mcfg)
+    return _summed_ce(logits, labels_BxT, w_BxT), acts
+
+  def seg(w_BxT):
+    (g_x, g_probes), acts = jax.grad(loss, argnums=(0, 1), has_aux=True)(
+        x_BxTxD, probes0, w_BxT)
+    return g_x, g_probes, acts
+
+  return jax.vmap(seg, out_axes=(0, 0, None))(weight_SxBxT)
+
+
+@functools.partial(jax.jit, static_argnums=(0,))
+def _block_bwd(mcfg, blk, x_BxTxD, g_out_SxBxTxD):
+  """Per-segment cotangents through one block: ∂/∂x_in, its layers' δ and inputs a."""
+  batch, seq, _ = x_BxTxD.shape
+  probes0 = {n: jnp.zeros((batch, seq, blk[n][0].shape[1]), x_BxTxD.dtype)
+             for n in _BLOCK_LAYERS}
+  _, vjp, acts = jax.vjp(lambda x, pr: _block(blk, x, pr, mcfg), x_BxTxD, probes0,
+                         has_aux=True)
+  g_in, deltas = jax.vmap(vjp)(g_out_SxBxTxD)
+  return g_in, deltas, acts
+
+
+def stream_capture(p, mcfg, names, tokens_BxT, labels_BxT, weight_SxBxT):
+  """Yields (group names, Capture) per layer group, keyed by the group's local names
+  (_BLOCK_LAYERS for block i, "bank"), bank first then blocks last to first."""
+  names = set(names)
+  xs = [_embed_jit(p, tokens_BxT)]
+  for blk in p["blocks"]:
+    xs.append(_block_fwd(mcfg, blk, xs[-1]))
+  head_p = {k: p[k] for k in ("wte", "ln_f", "bank") if k in p}
+  g, d_bank, a_bank = _head_bwd(mcfg, "bank" in names, head_p, xs.pop(), labels_BxT,
+                                weight_SxBxT)
+  if "bank" in names:
+    yield ("bank",), Capture(a_bank, d_bank)
+  for i in reversed(range(len(p["blocks"]))):
+    g, deltas, acts = _block_bwd(mcfg, p["blocks"][i], xs.pop(), g)
+    yield tuple(f"block{i}.{n}" for n in _BLOCK_LAYERS), Capture(acts, deltas)
+
+
+@jax.jit
+def _group_precondition(q_a, q_s, lam, damping, acts, deltas):
+  grads = {n: g[0] for n, g in per_sequence_grads(Capture(acts, deltas)).items()}
+  return _precondition(q_a, q_s, lam, damping, grads)
+
+
+@jax.jit
+def _group_score(pre_q, acts, deltas):
+  grads = per_sequence_grads(Capture(acts, deltas))
+  return sum(jnp.einsum("qoi,sboi->qsb", pre_q[n], grads[n], precision=_HI) for n in grads)
+
+
+def _local(name):
+  return name.split(".")[-1]
+
+
+def _query_layerwise(mcfg, names, p, fac, tokens_BxT, labels_BxT, mask_BxT):
+  """Preconditioned query gradients, group by group: {group: {local name: (Q, out, in)}}."""
+  pre = {}
+  for group, cap in stream_capture(p, mcfg, names, tokens_BxT, labels_BxT, mask_BxT[None]):
+    sub = [{_local(n): d[n] for n in group} for d in fac]
+    pre[group] = _group_precondition(*sub, cap.acts, cap.deltas)
+  return pre
+
+
+def _query_whole(mcfg, names, p, fac, tokens_BxT, labels_BxT, mask_BxT):
+  return _query_step(mcfg, names, p, *fac, tokens_BxT, labels_BxT, mask_BxT)
+
+
+def _score_layerwise(mcfg, names, p, pre_q, tokens_BxT, labels_BxT, weight_SxBxT):
+  total = 0.0
+  for group, cap in stream_capture(p, mcfg, names, tokens_BxT, labels_BxT, weight_SxBxT):
+    total = total + _group_score(pre_q[group], cap.acts, cap.deltas)
+  return total
+
+
+def _row_chunks(batch: Batch, rows: int | None):
+  """Splits a batch into `rows`-row chunks; a short (last) chunk is padded (mask False, ids
+  -1) so that one compiled shape serves every chunk. rows=None: the batch as it is."""
+  num = np.asarray(batch["inputs"]).shape[0]
+  if rows is None or num == rows:
+    yield batch
+    return
+  for start in range(0, num, rows):
+    sub = {k: np.asarray(v)[start:start + rows] for k, v in batch.items()}
+    have = sub["inputs"].shape[0]
+    if have < rows:
+      fill = lambda k: False if k == "mask" else (-1 if k in ("example_id", "offset",
+                                                              "row_id") else 0)
+      sub = {k: np.concatenate([v, np.full((rows - have,) + v.shape[1:], fill(k), v.dtype)])
+             for k, v in sub.items()}
+    yield sub
+
+
 def query_grads(model, query: Batch, cfg: EkfacConfig = EkfacConfig(), dtype=None):
   """Per-query-row gradients of the summed CE over `query["mask"]` positions: (Q, out, in)."""
   p = extract_params(model, dtype)
@@ -349,13 +487,19 @@ def query_grads(model, query: Batch, cfg: EkfacConfig = EkfacConfig(), dtype=Non
 
 def ekfac_scores(model, factors: Factors, query: Batch, train_batches, *,
                  cfg: EkfacConfig = EkfacConfig(), query_batch_size: int | None = None,
+                 train_batch_size: int | None = None, layerwise: bool = True,
                  by_example: bool = True, dtype=None) -> tuple[np.ndarray, np.ndarray]:
   """Influence of every training sequence on every query row: (Q, E) scores and E ids.
 
   Query rows are processed `query_batch_size` at a time, each chunk streaming over
-  `train_batches` (a re-iterable or a zero-argument callable returning an iterable) once:
-  memory ∝ (query_batch_size + train batch) × #params, time ∝ #chunks — kronfluence's
-  trade-off. Sequences are documents (example ids) when `by_example`, else rows (row ids).
+  `train_batches` (a re-iterable or a zero-argument callable returning an iterable) once,
+  `train_batch_size` rows at a time (default: as the batches come): memory ∝
+  (query_batch_size + train rows) × #params, time ∝ #chunks — kronfluence's trade-off.
+  `layerwise` (default) backpropagates one layer group at a time (`stream_capture`), so
+  neither the whole model's backward program nor all layers' per-sequence gradients are
+  held at once, and captures query rows `train_batch_size` at a time too; False runs the
+  whole capture as one program (same scores).
+  Sequences are documents (example ids) when `by_example`, else rows (row ids).
   The query loss is the summed CE over `query["mask"]`, the same convention as training.
   """
   p = extract_params(model, dtype)
@@ -364,28 +508,38 @@ def ekfac_scores(model, factors: Factors, query: Batch, train_batches, *,
   qbs = num_q if query_batch_size is None else int(query_batch_size)
   if qbs <= 0:
     raise ValueError(f"query_batch_size must be positive, got {query_batch_size}")
+  if train_batch_size is not None and train_batch_size <= 0:
+    raise ValueError(f"train_batch_size must be positive, got {train_batch_size}")
   fdt = p["wte"].dtype
   fac = [{n: d[n] for n in names} for d in (factors.q_a, factors.q_s, factors.lam,
                                            factors.damping)]
+  query_fn, score_fn = ((_query_layerwise, _score_layerwise) if layerwise else
+                        (_query_whole, _score_step))
   scores: dict[int, np.ndarray] = {}
   for start in range(0, num_q, qbs):
     sl = slice(start, start + qbs)
-    pre_q = _query_step(model.cfg, names, p, *fac,
-                        jnp.asarray(np.asarray(query["inputs"])[sl], jnp.int32),
-                        jnp.asarray(np.asarray(query["targets"])[sl], jnp.int32),
-                        jnp.asarray(np.asarray(query["mask"])[sl], fdt))
+    chunk = {k: np.asarray(query[k])[sl] for k in ("inputs", "targets", "mask")}
+    # Layerwise, the query rows are captured train_batch_size at a time (padded): the same
+    # compiled programs as the training side, and only the preconditioned gradients grow.
+    parts = [query_fn(model.cfg, names, p, fac, jnp.asarray(c["inputs"], jnp.int32),
+                      jnp.asarray(c["targets"], jnp.int32), jnp.asarray(c["mask"], fdt))
+             for c in _row_chunks(chunk, train_batch_size if layerwise else None)]
+    pre_q = jax.tree.map(lambda *x: jnp.concatenate(x)[:len(chunk["inputs"])], *parts)
+    del parts
     batches = train_batches() if callable(train_batches) else train_batches
-    for batch in batches:
-      weights, seg_ids = segment_weights(batch, by_example)
-      s_QxSxB = np.asarray(_score_step(model.cfg, names, p, pre_q,
-                                       jnp.asarray(batch["inputs"], jnp.int32),
-                                       jnp.asarray(batch["targets"], jnp.int32),
-                                       jnp.asarray(weights, fdt)))
-      for (s, b), e in np.ndenumerate(seg_ids):
-        if e < 0:
-          continue
-        if e not in scores:
-          scores[int(e)] = np.zeros(num_q, np.float64)
-        scores[int(e)][sl] += s_QxSxB[:, s, b]
+    for big in batches:
+      for batch in _row_chunks(big, train_batch_size):
+        weights, seg_ids = segment_weights(batch, by_example)
+        s_QxSxB = np.asarray(score_fn(model.cfg, names, p, pre_q,
+                                      jnp.asarray(batch["inputs"], jnp.int32),
+                                      jnp.asarray(batch["targets"], jnp.int32),
+                                      jnp.asarray(weights, fdt)))
+        for (s, b), e in np.ndenumerate(seg_ids):
+          if e < 0:
+            continue
+          if e not in scores:
+            scores[int(e)] = np.zeros(num_q, np.float64)
+          scores[int(e)][sl] += s_QxSxB[:, s, b]
+    del pre_q
   ids = np.asarray(sorted(scores), np.int64)
   return np.stack([scores[e] for e in ids], 1) if len(ids) else np.zeros((num_q, 0)), ids
