@@ -19,11 +19,6 @@ flags.DEFINE_integer("top", 3, "prototypes shown per token")
 flags.DEFINE_multi_string("set", [], "config override KEY=VALUE on the tiny preset")
 FLAGS = flags.FLAGS
 
-# On top of the tiny preset: a convex (normalised) mixture and stronger clustering terms.
-# Measured at 600 steps on the embedded corpus (docs/results/train.md): val loss within
-# ~1% of the preset's, with R̄1/R̄2 0.97/0.93 instead of 0.86/0.79 and a residual share of
-# 0.25 instead of 3.2, so each token's prototype contributions are meaningful.
-DEMO_SETS = ("model.mixture=normalized", "loss.lambda_r1=1.0", "loss.lambda_r2=1.0")
 
 
 def _signature(model, proto_id: int, decode, n: int = 3) -> str:
@@ -41,7 +36,7 @@ def main(argv):
   from prism_jax.train.metrics import quiet_library_logs  # pylint: disable=g-import-not-at-top
   quiet_library_logs(40)  # orbax's read-only notices are noise here
   try:
-    cfg = apply_overrides(preset("tiny"), list(DEMO_SETS) + list(FLAGS.set))
+    cfg = apply_overrides(preset("tiny"), list(FLAGS.set))
   except ValueError as e:
     sys.exit(f"error: {e}")
   try:

@@ -41,7 +41,9 @@ class ModelConfig:
   num_prototypes: int = 256  # K
   k: int = 8  # active prototypes per token
   residual_routing: ResidualRouting = "straight_through"
-  mixture: Mixture = "raw"
+  # Convex mixture by default: the raw one overshoots z about k-fold (residual share ~3-7),
+  # which makes the per-prototype logit decomposition hard to read (docs/RESULTS.md).
+  mixture: Mixture = "normalized"
   distance: Distance = "cosine"  # for the clustering terms R1/R2
   proto_init: Literal["data", "normal"] = "data"
   implementation: str | None = None  # prototype-layer kernel; None = best available
@@ -81,9 +83,11 @@ class ModelConfig:
 class LossConfig:
   """Weights of L = CE + λ_rec REC + λ_1 R1 + λ_2 R2 (PRISM.md §2)."""
 
+  # Defaults from the tiny-preset sweep (docs/RESULTS.md): R2 (token coverage) needs the
+  # strong weight; R1 is easy once prototypes start from data, so a light weight suffices.
   lambda_rec: float = 0.05
-  lambda_r1: float = 0.05
-  lambda_r2: float = 0.05
+  lambda_r1: float = 0.1
+  lambda_r2: float = 1.0
   rec_kind: RecKind = "relative"
 
   def __post_init__(self):
@@ -184,7 +188,7 @@ GPT2_CONTEXT = 1024
 MODEL_PRESETS: dict[str, ModelConfig] = {
     # Trains on two CPU cores in minutes.
     "tiny": ModelConfig(vocab_size=512, max_len=128, d_model=128, n_layers=4, n_heads=4,
-                        num_prototypes=256, k=8),
+                        num_prototypes=512, k=8),
     # GPT-2 family (PRISM.md §1): K and k from the paper.
     "small": ModelConfig(vocab_size=GPT2_VOCAB, max_len=GPT2_CONTEXT, d_model=768,
                          n_layers=12, n_heads=12, num_prototypes=8192, k=16),
