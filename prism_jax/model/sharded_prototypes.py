@@ -109,14 +109,7 @@ def _local_kernel(z_nxD, protos_KmxD, mask_n, *, k: int, mixture: str, distance:
   out = api._stats(z, p_in, valid_n, k_local, opts)  # pylint: disable=protected-access
   vals_nxkl, lidx_nxkl, col_max_cos_Km = out[0], out[1], out[2]
   gid_nxkl = lidx_nxkl + offset
-  # Same merge as the XLA body: candidates ordered by shard, then (value desc, id asc).
-  cand_vals = jax.lax.all_gather(vals_nxkl, MODEL_AXIS, axis=1, tiled=True, to="invarying")
-  cand_ids = jax.lax.all_gather(gid_nxkl, MODEL_AXIS, axis=1, tiled=True, to="invarying")
-  sim_nxk, pos_nxk = jax.lax.top_k(cand_vals, k)
-  idx_nxk = jnp.take_along_axis(cand_ids, pos_nxk, axis=1)
-  act_nxk = jax.nn.relu(sim_nxk)
-  if mixture == "normalized":
-    act_nxk = act_nxk / jnp.maximum(jnp.sum(act_nxk, axis=-1, keepdims=True), _EPS)
+  sim_nxk, idx_nxk, act_nxk = _merge_candidates(vals_nxkl, gid_nxkl, k, mixture)
   local_nxk = idx_nxk - offset
   owned_nxk = (local_nxk >= 0) & (local_nxk < num_local)
   p = p_in.astype(jnp.float32)
@@ -134,6 +127,22 @@ def _local_kernel(z_nxD, protos_KmxD, mask_n, *, k: int, mixture: str, distance:
     col_min_dist_Km = _gather_min(out[6], token_axes, 0)
   return (idx_nxk, act_nxk, sim_nxk, z_hat_nxD, row_max_cos_n, col_max_cos_Km,
           row_min_dist_n, col_min_dist_Km)
+
+
+def _merge_candidates(vals_nxkl, gid_nxkl, k: int, mixture: str):
+  """Global top-k among the k*m candidates gathered over `model`, and the activations.
+
+  Candidates are ordered by shard, then by (value desc, id asc), so on ties top_k keeps
+  the lower prototype id, as in the unsharded layer.
+  """
+  cand_vals = jax.lax.all_gather(vals_nxkl, MODEL_AXIS, axis=1, tiled=True, to="invarying")
+  cand_ids = jax.lax.all_gather(gid_nxkl, MODEL_AXIS, axis=1, tiled=True, to="invarying")
+  sim_nxk, pos_nxk = jax.lax.top_k(cand_vals, k)
+  idx_nxk = jnp.take_along_axis(cand_ids, pos_nxk, axis=1)
+  act_nxk = jax.nn.relu(sim_nxk)
+  if mixture == "normalized":
+    act_nxk = act_nxk / jnp.maximum(jnp.sum(act_nxk, axis=-1, keepdims=True), _EPS)
+  return sim_nxk, idx_nxk, act_nxk
 
 
 def _local_layer(z_nxD, protos_KmxD, mask_n, *, k: int, mixture: str, distance: str,
@@ -156,14 +165,7 @@ def _local_layer(z_nxD, protos_KmxD, mask_n, *, k: int, mixture: str, distance: 
   k_local = min(k, num_local)
   vals_nxkl, lidx_nxkl = jax.lax.top_k(cos_nxKm, k_local)
   gid_nxkl = lidx_nxkl.astype(jnp.int32) + offset.astype(jnp.int32)
-  cand_vals = jax.lax.all_gather(vals_nxkl, MODEL_AXIS, axis=1, tiled=True, to="invarying")
-  cand_ids = jax.lax.all_gather(gid_nxkl, MODEL_AXIS, axis=1, tiled=True, to="invarying")
-  sim_nxk, pos_nxk = jax.lax.top_k(cand_vals, k)
-  idx_nxk = jnp.take_along_axis(cand_ids, pos_nxk, axis=1)
-
-  act_nxk = jax.nn.relu(sim_nxk)
-  if mixture == "normalized":
-    act_nxk = act_nxk / jnp.maximum(jnp.sum(act_nxk, axis=-1, keepdims=True), _EPS)
+  sim_nxk, idx_nxk, act_nxk = _merge_candidates(vals_nxkl, gid_nxkl, k, mixture)
   # Reconstruction from the owning shards.
   local_nxk = idx_nxk - offset
   owned_nxk = (local_nxk >= 0) & (local_nxk < num_local)
