@@ -78,4 +78,4 @@ def test_configs_are_frozen_and_presets_match_the_spec():
     C.model_preset("huge")
   with pytest.raises(ValueError, match="model.k=999 exceeds"):
     C.model_preset("tiny", k=999)
-  assert json.loads(C.to_json(cfg))["model"]["num_prototypes"] == 256
+  assert json.loads(C.to_json(cfg))["model"]["num_prototypes"] == 512

@@ -107,7 +107,7 @@ def test_accumulator_on_a_prism_model_and_errors():
     acc.update_from_output(out, mask)
     zs.append(np.asarray(out.z_BxTxD).reshape(16, -1))
     masks.append(np.asarray(mask).reshape(-1))
-  want = brute_force(np.asarray(model.bank.protos[...]), zs, masks, 2, "raw")
+  want = brute_force(np.asarray(model.bank.protos[...]), zs, masks, 2, cfg.mixture)
   got = acc.result()
   for name in ("r1_bar", "r2_bar", "residual_share"):
     np.testing.assert_allclose(got[name], want[name], rtol=1e-5, err_msg=name)

@@ -114,6 +114,8 @@ def test_total_loss_weighting_vs_float64(distance, rec_kind):
   cos = 1.0 - np_dist(z, p, "cosine")
   idx = np.argsort(-cos, axis=1, kind="stable")[:, :3]
   act = np.maximum(np.take_along_axis(cos, idx, 1), 0)
+  if model.cfg.mixture == "normalized":
+    act = act / np.maximum(act.sum(1, keepdims=True), 1e-6)
   r = z - np.einsum("nk,nkd->nd", act, p[idx])
   rec_tok = (r ** 2).sum(1) / ((z ** 2).sum(1) if rec_kind == "relative" else 1.0)
   dist = np_dist(z, p, distance)

@@ -53,6 +53,8 @@ def _reference(model, batches, k):
     cols = np.maximum(cols, cos[m].max(0))
     top = np.argsort(-cos, axis=1, kind="stable")[:, :k]
     act = np.maximum(np.take_along_axis(cos, top, 1), 0.0)
+    if model.cfg.mixture == "normalized":
+      act = act / np.maximum(act.sum(1, keepdims=True), 1e-6)
     z_hat = np.einsum("nk,nkd->nd", act, protos[top])
     sq_r += np.sum(((z - z_hat) ** 2).sum(1)[m])
     sq_z += np.sum((z ** 2).sum(1)[m])
