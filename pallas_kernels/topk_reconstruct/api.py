@@ -33,6 +33,7 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.topk_reconstruct import common, reference, sharded
+from prism_jax.model.prototypes import mixture_weights
 
 _EPS = 1e-6  # same guard as prism_jax.model.prototypes
 IMPLEMENTATIONS = (None, "xla", "pallas_tpu", "pallas_gpu", "pallas_interpret")
@@ -293,9 +294,7 @@ def run_with_options(z_NxD, protos_KxD, k, opts: KernelOptions, *, mixture="raw"
     out = _stats(z_NxD, protos_KxD, valid_N, k, opts)
   sim, idx, col_max_cos = out[0], out[1], out[2]
   p = protos_KxD.astype(jnp.float32)
-  act = jax.nn.relu(sim)
-  if mixture == "normalized":
-    act = act / jnp.maximum(jnp.sum(act, axis=-1, keepdims=True), _EPS)
+  act = mixture_weights(sim, mixture)
   z_hat = gather_mix(act, idx, p, opts.backend == "tpu")
   row_max_cos = sim[:, 0]
   if distance == "cosine":

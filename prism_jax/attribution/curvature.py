@@ -44,6 +44,7 @@ import numpy as np
 from flax import nnx
 
 from prism_jax.config import LossConfig
+from prism_jax.model.prototypes import mixture_weights, similarity
 
 _EPS = 1e-6  # same guards as prism_jax.model.prototypes / prism_jax.losses
 _HI = jax.lax.Precision.HIGHEST
@@ -132,14 +133,10 @@ def head_forward(protos_KxD: jax.Array, head: HeadInputs, spec: HeadSpec, *,
   if path not in ("linear", "full"):
     raise ValueError(f"path={path!r}; use 'linear' (activations fixed) or 'full'")
   z = head.z_NxD
-  sqz, inv_z = _norm_inv(z)
-  sqp, inv_p = _norm_inv(protos_KxD)
-  dot_NxK = jnp.dot(z, protos_KxD.T, precision=_HI)
-  cos_NxK = dot_NxK * inv_z[:, None] * inv_p[None, :]
+  s = similarity(z, protos_KxD)  # in the inputs' dtype (float64 for the references)
+  cos_NxK = s.cos_NxK
   sim_Nxk, idx_Nxk = jax.lax.top_k(cos_NxK, spec.k)
-  act_Nxk = jax.nn.relu(sim_Nxk)
-  if spec.mixture == "normalized":
-    act_Nxk = act_Nxk / jnp.maximum(jnp.sum(act_Nxk, -1, keepdims=True), _EPS)
+  act_Nxk = mixture_weights(sim_Nxk, spec.mixture)
   if path == "linear":
     act_Nxk = jax.lax.stop_gradient(act_Nxk)
   z_hat = jnp.einsum("nk,nkd->nd", act_Nxk, protos_KxD[idx_Nxk], precision=_HI)
@@ -149,7 +146,7 @@ def head_forward(protos_KxD: jax.Array, head: HeadInputs, spec: HeadSpec, *,
   if spec.distance == "cosine":
     dist_NxK = 1.0 - cos_NxK
   else:
-    dist_NxK = jnp.maximum(sqz[:, None] + sqp[None, :] - 2.0 * dot_NxK, 0.0)
+    dist_NxK = s.sqdist()
   return HeadForward(idx_Nxk.astype(jnp.int32), act_Nxk, z_hat, residual, logits, cos_NxK,
                      dist_NxK)
 

@@ -40,6 +40,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from prism_jax.model.lm import PrismLM
+from prism_jax.model.prototypes import mixture_weights
 
 Batch = Mapping[str, np.ndarray]
 _LN_EPS = 1e-5
@@ -139,9 +140,7 @@ def _head(p, probes, x, mcfg):
                                                 _EPS * _EPS))
     cos = jnp.einsum("btd,kd->btk", unit_z, unit_p, precision=hi)
     sim, idx = jax.lax.top_k(cos, mcfg.k)
-    act = jax.nn.relu(sim)
-    if mcfg.mixture == "normalized":
-      act = act / jnp.maximum(act.sum(-1, keepdims=True), _EPS)
+    act = mixture_weights(sim, mcfg.mixture)
     a_BxTxK = jnp.sum(jax.nn.one_hot(idx, protos.shape[0], dtype=act.dtype) * act[..., None],
                       axis=-2)
     z_hat = jnp.einsum("btk,kd->btd", a_BxTxK, protos, precision=hi)

@@ -65,6 +65,40 @@ def validate_inputs(z_NxD: jax.Array, protos_KxD: jax.Array, k: int, *,
     raise ValueError(f"mask must have shape (N,)=({z_NxD.shape[0]},), got {mask_N.shape}")
 
 
+class Similarity(NamedTuple):
+  """The one N x K matmul of the layer and what is derived from it, in the inputs' dtype."""
+
+  dot_NxK: jax.Array
+  sqnorm_z_N: jax.Array
+  sqnorm_p_K: jax.Array
+  cos_NxK: jax.Array
+
+  def sqdist(self) -> jax.Array:
+    """Squared Euclidean distances from the same dot products (clamped at 0)."""
+    return jnp.maximum(self.sqnorm_z_N[:, None] + self.sqnorm_p_K[None, :]
+                       - 2.0 * self.dot_NxK, 0.0)
+
+
+def similarity(z_NxD: jax.Array, protos_KxD: jax.Array) -> Similarity:
+  """Cosine similarities via one matmul; norms guarded by _EPS. Keeps the input dtype
+  (float64 for the curvature references), so callers cast first where they need to."""
+  sqnorm_z_N = jnp.sum(z_NxD * z_NxD, axis=-1)
+  sqnorm_p_K = jnp.sum(protos_KxD * protos_KxD, axis=-1)
+  inv_z_N = jax.lax.rsqrt(jnp.maximum(sqnorm_z_N, _EPS * _EPS))
+  inv_p_K = jax.lax.rsqrt(jnp.maximum(sqnorm_p_K, _EPS * _EPS))
+  dot_NxK = jnp.dot(z_NxD, protos_KxD.T, precision=jax.lax.Precision.HIGHEST)
+  return Similarity(dot_NxK, sqnorm_z_N, sqnorm_p_K,
+                    dot_NxK * inv_z_N[:, None] * inv_p_K[None, :])
+
+
+def mixture_weights(sim_Nxk: jax.Array, mixture: str) -> jax.Array:
+  """Activations a = ReLU(sim) of the active prototypes, normalised to sum 1 if asked."""
+  act_Nxk = jax.nn.relu(sim_Nxk)
+  if mixture == "normalized":
+    act_Nxk = act_Nxk / jnp.maximum(jnp.sum(act_Nxk, axis=-1, keepdims=True), _EPS)
+  return act_Nxk
+
+
 def topk_reconstruct_xla(z_NxD: jax.Array, protos_KxD: jax.Array, k: int, *,
                          mixture: str = "raw", distance: str = "cosine",
                          mask_N: jax.Array | None = None):
@@ -72,17 +106,11 @@ def topk_reconstruct_xla(z_NxD: jax.Array, protos_KxD: jax.Array, k: int, *,
   col_min_dist), all in float32. This is the oracle every kernel is tested against."""
   z = z_NxD.astype(jnp.float32)
   p = protos_KxD.astype(jnp.float32)
-  sqnorm_z_N = jnp.sum(z * z, axis=-1)
-  sqnorm_p_K = jnp.sum(p * p, axis=-1)
-  inv_z_N = jax.lax.rsqrt(jnp.maximum(sqnorm_z_N, _EPS * _EPS))
-  inv_p_K = jax.lax.rsqrt(jnp.maximum(sqnorm_p_K, _EPS * _EPS))
-  dot_NxK = jnp.dot(z, p.T, precision=jax.lax.Precision.HIGHEST)
-  cos_NxK = dot_NxK * inv_z_N[:, None] * inv_p_K[None, :]
+  s = similarity(z, p)
+  cos_NxK = s.cos_NxK
 
   sim_Nxk, idx_Nxk = jax.lax.top_k(cos_NxK, k)
-  act_Nxk = jax.nn.relu(sim_Nxk)
-  if mixture == "normalized":
-    act_Nxk = act_Nxk / jnp.maximum(jnp.sum(act_Nxk, axis=-1, keepdims=True), _EPS)
+  act_Nxk = mixture_weights(sim_Nxk, mixture)
   z_hat_NxD = jnp.einsum("nk,nkd->nd", act_Nxk, p[idx_Nxk],
                          precision=jax.lax.Precision.HIGHEST)
 
@@ -93,7 +121,7 @@ def topk_reconstruct_xla(z_NxD: jax.Array, protos_KxD: jax.Array, k: int, *,
     row_min_dist_N = 1.0 - row_max_cos_N
     col_min_dist_K = 1.0 - col_max_cos_K
   else:
-    sqdist_NxK = jnp.maximum(sqnorm_z_N[:, None] + sqnorm_p_K[None, :] - 2.0 * dot_NxK, 0.0)
+    sqdist_NxK = s.sqdist()
     row_min_dist_N = jnp.min(sqdist_NxK, axis=-1)
     col_min_dist_K = jnp.min(jnp.where(valid_N[:, None], sqdist_NxK, jnp.inf), axis=0)
   return (idx_Nxk.astype(jnp.int32), act_Nxk, sim_Nxk, z_hat_NxD, row_max_cos_N,

@@ -32,7 +32,8 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec as P
 
-_EPS = 1e-6  # same guard as prism_jax.model.prototypes
+from prism_jax.model.prototypes import mixture_weights, similarity
+
 MODEL_AXIS = "model"
 TOKEN_AXES = ("data", "fsdp")
 
@@ -139,10 +140,7 @@ def _merge_candidates(vals_nxkl, gid_nxkl, k: int, mixture: str):
   cand_ids = jax.lax.all_gather(gid_nxkl, MODEL_AXIS, axis=1, tiled=True, to="invarying")
   sim_nxk, pos_nxk = jax.lax.top_k(cand_vals, k)
   idx_nxk = jnp.take_along_axis(cand_ids, pos_nxk, axis=1)
-  act_nxk = jax.nn.relu(sim_nxk)
-  if mixture == "normalized":
-    act_nxk = act_nxk / jnp.maximum(jnp.sum(act_nxk, axis=-1, keepdims=True), _EPS)
-  return sim_nxk, idx_nxk, act_nxk
+  return sim_nxk, idx_nxk, mixture_weights(sim_nxk, mixture)
 
 
 def _local_layer(z_nxD, protos_KmxD, mask_n, *, k: int, mixture: str, distance: str,
@@ -153,12 +151,8 @@ def _local_layer(z_nxD, protos_KmxD, mask_n, *, k: int, mixture: str, distance: 
   p = protos_KmxD.astype(jnp.float32)
   num_local = p.shape[0]
   offset = jax.lax.axis_index(MODEL_AXIS) * num_local
-  sqnorm_z_n = jnp.sum(z * z, axis=-1)
-  sqnorm_p_Km = jnp.sum(p * p, axis=-1)
-  inv_z_n = jax.lax.rsqrt(jnp.maximum(sqnorm_z_n, _EPS * _EPS))
-  inv_p_Km = jax.lax.rsqrt(jnp.maximum(sqnorm_p_Km, _EPS * _EPS))
-  dot_nxKm = jnp.dot(z, p.T, precision=hi)
-  cos_nxKm = dot_nxKm * inv_z_n[:, None] * inv_p_Km[None, :]
+  s = similarity(z, p)
+  cos_nxKm = s.cos_NxK
 
   # Local top-k, then the global top-k among the k*m gathered candidates. Candidates are
   # ordered by shard, then by (value desc, id asc), so on ties top_k keeps the lower id.
@@ -182,8 +176,7 @@ def _local_layer(z_nxD, protos_KmxD, mask_n, *, k: int, mixture: str, distance: 
     row_min_dist_n = 1.0 - row_max_cos_n
     col_min_dist_Km = 1.0 - col_max_cos_Km
   else:
-    sqdist_nxKm = jnp.maximum(
-        sqnorm_z_n[:, None] + sqnorm_p_Km[None, :] - 2.0 * dot_nxKm, 0.0)
+    sqdist_nxKm = s.sqdist()
     row_min_dist_n = _gather_min(jnp.min(sqdist_nxKm, axis=-1), (MODEL_AXIS,), 1)
     col_min_dist_Km = _gather_min(
         jnp.min(jnp.where(valid_n[:, None], sqdist_nxKm, jnp.inf), axis=0), token_axes, 0)
