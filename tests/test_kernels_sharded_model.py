@@ -15,18 +15,10 @@ from jax.sharding import NamedSharding, PartitionSpec as P
 from prism_jax import sharding
 from prism_jax.config import MeshConfig
 from prism_jax.model.prototypes import prototype_layer
-from test_sharding_prototypes import collectives
+from test_sharding_prototypes import _inputs, _rel, collectives
 
 FIELDS = ("idx_Nxk", "act_Nxk", "sim_Nxk", "z_hat_NxD", "residual_NxD", "row_max_cos_N",
           "col_max_cos_K", "row_min_dist_N", "col_min_dist_K")
-
-
-def _inputs(seed, n, num_protos, d):
-  rng = np.random.default_rng(seed)
-  z = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
-  protos = jnp.asarray(rng.normal(size=(num_protos, d)), jnp.float32)
-  mask = jnp.asarray(rng.random(n) > 0.25)
-  return z, protos, mask
 
 
 def _objective(z, protos, mask, k, distance, mixture, implementation):
@@ -41,11 +33,6 @@ def _objective(z, protos, mask, k, distance, mixture, implementation):
          + jnp.sum(out.row_min_dist_N ** 2) + 0.1 * jnp.sum(out.residual_NxD * z)
          + jnp.sum(fin(out.col_min_dist_K) * w_K) + jnp.sum(fin(out.col_max_cos_K) * w_K[::-1]))
   return val, out
-
-
-def _rel(a, b):
-  a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-  return float(np.max(np.abs(a - b)) / max(np.max(np.abs(a)), 1e-30))
 
 
 @pytest.mark.parametrize("shape,distance,mixture", [

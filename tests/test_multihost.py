@@ -26,6 +26,7 @@ from prism_jax.train import checkpoint as ckpt_lib  # noqa: E402
 from prism_jax.train import state as state_lib  # noqa: E402
 from prism_jax.train import step as step_lib  # noqa: E402
 from prism_jax.train.optimizer import make_optimizer  # noqa: E402
+from test_sharding import make_batches  # noqa: E402  (tests/ is on sys.path, also in workers)
 
 NUM_PROCESSES, LOCAL_DEVICES, STEPS = 2, 4, 3
 MESH_A, MESH_B = (2, 2, 2), (1, 2, 4)
@@ -38,18 +39,6 @@ def _config():
                         num_prototypes=64, k=4, proto_init="normal"),
       data=DataConfig(seq_len=16),
       train=TrainConfig(steps=10, batch_size=8, lr=1e-2, warmup_steps=2, proto_init_step=0))
-
-
-def _batches(cfg, count, seed=0):
-  rng = np.random.default_rng(seed)
-  b, t = cfg.train.batch_size, cfg.data.seq_len
-  out = []
-  for _ in range(count):
-    rows = rng.integers(0, cfg.model.vocab_size, (b, t + 1))
-    out.append({"inputs": rows[:, :-1].astype(np.int32),
-                "targets": rows[:, 1:].astype(np.int32),
-                "mask": rng.random((b, t)) > 0.15})
-  return out
 
 
 def _train(cfg, mesh, batches):
@@ -77,7 +66,7 @@ def worker(pid: int, port: int, workdir: str) -> None:
   assert (jax.process_count(), jax.device_count(), jax.local_device_count()) == (2, 8, 4)
   cfg = _config()
   mesh = sharding.make_mesh(MeshConfig(*MESH_A))
-  losses, state, shardings, shard = _train(cfg, mesh, _batches(cfg, STEPS))
+  losses, state, shardings, shard = _train(cfg, mesh, make_batches(cfg, STEPS))
 
   ckpt = ckpt_lib.Checkpointer(workdir)  # every process saves and restores
   ckpt.save(STEPS, state, {"step": STEPS}, cfg)
@@ -141,7 +130,7 @@ def test_two_processes_train_like_one(tmp_path):
   try:
     # Meanwhile, the reference: one process with 8 devices, same mesh shape and batches.
     cfg = _config()
-    ref, _, _, _ = _train(cfg, sharding.make_mesh(MeshConfig(*MESH_A)), _batches(cfg, STEPS))
+    ref, _, _, _ = _train(cfg, sharding.make_mesh(MeshConfig(*MESH_A)), make_batches(cfg, STEPS))
     for p in procs:
       p.wait(timeout=TIMEOUT_S)
   finally:
