@@ -10,6 +10,7 @@ import pytest
 from flax import nnx
 
 from prism_jax.attribution import ekfac
+from prism_jax.attribution import ekfac_capture
 from prism_jax.config import ModelConfig
 from prism_jax.model.lm import build_model
 
@@ -44,7 +45,7 @@ def test_forward_and_capture_match_real_model():
   b = _batch(1)
   out = model(jnp.asarray(b["inputs"]))
   p = ekfac.extract_params(model)
-  logits, _ = ekfac._forward(p, {}, jnp.asarray(b["inputs"]), CFG)
+  logits, _ = ekfac_capture._forward(p, {}, jnp.asarray(b["inputs"]), CFG)
   np.testing.assert_allclose(logits, out.logits_BxTxV, rtol=1e-5, atol=1e-5)
 
   # Σ_t δ aᵀ per row == nnx.grad of the real model's summed CE of that row.
@@ -54,8 +55,8 @@ def test_forward_and_capture_match_real_model():
 
   def row_loss(m, row):
     lg = m(jnp.asarray(b["inputs"][row:row + 1])).logits_BxTxV
-    return ekfac._summed_ce(lg, jnp.asarray(b["targets"][row:row + 1]),
-                            jnp.asarray(b["mask"][row:row + 1], jnp.float32))
+    return ekfac_capture._summed_ce(lg, jnp.asarray(b["targets"][row:row + 1]),
+                                    jnp.asarray(b["mask"][row:row + 1], jnp.float32))
 
   d = CFG.d_model
   for row in (3,):
