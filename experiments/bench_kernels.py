@@ -13,6 +13,8 @@ from pallas_kernels.topk_reconstruct import api, benchmark
 
 _SHAPES = flags.DEFINE_list("shapes", None, f"subset of {list(benchmark.SHAPES)}")
 _DTYPES = flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "input dtypes")
+_DISTANCES = flags.DEFINE_list("distances", ["sqeuclidean"], "sqeuclidean (every "
+                               "statistic) and/or cosine (the model's default)")
 _ITERS = flags.DEFINE_integer("iters", 5, "timed repetitions (median reported)")
 _CHECK = flags.DEFINE_bool("check", False, "first compare kernel and reference outputs")
 _BLOCKS = flags.DEFINE_list("blocks", None, "kernel block_n,block_k[,block_d] override")
@@ -54,12 +56,15 @@ def main(argv):
   rows = []
   for shape in shapes:
     for dtype in _DTYPES.value:
-      try:  # print each shape as it lands: a device run may be cut short
-        new = benchmark.bench_shape(shape, dtype, impl, iters=_ITERS.value, kernel_kwargs=kw)
-        print(benchmark.format_table(new), flush=True)
-        rows += new
-      except Exception as e:  # pylint: disable=broad-except
-        print(f"{shape} {dtype}: FAILED {type(e).__name__}: {str(e)[:400]}", flush=True)
+      for distance in _DISTANCES.value:
+        try:  # print each shape as it lands: a device run may be cut short
+          new = benchmark.bench_shape(shape, dtype, impl, iters=_ITERS.value,
+                                      kernel_kwargs=kw, distance=distance)
+          print(benchmark.format_table(new), flush=True)
+          rows += new
+        except Exception as e:  # pylint: disable=broad-except
+          print(f"{shape} {dtype} {distance}: FAILED {type(e).__name__}: {str(e)[:400]}",
+                flush=True)
   print("\nall shapes:\n" + benchmark.format_table(rows), flush=True)
 
 

@@ -75,6 +75,30 @@ def test_gpu_kernel_interpreted_matches_reference():
   _assert_matches(out, ref, 1e-5)
 
 
+@pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
+def test_gpu_kernel_default_blocks_match_reference(dtype):
+  """The GPU kernel body at its shipped default blocks (gpu.default_config: bf16 64x128x64,
+  fp32 64x64x64): N, K and D each span two-plus blocks with a partial last one. Integer
+  inputs make every product and sum exact, so ids must match exactly (ties included)."""
+  from pallas_kernels.topk_reconstruct import gpu  # pylint: disable=import-outside-toplevel
+  cfg = gpu.default_config(dtype)
+  n, d, num_protos, k = 2 * cfg.block_n + 9, 2 * cfg.block_d + 5, 2 * cfg.block_k + 37, 16
+  rng = np.random.default_rng(41)
+  z = jnp.asarray(rng.integers(-3, 4, (n, d)), dtype)
+  p = jnp.asarray(rng.integers(-3, 4, (num_protos, d)), dtype)
+  p = p.at[-5:].set(p[:5])  # exact ties across the first and last tile
+  mask = jnp.asarray(rng.random(n) > 0.25)
+  out = _run(z, p, k, api.KernelOptions(distance="sqeuclidean", backend="gpu",
+                                        interpret=True), "raw", mask)
+  ref = reference.topk_reconstruct_reference(z, p, k, distance="sqeuclidean", mask_N=mask)
+  _assert_matches(out, ref, 1e-5)
+  got = api.argstats(z, p, k, api.KernelOptions(distance="sqeuclidean", backend="gpu",
+                                                interpret=True), mask_N=mask)
+  want = reference.argstats_reference(z, p, distance="sqeuclidean", mask_N=mask)
+  for name, a, b in zip(("row_cos", "col_cos", "row_sq", "col_sq"), got, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
+
+
 def test_ties_go_to_lower_prototype_id():
   """Exact ties (duplicate prototypes in different tiles) and near-ties (one coordinate
   off by one). Integer inputs make every dot product exact, so kernel and reference see
@@ -194,3 +218,15 @@ def test_sharded_over_tokens_matches_reference():
   g_ref = jax.grad(loss(ref), (0, 1))(z, p, mask)
   scale = max(float(jnp.max(jnp.abs(g))) for g in g_ref)
   chex.assert_trees_all_close(grads, g_ref, atol=1e-5 * scale, rtol=0)
+
+
+def test_benchmark_checks_what_it_times(monkeypatch):
+  """bench_kernels' rows carry the timed kernel's agreement with the timed reference."""
+  from pallas_kernels.topk_reconstruct import benchmark  # pylint: disable=import-outside-toplevel
+  monkeypatch.setitem(benchmark.SHAPES, "test", (48, 16, 300, 4))
+  rows = benchmark.bench_shape("test", jnp.float32, "pallas_interpret", iters=1,
+                               distance="cosine")
+  kernel_fwd = [r for r in rows if r.impl == "pallas_interpret" and r.pass_.startswith("fwd ")]
+  assert len(rows) == 4 and len(kernel_fwd) == 1
+  assert kernel_fwd[0].ids_equal == 1.0 and kernel_fwd[0].zhat_rel_err < 1e-5
+  assert "| 100.00% |" in benchmark.format_table(rows)

@@ -49,8 +49,8 @@ class KernelOptions(NamedTuple):
   block_k: int | None = None
   block_d: int | None = None  # GPU only
   precision: str = "tf32x3"  # GPU fp32 only: "tf32x3" | "ieee" | "tf32"
-  num_warps: int = 4  # GPU only
-  num_stages: int = 2  # GPU only
+  num_warps: int | None = None  # GPU only; None: gpu.default_config(dtype)
+  num_stages: int | None = None  # GPU only; None: gpu.default_config(dtype)
 
 
 def resolve_implementation(implementation: str | None) -> str:
@@ -67,13 +67,14 @@ def resolve_implementation(implementation: str | None) -> str:
   return "xla"
 
 
-def _blocks(opts: KernelOptions, n: int, k_protos: int):
+def _blocks(opts: KernelOptions, n: int, k_protos: int, dtype):
   """Block sizes clipped to the problem so tiny inputs are not padded to huge tiles."""
   if opts.backend == "gpu":
     from pallas_kernels.topk_reconstruct import gpu  # pylint: disable=import-outside-toplevel
-    bn = opts.block_n or min(gpu.DEFAULT_BLOCK_N, max(16, _next_pow2(n)))
-    bk = opts.block_k or min(gpu.DEFAULT_BLOCK_K, max(16, _next_pow2(k_protos)))
-    return bn, bk, opts.block_d or gpu.DEFAULT_BLOCK_D
+    cfg = gpu.default_config(dtype)
+    bn = opts.block_n or min(cfg.block_n, max(16, _next_pow2(n)))
+    bk = opts.block_k or min(cfg.block_k, max(16, _next_pow2(k_protos)))
+    return bn, bk, opts.block_d or cfg.block_d
   from pallas_kernels.topk_reconstruct import tpu  # pylint: disable=import-outside-toplevel
   bn = opts.block_n or min(tpu.DEFAULT_BLOCK_N, common.round_up(n, 16))  # bf16 packs 16 rows
   bk = opts.block_k or min(tpu.DEFAULT_BLOCK_K, common.round_up(k_protos, 128))
@@ -161,7 +162,7 @@ def _kernel_stats(z_NxD, p_KxD, valid_N, k: int, opts: KernelOptions):
     dtype = jnp.float32
   sq_z, inv_z = _norms(z_NxD.astype(jnp.float32))
   sq_p, inv_p = _norms(p_KxD.astype(jnp.float32))
-  bn, bk, bd = _blocks(opts, n, num_protos)
+  bn, bk, bd = _blocks(opts, n, num_protos, dtype)
   n_pad, k_pad = common.round_up(n, bn), common.round_up(num_protos, bk)
   d_pad = d if bd is None else common.round_up(d, bd)
   kp = common.padded_k(k)
@@ -174,8 +175,10 @@ def _kernel_stats(z_NxD, p_KxD, valid_N, k: int, opts: KernelOptions):
             interpret=opts.interpret)
   if opts.backend == "gpu":
     from pallas_kernels.topk_reconstruct import gpu  # pylint: disable=import-outside-toplevel
+    cfg = gpu.default_config(dtype)
     outs = gpu.topk_stats_gpu(*args, block_d=bd, precision=opts.precision,
-                              num_warps=opts.num_warps, num_stages=opts.num_stages, **kw)
+                              num_warps=opts.num_warps or cfg.num_warps,
+                              num_stages=opts.num_stages or cfg.num_stages, **kw)
   else:
     from pallas_kernels.topk_reconstruct import tpu  # pylint: disable=import-outside-toplevel
     outs = tpu.topk_stats_tpu(*args, **kw)
@@ -259,8 +262,9 @@ _stats.defvjp(_stats_fwd, _stats_bwd)
 
 def topk_reconstruct(z_NxD, protos_KxD, k, *, mixture="raw", distance="cosine", mask_N=None,
                      implementation=None, block_n=None, block_k=None, block_d=None,
-                     precision="tf32x3", num_warps=4, num_stages=2):
-  """See the module docstring. Blocks, GPU fp32 precision and warps are tuning knobs."""
+                     precision="tf32x3", num_warps=None, num_stages=None):
+  """See the module docstring. Blocks, GPU fp32 precision, warps and pipeline stages are
+  tuning knobs; None takes the backend's defaults (gpu.default_config, tpu.DEFAULT_*)."""
   impl = resolve_implementation(implementation)
   if impl == "xla":
     return reference.topk_reconstruct_reference(z_NxD, protos_KxD, k, mixture=mixture,

@@ -46,6 +46,8 @@ class Row(NamedTuple):
   tbps: float
   roofline_pct: float | None
   temp_gib: float
+  ids_equal: float | None = None  # fraction of top-k ids equal to the reference's (fwd)
+  zhat_rel_err: float | None = None  # max |z_hat - z_hat_ref| / max |z_hat_ref| (fwd)
 
 
 def device_peaks():
@@ -74,12 +76,12 @@ def _time(fn, args, iters):
   return float(np.median(times))
 
 
-def _fns(impl, k, kw):
+def _fns(impl, k, kw, distance="sqeuclidean"):
+  """fwd and fwd+bwd programs; the loss reads every statistic the distance has."""
   def fwd(z, p, mask):
     if impl == "xla":
-      return reference.topk_reconstruct_reference(z, p, k, distance="sqeuclidean",
-                                                  mask_N=mask)
-    return api.topk_reconstruct(z, p, k, distance="sqeuclidean", mask_N=mask,
+      return reference.topk_reconstruct_reference(z, p, k, distance=distance, mask_N=mask)
+    return api.topk_reconstruct(z, p, k, distance=distance, mask_N=mask,
                                 implementation=impl, **kw)
 
   def fwd_bwd(z, p, mask):
@@ -92,17 +94,19 @@ def _fns(impl, k, kw):
   return {"fwd": fwd, "fwd+bwd": fwd_bwd}
 
 
-def bench_shape(name, dtype, impl, *, iters=5, seed=0, kernel_kwargs=None):
-  """Rows for the XLA reference and `impl` at one shape (sqeuclidean: every statistic)."""
+def bench_shape(name, dtype, impl, *, iters=5, seed=0, kernel_kwargs=None,
+                distance="sqeuclidean"):
+  """Rows for the XLA reference and `impl` at one shape. sqeuclidean (the default here)
+  has every statistic; cosine (the model's default) has no row/column distance extrema."""
   n, d, num_protos, k = SHAPES[name]
   rng = np.random.default_rng(seed)
   z = jnp.asarray(rng.standard_normal((n, d), np.float32), dtype)
   p = jnp.asarray(rng.standard_normal((num_protos, d), np.float32), dtype)
   mask = jnp.asarray(rng.random(n) > 0.1)
   _, peaks = device_peaks()
-  rows = []
+  rows, ref_out = [], None
   for which in ("xla", impl):
-    for pass_, fn in _fns(which, k, kernel_kwargs or {}).items():
+    for pass_, fn in _fns(which, k, kernel_kwargs or {}, distance).items():
       compiled = jax.jit(fn).lower(z, p, mask).compile()
       flops, nbytes = _cost(compiled)
       flops = max(flops, 2.0 * n * num_protos * d)  # the similarity product at least
@@ -112,9 +116,30 @@ def bench_shape(name, dtype, impl, *, iters=5, seed=0, kernel_kwargs=None):
       if peaks is not None:
         roof = max(flops / peaks[0][jnp.dtype(dtype).name], nbytes / peaks[1])
         pct = 100.0 * roof / sec
-      rows.append(Row(name, jnp.dtype(dtype).name, which, pass_, 1e3 * sec, flops / 1e9,
-                      nbytes / 1e9, flops / sec / 1e12, nbytes / sec / 1e12, pct, temp))
+      check = (None, None)
+      if pass_ == "fwd":  # a timing of a wrong kernel is no result: check what was timed
+        out = compiled(z, p, mask)
+        if which == "xla":
+          ref_out = (np.asarray(out[0]), np.asarray(out[3]))
+        else:
+          check = _agreement(out, ref_out)
+        del out
+      rows.append(Row(name, jnp.dtype(dtype).name, which, pass_ + _tag(distance), 1e3 * sec,
+                      flops / 1e9, nbytes / 1e9, flops / sec / 1e12, nbytes / sec / 1e12,
+                      pct, temp, *check))
   return rows
+
+
+def _tag(distance):
+  return "" if distance == "sqeuclidean" else f" ({distance})"
+
+
+def _agreement(out, ref_out):
+  """(fraction of ids equal, max relative z_hat error) of a kernel output vs the reference."""
+  ids, z_hat = np.asarray(out[0]), np.asarray(out[3], np.float64)
+  ref_ids, ref_z_hat = ref_out[0], np.asarray(ref_out[1], np.float64)
+  err = np.max(np.abs(z_hat - ref_z_hat)) / max(np.max(np.abs(ref_z_hat)), 1e-30)
+  return float(np.mean(ids == ref_ids)), float(err)
 
 
 def check_correctness(impl, *, shapes=((512, 96, 1000, 16), (300, 200, 2100, 32)),
@@ -143,16 +168,21 @@ def check_correctness(impl, *, shapes=((512, 96, 1000, 16), (300, 200, 2100, 32)
 
 def format_table(rows):
   head = ("| shape | dtype | impl | pass | ms | GFLOP | GB (cost model) | TFLOP/s | TB/s "
-          "| % roofline | temp GiB | speed-up vs xla |")
-  out = [head, "|" + "---|" * 12]
+          "| % roofline | temp GiB | speed-up vs xla | ids = ref | z_hat rel err |")
+  out = [head, "|" + "---|" * 14]
   base = {(r.shape, r.dtype, r.pass_): r.ms for r in rows if r.impl == "xla"}
   for r in rows:
     pct = "n/a" if r.roofline_pct is None else f"{r.roofline_pct:.1f}"
     speed = base.get((r.shape, r.dtype, r.pass_), float("nan")) / r.ms
     out.append(f"| {r.shape} | {r.dtype} | {r.impl} | {r.pass_} | {r.ms:.2f} | "
                f"{r.gflop:.1f} | {r.gbytes:.2f} | {r.tflops:.2f} | {r.tbps:.3f} | {pct} | "
-               f"{r.temp_gib:.3f} | {speed:.2f}x |")
+               f"{r.temp_gib:.3f} | {speed:.2f}x | {_pct(r.ids_equal)} | "
+               f"{'-' if r.zhat_rel_err is None else f'{r.zhat_rel_err:.1e}'} |")
   return "\n".join(out)
+
+
+def _pct(frac):
+  return "-" if frac is None else f"{100 * frac:.2f}%"
 
 
 def aot_memory(topology: str, shape: str, dtype, impl: str = "pallas_tpu"):

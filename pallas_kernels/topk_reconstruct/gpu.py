@@ -15,6 +15,7 @@ cores); "ieee" forces exact fp32 FMA (slow). interpret=True always uses HIGHEST.
 from __future__ import annotations
 
 import functools
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -23,9 +24,27 @@ from jax.experimental.pallas import triton as pltr
 
 from pallas_kernels.topk_reconstruct import common
 
-DEFAULT_BLOCK_N = 64
-DEFAULT_BLOCK_K = 64
-DEFAULT_BLOCK_D = 64
+
+
+class GpuConfig(NamedTuple):
+  block_n: int
+  block_k: int
+  block_d: int
+  num_warps: int
+  num_stages: int
+
+
+# Defaults from the H200 block sweep at the XL shape (docs/RESULTS.md, "GPU (H200)"):
+# 16-bit inputs run (64, 128, 64) with 4 warps and 4 pipeline stages, 1.9x faster than the
+# first defaults (64, 64, 64, 4 warps, 2 stages). fp32 keeps those first defaults: its tiles
+# take twice the shared memory per stage, and deeper pipelines were not measured for it.
+_CONFIG_16BIT = GpuConfig(64, 128, 64, 4, 4)
+_CONFIG_FP32 = GpuConfig(64, 64, 64, 4, 2)
+
+
+def default_config(dtype) -> GpuConfig:
+  """Block sizes, warps and pipeline stages used when the caller gives none."""
+  return _CONFIG_FP32 if jnp.dtype(dtype) == jnp.float32 else _CONFIG_16BIT
 _PRECISIONS = {
     "tf32x3": jax.lax.DotAlgorithmPreset.TF32_TF32_F32_X3,
     "ieee": jax.lax.DotAlgorithmPreset.F32_F32_F32,
@@ -88,8 +107,8 @@ def _kernel(*refs, num_protos, num_k_tiles, num_d_tiles, bn, bk, bd, kp, sqeucli
 
 def topk_stats_gpu(z_NpxDp, p_KpxDp, inv_z_Npx1, inv_p_1xKp, ok_Npx1, sq_z_Npx1, sq_p_1xKp, *,
                    num_protos: int, kp: int, sqeuclid: bool, block_n: int, block_k: int,
-                   block_d: int, precision: str = "tf32x3", num_warps: int = 4,
-                   num_stages: int = 2, interpret: bool = False):
+                   block_d: int, num_warps: int, num_stages: int,
+                   precision: str = "tf32x3", interpret: bool = False):
   """Padded inputs (multiples of the blocks) -> vals/ids (Np, kp) unsorted, column
   partials (Np/bn, Kp) [and the sqeuclid extras], like `tpu.topk_stats_tpu`."""
   n_pad, d_pad = z_NpxDp.shape
