@@ -8,6 +8,7 @@ shapes (timings then only show the interpreter works, not kernel speed) and says
 
 from absl import app, flags
 import jax
+import numpy as np
 
 from pallas_kernels.topk_reconstruct import api, benchmark
 
@@ -22,10 +23,30 @@ _PRECISION = flags.DEFINE_string("precision", "tf32x3", "GPU fp32 dot: tf32x3|ie
 _AOT = flags.DEFINE_string("aot_topology", None, "e.g. v5e:2x2: instead of timing, compile "
                            "for one chip of this TPU topology (libtpu) and print temp memory")
 _WARPS = flags.DEFINE_list("gpu_warps_stages", None, "GPU num_warps,num_stages override")
+_MERGE = flags.DEFINE_bool("merge_stats", False, "instead of timing, count the top-k merge "
+                           "loop's iterations per tile (NumPy; 256 tokens per shape)")
+
+
+def print_merge_stats(shapes, blocks):
+  """Merge-loop work per tile on random normal inputs (no device needed)."""
+  print("| shape | block_n x block_k | k | merge iterations / tile | insertions / row / tile |")
+  print("|---|---|---|---|---|")
+  for shape in shapes:
+    _, d, num_protos, k = benchmark.SHAPES[shape]
+    rng = np.random.default_rng(0)
+    z, p = rng.standard_normal((256, d)), rng.standard_normal((num_protos, d))
+    for bn, bk in blocks:
+      its, ins = benchmark.merge_iterations(z, p, k, bn, bk)
+      print(f"| {shape} | {bn} x {bk} | {k} | {its:.2f} | {ins:.3f} |", flush=True)
 
 
 def main(argv):
   del argv
+  if _MERGE.value:
+    blocks = ([tuple(int(v) for v in _BLOCKS.value[:2])] if _BLOCKS.value
+              else [(64, 64), (64, 128), (128, 128), (32, 128)])
+    print_merge_stats(_SHAPES.value or ["small", "xl"], blocks)
+    return
   if _AOT.value:
     print(f"| shape | dtype | implementation | pass | compiled temp GiB ({_AOT.value}, 1 chip) |")
     print("|---|---|---|---|---|")

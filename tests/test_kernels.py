@@ -174,6 +174,25 @@ def test_implementation_switch():
   _assert_matches(out, reference.topk_reconstruct_reference(z, p, 3), 0.0)
 
 
+def test_none_picks_the_backend_kernel_and_falls_back_when_missing(monkeypatch):
+  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+  api._kernel_importable.cache_clear()  # pylint: disable=protected-access
+  assert api.resolve_implementation(None) == "pallas_gpu"
+  real_import = api.importlib.import_module
+
+  def no_triton(name, *args):
+    if name.endswith(".gpu"):
+      raise ImportError("jax.experimental.pallas.triton was removed")
+    return real_import(name, *args)
+  monkeypatch.setattr(api.importlib, "import_module", no_triton)
+  api._kernel_importable.cache_clear()  # pylint: disable=protected-access
+  with pytest.warns(UserWarning, match="pallas_gpu unavailable.*XLA reference"):
+    assert api.resolve_implementation(None) == "xla"
+  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
+  assert api.resolve_implementation(None) == "pallas_tpu"
+  api._kernel_importable.cache_clear()  # pylint: disable=protected-access
+
+
 def test_gpu_kernel_lowers_to_triton_for_h200():
   """The Triton lowering (not PTX compilation) runs on CPU against an abstract H200."""
   from jax._src import mesh as mesh_lib  # pylint: disable=import-outside-toplevel
@@ -230,3 +249,26 @@ def test_benchmark_checks_what_it_times(monkeypatch):
   assert len(rows) == 4 and len(kernel_fwd) == 1
   assert kernel_fwd[0].ids_equal == 1.0 and kernel_fwd[0].zhat_rel_err < 1e-5
   assert "| 100.00% |" in benchmark.format_table(rows)
+
+
+def test_merge_iteration_count_matches_brute_force():
+  """benchmark.merge_iterations vs a direct sorted-list simulation of the running top-k."""
+  from pallas_kernels.topk_reconstruct import benchmark  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(8)
+  z, p = rng.standard_normal((32, 12)), rng.standard_normal((96, 12))
+  sims = (z / np.linalg.norm(z, axis=1, keepdims=True)) @ (
+      p / np.linalg.norm(p, axis=1, keepdims=True)).T
+  iters, inserts = [], []
+  for b in range(0, 32, 16):
+    lists = [[] for _ in range(16)]  # each row's running top-8 (k=5 pads to kp=8)
+    for j in range(0, 96, 32):
+      counts = []
+      for r in range(16):
+        tile = list(sims[b + r, j:j + 32])
+        new = sorted(lists[r] + tile, reverse=True)[:8]
+        counts.append(sum(v in tile for v in new))
+        lists[r] = new
+      iters.append(max(counts))
+      inserts.append(np.mean(counts))
+  got = benchmark.merge_iterations(z, p, 5, block_n=16, block_k=32)
+  np.testing.assert_allclose(got, (np.mean(iters), np.mean(inserts)), rtol=1e-12)

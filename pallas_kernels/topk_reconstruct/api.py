@@ -5,7 +5,8 @@
           row_min_dist_N, col_min_dist_K)            same contract as topk_reconstruct_xla
 
 implementation: None (best for the backend: Mosaic on TPU, Triton on GPU, the XLA
-reference elsewhere, so CPU training stays fast) | "xla" | "pallas_tpu" | "pallas_gpu" |
+reference elsewhere, so CPU training stays fast, and wherever the backend's Pallas lowering
+does not import) | "xla" | "pallas_tpu" | "pallas_gpu" |
 "pallas_interpret" (the TPU kernel under interpret=True, for CPU tests).
 
 The kernels (tpu.py, gpu.py) return only the per-row top-k (ids + cosines), the per-row
@@ -27,7 +28,9 @@ outside and are differentiated by JAX; `gather_mix` has its own sparse custom_vj
 from __future__ import annotations
 
 import functools
+import importlib
 from typing import NamedTuple
+import warnings
 
 import jax
 import jax.numpy as jnp
@@ -54,17 +57,30 @@ class KernelOptions(NamedTuple):
 
 
 def resolve_implementation(implementation: str | None) -> str:
-  """The implementation that will run: None picks by the default backend."""
+  """The implementation that will run: None picks by the default backend, and falls back
+  to the XLA reference (with a warning) when that backend's Pallas lowering is missing."""
   if implementation not in IMPLEMENTATIONS:
     raise ValueError(f"implementation={implementation!r}; use one of {IMPLEMENTATIONS}")
   if implementation is not None:
     return implementation
   platform = jax.default_backend()
-  if platform == "tpu":
-    return "pallas_tpu"
-  if platform in ("gpu", "cuda"):
-    return "pallas_gpu"
-  return "xla"
+  kernel = {"tpu": "pallas_tpu", "gpu": "pallas_gpu", "cuda": "pallas_gpu"}.get(platform)
+  if kernel is None or not _kernel_importable(kernel):
+    return "xla"
+  return kernel
+
+
+@functools.cache
+def _kernel_importable(kernel: str) -> bool:
+  """Whether the kernel module (and so its Pallas lowering) imports under this jax."""
+  module = "tpu" if kernel == "pallas_tpu" else "gpu"
+  try:
+    importlib.import_module(f"pallas_kernels.topk_reconstruct.{module}")
+    return True
+  except ImportError as e:
+    warnings.warn(f"{kernel} unavailable under jax {jax.__version__} ({e}); the prototype "
+                  "layer uses the XLA reference (implementation='xla')", stacklevel=3)
+    return False
 
 
 def _blocks(opts: KernelOptions, n: int, k_protos: int, dtype):

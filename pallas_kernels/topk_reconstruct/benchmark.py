@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.topk_reconstruct import api, reference
+from pallas_kernels.topk_reconstruct import api, common, reference
 
 # name -> (N tokens per device, D, K, k)
 SHAPES = {
@@ -164,6 +164,30 @@ def check_correctness(impl, *, shapes=((512, 96, 1000, 16), (300, 200, 2100, 32)
                    f"ids equal {100 * ids:.2f}%  fwd max rel err {err:.2e}  "
                    f"grad max rel err {gerr:.2e}")
   return lines
+
+
+def merge_iterations(z_NxD, p_KxD, k: int, block_n: int, block_k: int):
+  """How much work the kernels' top-k merge (common.merge_topk) does, counted in NumPy.
+
+  Per (token block, prototype tile) the merge loop runs as many times as the most
+  insertions any row of the block makes into its running list (kp = padded_k(k) entries).
+  Returns (mean loop iterations per tile, mean insertions per row per tile); rows beyond a
+  multiple of block_n are dropped."""
+  kp = common.padded_k(k)
+  unit = lambda x: x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+  zn, pn = unit(np.asarray(z_NxD, np.float64)), unit(np.asarray(p_KxD, np.float64))
+  iters, inserts = [], []
+  for b in range(0, zn.shape[0] - block_n + 1, block_n):
+    s_BxK = zn[b:b + block_n] @ pn.T
+    vals = np.full((block_n, kp), -np.inf)
+    for j in range(0, s_BxK.shape[1], block_k):
+      merged = np.concatenate([vals, s_BxK[:, j:j + block_k]], axis=1)
+      top = np.argpartition(-merged, kp - 1, axis=1)[:, :kp]
+      from_tile = np.sum(top >= kp, axis=1)
+      iters.append(from_tile.max())
+      inserts.append(from_tile.mean())
+      vals = np.take_along_axis(merged, top, axis=1)
+  return float(np.mean(iters)), float(np.mean(inserts))
 
 
 def format_table(rows):
