@@ -13,6 +13,7 @@ import numpy as np
 import pytest
 
 from prism_jax.attribution import cache as cache_lib
+from prism_jax.attribution import curvature as cv
 from prism_jax.attribution import influence
 from prism_jax.config import Config, DataConfig, LossConfig, ModelConfig
 from prism_jax.data import prepare_data
@@ -158,11 +159,110 @@ def test_streaming_generation_attributes_each_token(setup):
     np.testing.assert_allclose(att.scores, ref.scores, rtol=1e-6)
 
 
+def _random_queries(packed, vocab, rng, n):
+  """Half slices of training rows, half random token strings; 1-3 random target positions."""
+  rows = packed.rows("train")["tokens"]
+  out = []
+  for q in range(n):
+    length = int(rng.integers(4, 17))
+    tokens = (np.asarray(rows[int(rng.integers(packed.num_rows("train"))), :length])
+              if q % 2 else rng.integers(0, vocab, length))
+    pos = rng.choice(np.arange(1, length), int(rng.integers(1, 4)), replace=False)
+    out.append((tokens.astype(np.int32), sorted(pos.tolist())))
+  return out
+
+
+def _bruteforce(cache, q, unit, damping_ratio, top, packed, width):
+  """§5's block-diagonal score in float64 over every cached token (no inverted index, no
+  Preconditioner): (ids, scores, top ids, breakdowns, snippets)."""
+  rec = cache.records(np.arange(cache.num_tokens))
+  g_t = rec["g"].astype(np.float64)
+  u_r, e_r = np.asarray(cache.g_evecs, np.float64), np.maximum(cache.g_evals, 0.0)
+  e_all = np.maximum(np.linalg.eigvalsh(np.asarray(cache.G, np.float64)), 0.0)
+  a_ii, mu = np.asarray(cache.a_diag, np.float64), np.asarray(cache.mu, np.float64)
+  lam = damping_ratio * (a_ii.mean() * e_all.mean() + mu.mean())
+  x_KxR = np.zeros((len(a_ii), len(e_r)))  # row i: H_ii⁻¹ Σ_q a_{q,i} ĝ_q (eigenbasis)
+  for p in range(len(q.idx_Qxk)):
+    for i, a in zip(q.idx_Qxk[p].tolist(), q.act_Qxk[p]):
+      x_KxR[i] += a * (q.g_QxD[p] @ u_r)
+  x_KxR /= a_ii[:, None] * e_r[None, :] + mu[:, None] + lam
+  hit = np.isin(rec["idx"], q.idx_Qxk) & (rec["act"] > 0)
+  parts = np.where(hit, rec["act"] * np.einsum("tr,tjr->tj", g_t, x_KxR[rec["idx"]]), 0.0)
+  seq = (rec["example_id"] if unit == "document" else
+         np.searchsorted(cache.row_offsets, np.arange(cache.num_tokens), "right") - 1)
+  scored = hit.any(1)
+  ids = np.unique(seq[scored])
+  scores = np.array([parts[seq == e].sum() for e in ids])
+  top_ids = ids[np.lexsort((ids, -scores))[:top]]
+  breakdowns, snippets = [], []
+  for e in top_ids:
+    in_e = (seq == e)[:, None] & hit
+    breakdowns.append({i: parts[in_e & (rec["idx"] == i)].sum()
+                       for i in np.unique(rec["idx"][in_e]).tolist()})
+    tok = np.flatnonzero(seq == e)
+    best = tok[np.argmax(parts[tok].sum(1))]
+    snippets.append(packed.snippet(int(rec["example_id"][best]), int(rec["offset"][best]),
+                                   width))
+  return ids, scores, top_ids, breakdowns, snippets
+
+
+@pytest.mark.parametrize("unit", ["document", "row"])
+def test_attribute_batch_equals_per_query_and_bruteforce(setup, unit):
+  _, cfg, packed, model, cache = setup
+  rng = np.random.default_rng(7 if unit == "row" else 11)
+  queries = _random_queries(packed, cfg.model.vocab_size, rng, 6)
+  icfg = influence.InfluenceConfig(top=4, unit=unit)
+  pre = influence.Preconditioner(cache, icfg, model)
+  # batch_size 4: one full chunk and one of 2 rows (padded bucket), both compiled once.
+  got = influence.attribute_batch(model, cache, queries, cfg=icfg, packed=packed,
+                                  precond=pre, batch_size=4)
+  sides = influence.query_sides(model, queries, cfg.loss, batch_size=4)
+  assert len(got) == len(sides) == len(queries)
+  # Reference forward: every query in one plain (B, T) batch through cv.output_grads.
+  t_len = cfg.model.max_len
+  batch = {"inputs": np.zeros((len(queries), t_len), np.int32),
+           "targets": np.zeros((len(queries), t_len), np.int32),
+           "mask": np.zeros((len(queries), t_len), bool)}
+  for b, (tokens, pos) in enumerate(queries):
+    batch["inputs"][b, :len(tokens) - 1] = tokens[:-1]
+    batch["targets"][b, :len(tokens) - 1] = tokens[1:]
+    batch["mask"][b, np.asarray(pos) - 1] = True
+  og = cv.output_grads(model, batch, cfg.loss)
+  ref_idx, ref_g = (np.asarray(a).reshape(len(queries), t_len, -1) for a in (og.idx_Nxk,
+                                                                             og.g_NxD))
+  for b, ((tokens, pos), att, q) in enumerate(zip(queries, got, sides)):
+    one = influence.attribute(model, cache, tokens, pos, cfg=icfg, packed=packed)
+    np.testing.assert_array_equal(att.all_ids, one.all_ids)
+    np.testing.assert_array_equal(att.example_ids, one.example_ids)
+    scale = np.max(np.abs(one.all_scores))
+    np.testing.assert_allclose(att.all_scores, one.all_scores, rtol=0, atol=1e-12 * scale)
+    assert att.snippets == one.snippets
+    assert [list(b) for b in att.breakdown] == [list(b) for b in one.breakdown]
+    # The query side against the reference forward (float32 tolerance: another program).
+    cols = np.asarray(pos) - 1
+    np.testing.assert_array_equal(np.sort(q.idx_Qxk, 1), np.sort(ref_idx[b, cols], 1))
+    np.testing.assert_allclose(q.g_QxD, ref_g[b, cols], rtol=1e-4, atol=1e-6)
+    # Scoring against float64 brute force from the same query side.
+    ids, scores, top_ids, breakdowns, snippets = _bruteforce(
+        cache, q, unit, icfg.damping_ratio, icfg.top, packed, icfg.snippet_width)
+    np.testing.assert_array_equal(att.all_ids, ids)
+    np.testing.assert_allclose(att.all_scores, scores, rtol=0,
+                               atol=1e-12 * np.max(np.abs(scores)))
+    np.testing.assert_array_equal(att.example_ids, top_ids)
+    assert att.snippets == snippets
+    for b_got, b_want in zip(att.breakdown, breakdowns):
+      assert set(b_got) <= set(b_want)  # a part that sums to exactly 0 is left out
+      np.testing.assert_allclose([b_got.get(i, 0.0) for i in b_want], list(b_want.values()),
+                                 rtol=0, atol=1e-12 * np.max(np.abs(scores)))
+  with pytest.raises(ValueError, match="batch_size"):
+    influence.attribute_batch(model, cache, queries, batch_size=0)
+
+
 def _read_all(path):
   out = {}
   for name in sorted(os.listdir(path)):
     if os.path.isdir(os.path.join(path, name)):
-      out[name] = cache_lib._store(path, name, CACHE_CFG.driver).read().result()
+      out[name] = cache_lib.open_array(path, name, CACHE_CFG.driver).read().result()
   with open(os.path.join(path, cache_lib.METADATA)) as f:
     meta = json.load(f)
   meta.pop("build_seconds_last_run")

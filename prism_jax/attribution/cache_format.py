@@ -1,0 +1,145 @@
+"""On-disk format of the attribution cache: options, identity, zarr arrays, row iteration.
+
+Shared by the builder (cache_build.py) and the reader (cache.py). A cache directory holds
+metadata.json (identity + sizes + stats), progress.json while it is being built, and one
+tensorstore array per field (see cache.py for the fields).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from typing import Any, Iterator
+
+import jax
+import numpy as np
+import tensorstore as ts
+from flax import nnx
+
+from prism_jax.attribution import curvature_stats as cs
+from prism_jax.config import Config, to_dict
+
+METADATA = "metadata.json"
+PROGRESS = "progress.json"
+PASS1_STATE = "pass1_state.npz"
+FORMAT_VERSION = 2  # 2: proto_acts beside proto_tokens
+
+
+class CacheMismatchError(ValueError):
+  """The cache was built from another checkpoint, config or cache option."""
+
+
+@dataclasses.dataclass(frozen=True)
+class CacheConfig:
+  rank: int | None = None  # eigenvectors of G kept for g; None = D (exact)
+  split: str = "train"
+  batch_rows: int = 16  # rows per forward pass
+  chunk_tokens: int = 16384  # zarr chunk length along the token axis
+  fisher: str = "true"  # G: exact per-token Fisher ("true") or g gᵀ ("empirical")
+  max_rows: int | None = None  # only the first rows of the split (benchmarks, tests)
+  save_every: int = 8  # pass-1 accumulator snapshot every this many batches
+  driver: str = "zarr3"
+
+  def __post_init__(self):
+    if self.rank is not None and self.rank <= 0:
+      raise ValueError(f"cache.rank must be positive or None, got {self.rank}")
+    for name in ("batch_rows", "chunk_tokens", "save_every"):
+      if getattr(self, name) <= 0:
+        raise ValueError(f"cache.{name} must be positive, got {getattr(self, name)}")
+    if self.driver not in ("zarr", "zarr3"):
+      raise ValueError(f"cache.driver={self.driver!r}; use 'zarr' or 'zarr3'")
+    if self.fisher not in cs.FISHERS:
+      raise ValueError(f"cache.fisher={self.fisher!r}; use one of {cs.FISHERS}")
+
+
+def model_fingerprint(model) -> str:
+  """SHA-256 over every parameter's path, shape, dtype and bytes: the checkpoint identity."""
+  h = hashlib.sha256()
+  flat = nnx.to_flat_state(nnx.state(model, nnx.Param))
+  for path, var in sorted(flat, key=lambda kv: tuple(str(p) for p in kv[0])):
+    arr = np.asarray(jax.device_get(var[...]))
+    h.update(repr((tuple(str(p) for p in path), arr.shape, str(arr.dtype))).encode())
+    h.update(np.ascontiguousarray(arr).tobytes())
+  return h.hexdigest()
+
+
+def relevant_config(cfg: Config) -> dict[str, Any]:
+  """The parts of the run config that change cached values (not train/mesh settings)."""
+  d = to_dict(cfg)
+  return {k: d[k] for k in ("model", "loss", "data")}
+
+
+def identity(model, cfg: Config, cache_cfg: CacheConfig, packed) -> dict[str, Any]:
+  return {"format": FORMAT_VERSION, "model_fingerprint": model_fingerprint(model),
+          "config": relevant_config(cfg), "cache": dataclasses.asdict(cache_cfg),
+          "data": {"path": getattr(packed, "path", None),
+                   "pack": getattr(packed, "metadata", {}).get("config")}}
+
+
+def diff(a: Any, b: Any, prefix: str = "") -> list[str]:
+  """Human-readable differences between two identity dicts ('key: cache has …, wanted …')."""
+  if isinstance(a, dict) and isinstance(b, dict):
+    out = []
+    for key in sorted(set(a) | set(b)):
+      out += diff(a.get(key), b.get(key), f"{prefix}{key}.")
+    return out
+  a = list(a) if isinstance(a, tuple) else a
+  b = list(b) if isinstance(b, tuple) else b
+  return [] if a == b else [f"{prefix[:-1]}: cache has {a!r}, wanted {b!r}"]
+
+
+def read_json(path):
+  with open(path) as f:
+    return json.load(f)
+
+
+def write_json(path, obj):
+  tmp = path + ".tmp"
+  with open(tmp, "w") as f:
+    json.dump(obj, f, indent=1, sort_keys=True)
+  os.replace(tmp, path)  # atomic: a kill leaves the old or the new file, never half
+
+
+def store(directory, name, driver, *, shape=None, dtype=None, chunks=None, create=False):
+  """Opens (or creates, deleting any old one) the tensorstore array `name` in directory."""
+  spec = {"driver": driver, "kvstore": {"driver": "file", "path": os.path.join(directory, name)}}
+  if not create:
+    return ts.open(spec, open=True).result()
+  chunks = chunks or shape
+  return ts.open(spec, create=True, delete_existing=True, dtype=ts.dtype(np.dtype(dtype).name),
+                 shape=list(shape), chunk_layout=ts.ChunkLayout(
+                     chunk_shape=[max(1, c) for c in chunks])).result()
+
+
+def write_array(directory, name, driver, value):
+  value = np.asarray(value)
+  store(directory, name, driver, shape=value.shape or (1,), dtype=value.dtype,
+        create=True).write(value.reshape(value.shape or (1,))).result()
+
+
+def iter_rows(packed, split: str, batch_rows: int, start_row: int = 0,
+              max_rows: int | None = None) -> Iterator[tuple[int, dict[str, np.ndarray]]]:
+  """(first row, batch) over the split's rows in order, following the batch contract."""
+  rows = packed.rows(split)
+  total = packed.num_rows(split) if max_rows is None else min(max_rows, packed.num_rows(split))
+  for start in range(start_row, total, batch_rows):
+    stop = min(start + batch_rows, total)
+    tok = np.asarray(rows["tokens"][start:stop])
+    ex = np.asarray(rows["example_id"][start:stop])
+    off = np.asarray(rows["offset"][start:stop])
+    yield start, {"inputs": tok[:, :-1], "targets": tok[:, 1:], "mask": off[:, 1:] > 0,
+                  "example_id": ex[:, 1:], "offset": off[:, 1:],
+                  "row_id": np.arange(start, stop, dtype=np.int32)}
+
+
+def pad_rows(batch, rows):
+  """Pads a short final batch to `rows` rows (mask False) so one compiled shape serves all."""
+  have = batch["inputs"].shape[0]
+  if have == rows:
+    return batch
+  pad = lambda x, v: np.concatenate([x, np.full((rows - have,) + x.shape[1:], v, x.dtype)])
+  return {"inputs": pad(batch["inputs"], 0), "targets": pad(batch["targets"], 0),
+          "mask": pad(batch["mask"], False), "example_id": pad(batch["example_id"], -1),
+          "offset": pad(batch["offset"], -1), "row_id": pad(batch["row_id"], -1)}
