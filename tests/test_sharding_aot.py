@@ -29,4 +29,5 @@ def test_small_compiles_for_v5e_4x4_and_fits():
   assert 0.9 * sharded_state < report.argument_bytes < 1.5 * sharded_state
   assert report.temp_bytes > 0 and report.flops_per_device > 0
   assert report.fits
+  assert report.implementation == "pallas_tpu" and report.kernel_calls > 0  # the kernel
   print("\n" + compile_check.format_table([report]))
