@@ -272,3 +272,26 @@ def test_merge_iteration_count_matches_brute_force():
       inserts.append(np.mean(counts))
   got = benchmark.merge_iterations(z, p, 5, block_n=16, block_k=32)
   np.testing.assert_allclose(got, (np.mean(iters), np.mean(inserts)), rtol=1e-12)
+
+
+@pytest.mark.parametrize("sequential", [False, True])
+def test_gather_mix_on_bf16_rows_equals_widened_rows(sequential):
+  """z_hat and its backward gather bf16 rows and widen after the gather: bitwise the same
+  as widening the whole bank to fp32 first (bf16 -> fp32 is exact), for half the bytes."""
+  rng = np.random.default_rng(12)
+  n, d, num_protos, k = 40, 24, 70, 5
+  p = jnp.asarray(rng.standard_normal((num_protos, d)), jnp.bfloat16)
+  w = jnp.asarray(rng.random((n, k)), jnp.float32)
+  idx = jnp.asarray(rng.integers(0, num_protos, (n, k)), jnp.int32)
+  g = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
+  new = lambda w, p: api.gather_mix(w, idx, p, sequential)
+  old = lambda w, p: api.gather_mix(w, idx, p.astype(jnp.float32), sequential)
+  (out_new, vjp_new), (out_old, vjp_old) = jax.vjp(new, w, p), jax.vjp(old, w, p)
+  assert out_new.dtype == jnp.float32
+  np.testing.assert_array_equal(np.asarray(out_new), np.asarray(out_old))
+  for a, b in zip(vjp_new(g), vjp_old(g)):
+    assert a.dtype == b.dtype
+    np.testing.assert_array_equal(np.asarray(a, np.float32), np.asarray(b, np.float32))
+  want = np.einsum("nk,nkd->nd", np.asarray(w, np.float64),
+                   np.asarray(p, np.float64)[np.asarray(idx)])
+  np.testing.assert_allclose(np.asarray(out_new), want, rtol=1e-5, atol=1e-5)

@@ -115,9 +115,11 @@ def _norms(x_f32):
 
 
 def _mix(w_Nxk, idx_Nxk, p_KxD, sequential: bool):
-  """sum_j w_j p[idx_j]. Never an N x k x D operand (6.3 GiB at the XL shape): unrolled
-  row gathers that XLA:GPU fuses into one elementwise sum, or (TPU, whose XLA does not
-  fuse gathers) a loop over j holding one N x D gather at a time."""
+  """sum_j w_j p[idx_j] in float32. Never an N x k x D operand (6.3 GiB at the XL shape):
+  unrolled row gathers that XLA:GPU fuses into one elementwise sum, or (TPU, whose XLA does
+  not fuse gathers) a loop over j holding one N x D gather at a time. Rows are gathered in
+  p's own dtype and widened after the gather (exact), so bf16 moves half the bytes; the
+  same holds for `_scatter_mix` and `_dot_rows`."""
   if sequential:
     body = lambda j, acc: acc + w_Nxk[:, j, None] * p_KxD[idx_Nxk[:, j]]
     return jax.lax.fori_loop(0, idx_Nxk.shape[1], body,
@@ -237,10 +239,10 @@ def _stats_bwd(k, opts, res, cts):
   # Cosine pairs: the N*k active pairs, then the K per-prototype maxima.
   # d cos/dz = a b p - cos a^2 z, d cos/dp = a b z - cos b^2 p  (a = 1/|z|, b = 1/|p|).
   seq = opts.backend == "tpu"
-  dz = inv_z[:, None] * _mix(g_sim * inv_p[idx], idx, p, seq)
+  dz = inv_z[:, None] * _mix(g_sim * inv_p[idx], idx, p_KxD, seq)  # gathers in p's dtype
   dz -= (inv_z ** 2 * live_z * jnp.sum(g_sim * sim, -1))[:, None] * z
   flat_idx = idx.reshape(-1)
-  dp = _scatter_mix(g_sim * inv_z[:, None], idx, z, p.shape[0], seq)
+  dp = _scatter_mix(g_sim * inv_z[:, None], idx, z_NxD, p.shape[0], seq)
   gcos_p = jnp.zeros_like(inv_p).at[flat_idx].add((g_sim * sim).reshape(-1))
   dp = inv_p[:, None] * dp - (inv_p ** 2 * live_p * gcos_p)[:, None] * p
 
@@ -313,9 +315,8 @@ def run_with_options(z_NxD, protos_KxD, k, opts: KernelOptions, *, mixture="raw"
   else:
     out = _stats(z_NxD, protos_KxD, valid_N, k, opts)
   sim, idx, col_max_cos = out[0], out[1], out[2]
-  p = protos_KxD.astype(jnp.float32)
   act = mixture_weights(sim, mixture)
-  z_hat = gather_mix(act, idx, p, opts.backend == "tpu")
+  z_hat = gather_mix(act, idx, protos_KxD, opts.backend == "tpu")  # float32, see _mix
   row_max_cos = sim[:, 0]
   if distance == "cosine":
     row_min_dist, col_min_dist = 1.0 - row_max_cos, 1.0 - col_max_cos

@@ -113,9 +113,9 @@ def _local_kernel(z_nxD, protos_KmxD, mask_n, *, k: int, mixture: str, distance:
   sim_nxk, idx_nxk, act_nxk = _merge_candidates(vals_nxkl, gid_nxkl, k, mixture)
   local_nxk = idx_nxk - offset
   owned_nxk = (local_nxk >= 0) & (local_nxk < num_local)
-  p = p_in.astype(jnp.float32)
-  z_hat_part = api.gather_mix(jnp.where(owned_nxk, act_nxk, 0.0),
-                              jnp.clip(local_nxk, 0, num_local - 1), p, opts.backend == "tpu")
+  z_hat_part = api.gather_mix(jnp.where(owned_nxk, act_nxk, 0.0),  # float32 (api._mix)
+                              jnp.clip(local_nxk, 0, num_local - 1), p_in,
+                              opts.backend == "tpu")
   z_hat_nxD = jax.lax.psum(z_hat_part, MODEL_AXIS)
   row_max_cos_n = sim_nxk[:, 0]
   # The kernel's column statistics cover this shard's tokens: reduce over token shards.
