@@ -20,9 +20,14 @@ Under a mesh the kernel runs per token shard (sharded.py).
 Backward (custom_vjp of the kernel's statistics): every differentiable output is a cosine
 or squared distance of one (token, prototype) pair named by the forward (the N*k active
 pairs, the N row extrema and the K column extrema), so the gradient touches only those
-pairs: a gather-reduce into dz and a scatter-add into the bank. The relu/mixture sit
-outside and are differentiated by JAX; `gather_mix` has its own sparse custom_vjp
-(dot products with the k active rows, scatter-add into them).
+pairs: a gather-reduce into dz and a scatter-add into the bank. Unsharded, the
+statistics, the mixture and z_hat form one custom_vjp (`_layer`): the mixture's vjp is
+taken inside the backward, and the bank's gradients through z_hat (act[n, j] g_zhat[n])
+and through the cosines (c[n, j] z[n]) hit the same rows idx[n, j], so they are summed per
+row and scatter-added once (k scatters of N rows instead of 2k; the scatters dominate the
+backward's memory traffic). Under a mesh (sharded.py, and
+prism_jax.model.sharded_prototypes) the statistics (`_stats`) and `gather_mix` keep
+separate sparse custom_vjps, since the statistics run inside shard_map.
 """
 
 from __future__ import annotations
@@ -130,10 +135,17 @@ def _mix(w_Nxk, idx_Nxk, p_KxD, sequential: bool):
   return out
 
 
-def _scatter_mix(w_Nxk, idx_Nxk, x_NxD, num_rows: int, sequential: bool):
-  """out[i] = sum over (n, j) with idx[n, j] = i of w[n, j] x[n]: k scatter-adds of N rows."""
-  out = jnp.zeros((num_rows, x_NxD.shape[1]), jnp.float32)
-  step = lambda j, acc: acc.at[idx_Nxk[:, j]].add(w_Nxk[:, j, None] * x_NxD)
+def _scatter_mix(terms, idx_Nxk, num_rows: int, sequential: bool):
+  """out[i] = sum over (n, j) with idx[n, j] = i of sum_t w_t[n, j] x_t[n], for
+  terms = ((w_Nxk, x_NxD), ...): k scatter-adds of N rows, whatever the number of terms
+  (the terms are summed per row before the scatter, so the bank is updated k times)."""
+  def rows(j):
+    out = terms[0][0][:, j, None] * terms[0][1]
+    for w_Nxk, x_NxD in terms[1:]:
+      out = out + w_Nxk[:, j, None] * x_NxD
+    return out
+  out = jnp.zeros((num_rows, terms[0][1].shape[1]), jnp.float32)
+  step = lambda j, acc: acc.at[idx_Nxk[:, j]].add(rows(j))
   if sequential:
     return jax.lax.fori_loop(0, idx_Nxk.shape[1], step, out)
   for j in range(idx_Nxk.shape[1]):
@@ -163,7 +175,7 @@ def _gather_mix_fwd(w_Nxk, idx_Nxk, p_KxD, sequential):
 def _gather_mix_bwd(sequential, res, g_NxD):
   w_Nxk, idx_Nxk, p_KxD = res
   dw = _dot_rows(g_NxD, idx_Nxk, p_KxD, sequential)
-  dp = _scatter_mix(w_Nxk, idx_Nxk, g_NxD, p_KxD.shape[0], sequential)
+  dp = _scatter_mix(((w_Nxk, g_NxD),), idx_Nxk, p_KxD.shape[0], sequential)
   return dw.astype(w_Nxk.dtype), None, dp.astype(p_KxD.dtype)
 
 
@@ -223,9 +235,20 @@ def _stats_fwd(z_NxD, p_KxD, valid_N, k, opts):
 
 
 def _stats_bwd(k, opts, res, cts):
-  """Cotangents of (sim, ., col_max_cos, . [, row_min_sq, ., col_min_sq, .]) -> dz, dp."""
   del k
   z_NxD, p_KxD, valid_N, out = res
+  dz, dp = _stats_grads(opts, z_NxD, p_KxD, out, cts)
+  return dz.astype(z_NxD.dtype), dp.astype(p_KxD.dtype), jnp.zeros_like(valid_N)
+
+
+_stats.defvjp(_stats_fwd, _stats_bwd)
+
+
+def _stats_grads(opts, z_NxD, p_KxD, out, cts, pair_terms=()):
+  """Cotangents of (sim, ., col_max_cos, . [, row_min_sq, ., col_min_sq, .]) -> float32
+  dz, dp. `pair_terms` ((w_Nxk, x_NxD), ...) join the active pairs' scatter-add into the
+  bank (row idx[n, j] += w[n, j] x[n]), so a caller's z_hat gradient costs no second set
+  of k scatters (see `_layer_bwd`)."""
   z = z_NxD.astype(jnp.float32)
   p = p_KxD.astype(jnp.float32)
   sq_z, inv_z = _norms(z)
@@ -239,12 +262,14 @@ def _stats_bwd(k, opts, res, cts):
   # Cosine pairs: the N*k active pairs, then the K per-prototype maxima.
   # d cos/dz = a b p - cos a^2 z, d cos/dp = a b z - cos b^2 p  (a = 1/|z|, b = 1/|p|).
   seq = opts.backend == "tpu"
-  dz = inv_z[:, None] * _mix(g_sim * inv_p[idx], idx, p_KxD, seq)  # gathers in p's dtype
+  gb_Nxk = g_sim * inv_p[idx]
+  dz = inv_z[:, None] * _mix(gb_Nxk, idx, p_KxD, seq)  # gathers in p's dtype
   dz -= (inv_z ** 2 * live_z * jnp.sum(g_sim * sim, -1))[:, None] * z
   flat_idx = idx.reshape(-1)
-  dp = _scatter_mix(g_sim * inv_z[:, None], idx, z_NxD, p.shape[0], seq)
+  dp = _scatter_mix(((gb_Nxk * inv_z[:, None], z_NxD),) + tuple(pair_terms), idx,
+                    p.shape[0], seq)
   gcos_p = jnp.zeros_like(inv_p).at[flat_idx].add((g_sim * sim).reshape(-1))
-  dp = inv_p[:, None] * dp - (inv_p ** 2 * live_p * gcos_p)[:, None] * p
+  dp -= (inv_p ** 2 * live_p * gcos_p)[:, None] * p
 
   ok = jnp.isfinite(col_max)
   g_c = jnp.where(ok, g_cmax, 0.0)
@@ -272,10 +297,39 @@ def _stats_bwd(k, opts, res, cts):
     gq = pair_grad(jnp.where(okc, g_cmin, 0.0), col_min_arg, jnp.arange(p.shape[0]))
     dz = dz.at[col_min_arg].add(gq)
     dp -= gq
+  return dz, dp
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def _layer(z_NxD, p_KxD, valid_N, k, opts, mixture):
+  """Unsharded layer: (kernel statistics, act_Nxk, z_hat_NxD) under one custom_vjp, so the
+  bank's gradient through z_hat and through the cosines is one set of k scatter-adds."""
+  return _layer_fwd(z_NxD, p_KxD, valid_N, k, opts, mixture)[0]
+
+
+def _layer_fwd(z_NxD, p_KxD, valid_N, k, opts, mixture):
+  out = _kernel_stats(z_NxD, p_KxD, valid_N, k, opts)
+  act_Nxk = mixture_weights(out[0], mixture)
+  z_hat_NxD = _mix(act_Nxk, out[1], p_KxD, opts.backend == "tpu")  # float32, see _mix
+  return (out, act_Nxk, z_hat_NxD), (z_NxD, p_KxD, valid_N, out, act_Nxk)
+
+
+def _layer_bwd(k, opts, mixture, res, cts):
+  """z_hat's backward (`_gather_mix_bwd`) and the mixture's folded into `_stats_grads`: row
+  idx[n, j] of dp gets act[n, j] g_zhat[n] + c[n, j] z[n] in one scatter-add."""
+  del k
+  z_NxD, p_KxD, valid_N, out, act_Nxk = res
+  cts_out, g_act_Nxk, g_zhat_NxD = cts
+  sim_Nxk, idx_Nxk = out[0], out[1]
+  g_act_Nxk = g_act_Nxk + _dot_rows(g_zhat_NxD, idx_Nxk, p_KxD, opts.backend == "tpu")
+  _, mixture_vjp = jax.vjp(lambda s: mixture_weights(s, mixture), sim_Nxk)
+  g_sim_Nxk = cts_out[0] + mixture_vjp(g_act_Nxk)[0]
+  dz, dp = _stats_grads(opts, z_NxD, p_KxD, out, (g_sim_Nxk,) + tuple(cts_out[1:]),
+                        ((act_Nxk, g_zhat_NxD),))
   return dz.astype(z_NxD.dtype), dp.astype(p_KxD.dtype), jnp.zeros_like(valid_N)
 
 
-_stats.defvjp(_stats_fwd, _stats_bwd)
+_layer.defvjp(_layer_fwd, _layer_bwd)
 
 
 def topk_reconstruct(z_NxD, protos_KxD, k, *, mixture="raw", distance="cosine", mask_N=None,
@@ -312,11 +366,11 @@ def run_with_options(z_NxD, protos_KxD, k, opts: KernelOptions, *, mixture="raw"
     out = sharded.shard_stats(lambda z, p, v: _stats(z, p, v, k, opts), z_NxD, protos_KxD,
                               valid_N, axes, distance == "sqeuclidean")
     out = out[:3] + ((None, out[3], None, out[4]) if distance == "sqeuclidean" else ())
+    act = mixture_weights(out[0], mixture)
+    z_hat = gather_mix(act, out[1], protos_KxD, opts.backend == "tpu")  # float32, see _mix
   else:
-    out = _stats(z_NxD, protos_KxD, valid_N, k, opts)
+    out, act, z_hat = _layer(z_NxD, protos_KxD, valid_N, k, opts, mixture)
   sim, idx, col_max_cos = out[0], out[1], out[2]
-  act = mixture_weights(sim, mixture)
-  z_hat = gather_mix(act, idx, protos_KxD, opts.backend == "tpu")  # float32, see _mix
   row_max_cos = sim[:, 0]
   if distance == "cosine":
     row_min_dist, col_min_dist = 1.0 - row_max_cos, 1.0 - col_max_cos
