@@ -174,6 +174,19 @@ def test_implementation_switch():
   _assert_matches(out, reference.topk_reconstruct_reference(z, p, 3), 0.0)
 
 
+@pytest.mark.parametrize("impl,blocks,message", [
+    ("pallas_gpu", dict(block_n=48), "block_n=48: the GPU kernel needs a power of two"),
+    ("pallas_gpu", dict(block_d=8), "block_d=8: the GPU kernel needs a power of two >= 16"),
+    ("pallas_interpret", dict(block_k=100), "block_k=100: the TPU kernel needs a multiple"),
+    ("pallas_interpret", dict(block_n=12), "block_n=12: the TPU kernel needs a multiple of 8"),
+    ("pallas_tpu", dict(block_d=64), "block_d is a GPU-only option"),
+])
+def test_untileable_blocks_are_refused_clearly(impl, blocks, message):
+  z, p, _ = _inputs(4, 16, 8, 40)
+  with pytest.raises(ValueError, match=message):
+    api.topk_reconstruct(z, p, 3, implementation=impl, **blocks)
+
+
 def test_none_picks_the_backend_kernel_and_falls_back_when_missing(monkeypatch):
   monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
   api._kernel_importable.cache_clear()  # pylint: disable=protected-access

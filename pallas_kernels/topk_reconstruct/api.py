@@ -88,6 +88,23 @@ def _kernel_importable(kernel: str) -> bool:
     return False
 
 
+def _check_blocks(opts: KernelOptions) -> None:
+  """Explicit block sizes the kernels cannot tile with get a clear error, not a lowering
+  failure: Triton needs powers of two >= 16 (tensor-core dot), Mosaic TPU needs token
+  blocks in multiples of 8 sublanes and prototype blocks in multiples of 128 lanes."""
+  given = {name: getattr(opts, name) for name in ("block_n", "block_k", "block_d")
+           if getattr(opts, name) is not None}
+  for name, size in given.items():
+    if opts.backend == "gpu" and (size < 16 or size & (size - 1)):
+      raise ValueError(f"{name}={size}: the GPU kernel needs a power of two >= 16")
+    if opts.backend == "tpu" and name == "block_d":
+      raise ValueError("block_d is a GPU-only option (the TPU kernel takes all of D)")
+  if opts.backend == "tpu" and given.get("block_n", 8) % 8:
+    raise ValueError(f"block_n={given['block_n']}: the TPU kernel needs a multiple of 8")
+  if opts.backend == "tpu" and given.get("block_k", 128) % 128:
+    raise ValueError(f"block_k={given['block_k']}: the TPU kernel needs a multiple of 128")
+
+
 def _blocks(opts: KernelOptions, n: int, k_protos: int, dtype):
   """Block sizes clipped to the problem so tiny inputs are not padded to huge tiles."""
   if opts.backend == "gpu":
@@ -351,6 +368,7 @@ def topk_reconstruct(z_NxD, protos_KxD, k, *, mixture="raw", distance="cosine", 
                        interpret=impl == "pallas_interpret", block_n=block_n,
                        block_k=block_k, block_d=block_d, precision=precision,
                        num_warps=num_warps, num_stages=num_stages)
+  _check_blocks(opts)
   return run_with_options(z_NxD, protos_KxD, k, opts, mixture=mixture, mask_N=mask_N)
 
 
