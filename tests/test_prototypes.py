@@ -285,3 +285,25 @@ def test_bad_inputs_raise_clear_errors(kwargs, exc, match):
     kwargs["mask_N"] = jnp.asarray(kwargs["mask_N"])
   with pytest.raises(exc, match=match):
     prototype_layer(jnp.asarray(z), jnp.asarray(p), k, **kwargs)
+
+
+def test_extremum_statistics_give_ties_to_the_lowest_id():
+  """Row/column extrema of exactly tied entries send their whole gradient to the lowest
+  prototype / token id (as lax.top_k and the Pallas kernels do), not an even split."""
+  from prism_jax.model.prototypes import topk_reconstruct_xla  # pylint: disable=import-outside-toplevel
+  rng = np.random.default_rng(19)
+  p = rng.standard_normal((6, 5)).astype(np.float32)
+  p[4] = p[1]  # prototypes 1 and 4 tie for every token
+  z = rng.standard_normal((7, 5)).astype(np.float32)
+  # Tokens 1 and 5 are equal and close to prototype 1 (= 4): the same row maximum, tied
+  # between prototypes 1 and 4, and tied with each other for those columns' maxima.
+  z[1] = z[5] = p[1] + 0.1 * rng.standard_normal(5).astype(np.float32)
+  z, p = jnp.asarray(z), jnp.asarray(p)
+  for distance, out_id in (("cosine", 4), ("cosine", 5), ("sqeuclidean", 6), ("sqeuclidean", 7)):
+    g_p, g_z = jax.grad(lambda p, z: jnp.sum(topk_reconstruct_xla(
+        z, p, 2, distance=distance)[out_id]), (0, 1))(p, z)
+    g_p, g_z = np.asarray(g_p), np.asarray(g_z)
+    if out_id in (4, 6):  # row statistics: tokens 1 and 5 tie between prototypes 1 and 4
+      assert np.all(g_p[4] == 0.0) and np.any(g_p[1] != 0.0)
+    else:  # column statistics of prototypes 1 and 4: tokens 1 and 5 tie
+      assert np.all(g_z[5] == 0.0) and np.any(g_z[1] != 0.0)

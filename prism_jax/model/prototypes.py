@@ -91,6 +91,22 @@ def similarity(z_NxD: jax.Array, protos_KxD: jax.Array) -> Similarity:
                     dot_NxK * inv_z_N[:, None] * inv_p_K[None, :])
 
 
+def first_max(x: jax.Array, axis: int) -> jax.Array:
+  """max along `axis` whose gradient goes to the first (lowest-index) maximum only.
+
+  jnp.max splits the gradient evenly among exact ties; the Pallas kernels can only name
+  one element per row/column without the N x K matrix, so every implementation breaks ties
+  of the extremum statistics the same documented way: lowest prototype id (rows), lowest
+  token id (columns), as lax.top_k and jnp.argmax do."""
+  arg = jnp.argmax(x, axis=axis, keepdims=True)
+  return jnp.squeeze(jnp.take_along_axis(x, arg, axis=axis), axis)
+
+
+def first_min(x: jax.Array, axis: int) -> jax.Array:
+  """min along `axis` with the gradient on the first minimum (see first_max)."""
+  return -first_max(-x, axis)
+
+
 def mixture_weights(sim_Nxk: jax.Array, mixture: str) -> jax.Array:
   """Activations a = ReLU(sim) of the active prototypes, normalised to sum 1 if asked."""
   act_Nxk = jax.nn.relu(sim_Nxk)
@@ -115,15 +131,16 @@ def topk_reconstruct_xla(z_NxD: jax.Array, protos_KxD: jax.Array, k: int, *,
                          precision=jax.lax.Precision.HIGHEST)
 
   valid_N = jnp.ones(z.shape[0], bool) if mask_N is None else mask_N.astype(bool)
-  row_max_cos_N = jnp.max(cos_NxK, axis=-1)
-  col_max_cos_K = jnp.max(jnp.where(valid_N[:, None], cos_NxK, -jnp.inf), axis=0)
+  # Extremum statistics: on exact ties the gradient goes to the lowest id (first_max).
+  row_max_cos_N = sim_Nxk[:, 0]  # top_k's first entry: the row maximum, lowest id on ties
+  col_max_cos_K = first_max(jnp.where(valid_N[:, None], cos_NxK, -jnp.inf), 0)
   if distance == "cosine":
     row_min_dist_N = 1.0 - row_max_cos_N
     col_min_dist_K = 1.0 - col_max_cos_K
   else:
     sqdist_NxK = s.sqdist()
-    row_min_dist_N = jnp.min(sqdist_NxK, axis=-1)
-    col_min_dist_K = jnp.min(jnp.where(valid_N[:, None], sqdist_NxK, jnp.inf), axis=0)
+    row_min_dist_N = first_min(sqdist_NxK, -1)
+    col_min_dist_K = first_min(jnp.where(valid_N[:, None], sqdist_NxK, jnp.inf), 0)
   return (idx_Nxk.astype(jnp.int32), act_Nxk, sim_Nxk, z_hat_NxD, row_max_cos_N,
           col_max_cos_K, row_min_dist_N, col_min_dist_K)
 

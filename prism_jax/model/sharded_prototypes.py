@@ -32,7 +32,7 @@ import jax
 import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec as P
 
-from prism_jax.model.prototypes import mixture_weights, similarity
+from prism_jax.model.prototypes import first_max, first_min, mixture_weights, similarity
 
 MODEL_AXIS = "model"
 TOKEN_AXES = ("data", "fsdp")
@@ -68,11 +68,13 @@ def _token_axes(mesh, num_tokens: int) -> tuple[str, ...]:
 
 
 def _gather_max(x, axes, axis):
-  """Max over shards of `axes` (differentiable, invariant result) along array `axis`."""
+  """Max over shards of `axes` (differentiable, invariant result) along array `axis`.
+  Shards are gathered in order, so ties go to the lowest shard, i.e. the lowest id, as in
+  the unsharded layer (first_max)."""
   if not axes:
     return x
-  return jnp.max(jax.lax.all_gather(x, axes, axis=axis, tiled=False, to="invarying"),
-                 axis=axis)
+  return first_max(jax.lax.all_gather(x, axes, axis=axis, tiled=False, to="invarying"),
+                   axis)
 
 
 def _gather_min(x, axes, axis):
@@ -171,15 +173,15 @@ def _local_layer(z_nxD, protos_KmxD, mask_n, *, k: int, mixture: str, distance: 
   valid_n = mask_n
   row_max_cos_n = sim_nxk[:, 0]  # the global top-1 is the row maximum
   col_max_cos_Km = _gather_max(
-      jnp.max(jnp.where(valid_n[:, None], cos_nxKm, -jnp.inf), axis=0), token_axes, 0)
+      first_max(jnp.where(valid_n[:, None], cos_nxKm, -jnp.inf), 0), token_axes, 0)
   if distance == "cosine":
     row_min_dist_n = 1.0 - row_max_cos_n
     col_min_dist_Km = 1.0 - col_max_cos_Km
   else:
     sqdist_nxKm = s.sqdist()
-    row_min_dist_n = _gather_min(jnp.min(sqdist_nxKm, axis=-1), (MODEL_AXIS,), 1)
+    row_min_dist_n = _gather_min(first_min(sqdist_nxKm, -1), (MODEL_AXIS,), 1)
     col_min_dist_Km = _gather_min(
-        jnp.min(jnp.where(valid_n[:, None], sqdist_nxKm, jnp.inf), axis=0), token_axes, 0)
+        first_min(jnp.where(valid_n[:, None], sqdist_nxKm, jnp.inf), 0), token_axes, 0)
   return (idx_nxk, act_nxk, sim_nxk, z_hat_nxD, row_max_cos_n, col_max_cos_Km,
           row_min_dist_n, col_min_dist_Km)
 
