@@ -1,12 +1,13 @@
 #!/usr/bin/env bash
 # One-shot GPU check of the Pallas top-k kernels (issue 5), for a lent GPU machine (the
-# H200 had jax 0.11.x + the CUDA plugin preinstalled and no network). About 8 minutes:
+# H200 had jax 0.11.x + the CUDA plugin preinstalled and no network). About 9 minutes:
 #   bash experiments/device_check.sh            (from the repo root)
 # 1. correctness with interpret=False at the shipped defaults (gpu.default_config);
 # 2. bench_kernels small + XL, both distances, every timed kernel checked against the
 #    timed reference (ids = ref, z_hat rel err columns);
-# 3. a short block sweep around the defaults at XL bf16.
-# Logs go to $OUT (or /tmp/kernels_out): check.log, bench.log, sweep.log.
+# 3. the backward's bank scatters and bf16 gathers, old vs new, timed on the GPU;
+# 4. a short block sweep around the defaults at XL bf16.
+# Logs go to $OUT (or /tmp/kernels_out): check.log, bench.log, backward.log, sweep.log.
 set -uo pipefail
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
 export XLA_PYTHON_CLIENT_MEM_FRACTION=0.92
@@ -20,7 +21,12 @@ timeout 200 "$PY" -m experiments.bench_kernels --shapes=small,xl --dtypes=bfloat
   --distances=cosine,sqeuclidean --iters=3 2>&1 | tee "$OUT_DIR/bench.log"
 timeout 60 "$PY" -m experiments.bench_kernels --shapes=xl --dtypes=float32 --iters=3 \
   2>&1 | tee -a "$OUT_DIR/bench.log"
-for cfg in "128,128,64 8,4" "64,128,32 4,5" "64,256,64 8,3" "128,64,64 4,4"; do
+# The backward's bank scatters (one set vs the former two) and the bf16 row gathers, on the
+# GPU itself (pure XLA: no kernel runs in these two).
+timeout 90 "$PY" -m experiments.bench_layer_backward --backend=gpu --shapes=small,large,xl \
+  --bytes_only= --layer_shapes= 2>&1 | tee "$OUT_DIR/backward.log"
+timeout 60 "$PY" -m experiments.bench_gather_dtype 2>&1 | tee -a "$OUT_DIR/backward.log"
+for cfg in "128,128,64 8,4" "64,128,32 4,5" "64,256,64 8,3"; do
   set -- $cfg
   echo "blocks=$1 warps_stages=$2"
   timeout 40 "$PY" -m experiments.bench_kernels --shapes=xl --dtypes=bfloat16 \
