@@ -335,3 +335,11 @@ def test_edge_cases_match_reference(opts):
     scale = max(float(jnp.max(jnp.abs(g))) for g in g_ref)
     assert all(bool(jnp.all(jnp.isfinite(g))) for g in g_kernel)
     chex.assert_trees_all_close(g_kernel, g_ref, atol=1e-5 * scale, rtol=0)
+
+
+def test_untileable_blocks_are_refused_on_every_entry_point():
+  z, p, _ = _inputs(5, 16, 8, 40)
+  with pytest.raises(ValueError, match="block_k=100: the TPU kernel needs a multiple"):
+    _run(z, p, 3, api.KernelOptions(interpret=True, block_k=100))
+  with pytest.raises(ValueError, match="block_n=24: the GPU kernel needs a power of two"):
+    api.argstats(z, p, 3, api.KernelOptions(backend="gpu", interpret=True, block_n=24))

@@ -107,6 +107,7 @@ def _check_blocks(opts: KernelOptions) -> None:
 
 def _blocks(opts: KernelOptions, n: int, k_protos: int, dtype):
   """Block sizes clipped to the problem so tiny inputs are not padded to huge tiles."""
+  _check_blocks(opts)  # every kernel entry point resolves its blocks here
   if opts.backend == "gpu":
     from pallas_kernels.topk_reconstruct import gpu  # pylint: disable=import-outside-toplevel
     cfg = gpu.default_config(dtype)
@@ -368,7 +369,6 @@ def topk_reconstruct(z_NxD, protos_KxD, k, *, mixture="raw", distance="cosine", 
                        interpret=impl == "pallas_interpret", block_n=block_n,
                        block_k=block_k, block_d=block_d, precision=precision,
                        num_warps=num_warps, num_stages=num_stages)
-  _check_blocks(opts)
   return run_with_options(z_NxD, protos_KxD, k, opts, mixture=mixture, mask_N=mask_N)
 
 
