@@ -132,10 +132,6 @@ class AttributionCache:
     """One record field (example_id, offset, idx, act, g) of the given token indices."""
     return self._read(self._arrays[name], np.asarray(tokens, np.int64))
 
-  def row_of(self, tokens: np.ndarray) -> np.ndarray:
-    """Packed-row index (in the split) of each token index."""
-    return np.searchsorted(self.row_offsets, np.asarray(tokens, np.int64), "right") - 1
-
   def sequence_of(self, tokens: np.ndarray, unit: str) -> np.ndarray:
     """Training sequence of each token index: its document (unit="document") or packed row.
 
