@@ -2,7 +2,7 @@
 
   JAX_PLATFORMS=cpu python -m experiments.bench_gather_dtype [--shapes=small,xl]
 
-`api.gather_mix` (z_hat = sum_j a_j p[idx_j] and its sparse backward) used to receive the
+`vjp.gather_mix` (z_hat = sum_j a_j p[idx_j] and its sparse backward) used to receive the
 bank already widened to fp32; it now gathers rows in the bank's dtype and widens after the
 gather, which is exact. Prints XLA's cost-model bytes and the time of both forms, forward
 and forward+backward, side by side, and checks that outputs and gradients are bitwise equal.
@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.topk_reconstruct import api, benchmark
+from pallas_kernels.topk_reconstruct import benchmark, vjp
 
 _SHAPES = flags.DEFINE_list("shapes", ["small", "xl"], f"subset of {list(benchmark.SHAPES)}")
 _ITERS = flags.DEFINE_integer("iters", 3, "timed repetitions (median reported)")
@@ -27,8 +27,8 @@ def compare(name: str, iters: int) -> list[str]:
   idx = jnp.asarray(rng.integers(0, num_protos, (n, k)), jnp.int32)
   g = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
   old, new = "fp32 rows (old)", "bf16 rows (new)"
-  forms = {old: lambda w, p: api.gather_mix(w, idx, p.astype(jnp.float32), False),
-           new: lambda w, p: api.gather_mix(w, idx, p, False)}
+  forms = {old: lambda w, p: vjp.gather_mix(w, idx, p.astype(jnp.float32), False),
+           new: lambda w, p: vjp.gather_mix(w, idx, p, False)}
   lines, outs, ms = [], {}, {}
   for form, f in forms.items():
     for pass_, fn in (("fwd", f), ("fwd+bwd", lambda w, p, f=f: jax.vjp(f, w, p)[1](g))):

@@ -3,9 +3,9 @@
   JAX_PLATFORMS=cpu python -m experiments.bench_layer_backward \
       [--shapes=micro,tiny,small] [--bytes_only=large,xl] [--layer_shapes=micro,tiny,wide]
 
-Old: `api._stats` (kernel statistics), the mixture (JAX autodiff) and `api.gather_mix`
+Old: `vjp.stats` (kernel statistics), the mixture (JAX autodiff) and `vjp.gather_mix`
 (z_hat), each with its own backward, so the bank gets k scatter-adds of N fp32 rows from
-z_hat and k more from the cosines. New (`api._layer`, the unsharded `run_with_options`):
+z_hat and k more from the cosines. New (`vjp.layer`, the unsharded `run_with_options`):
 one custom_vjp whose backward sums both terms per row and scatters once.
 
 Part 1, backward only: the two backwards jitted on the same fixed kernel outputs
@@ -20,7 +20,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.topk_reconstruct import api, benchmark
+from pallas_kernels.topk_reconstruct import api, benchmark, vjp
 from prism_jax.model.prototypes import mixture_weights
 
 SHAPES = dict(benchmark.SHAPES, wide=(16384, 64, 256, 16))  # many tokens, small bank
@@ -41,27 +41,27 @@ def old_backward(k, opts, mixture, res, cts):
   """What JAX's transpose of the old composition computes, from the same residuals."""
   z, p, valid, out, act = res
   cts_out, g_act, g_zhat = cts
-  dw, _, dp_zhat = api._gather_mix_bwd(  # pylint: disable=protected-access
+  dw, _, dp_zhat = vjp._gather_mix_bwd(  # pylint: disable=protected-access
       opts.backend == "tpu", (act, out[1], p), g_zhat)
   _, mixture_vjp = jax.vjp(lambda s: mixture_weights(s, mixture), out[0])
   g_sim = cts_out[0] + mixture_vjp(g_act + dw)[0]
-  dz, dp_stats, _ = api._stats_bwd(  # pylint: disable=protected-access
+  dz, dp_stats, _ = vjp._stats_bwd(  # pylint: disable=protected-access
       k, opts, (z, p, valid, out), (g_sim,) + tuple(cts_out[1:]))
   return dz, dp_stats + dp_zhat
 
 
 def new_backward(k, opts, mixture, res, cts):
-  return api._layer_bwd(k, opts, mixture, res, cts)[:2]  # pylint: disable=protected-access
+  return vjp._layer_bwd(k, opts, mixture, res, cts)[:2]  # pylint: disable=protected-access
 
 
 def old_layer(z, p, valid, k, opts, mixture):
-  out = api._stats(z, p, valid, k, opts)  # pylint: disable=protected-access
+  out = vjp.stats(z, p, valid, k, opts)
   act = mixture_weights(out[0], mixture)
-  return out, act, api.gather_mix(act, out[1], p, opts.backend == "tpu")
+  return out, act, vjp.gather_mix(act, out[1], p, opts.backend == "tpu")
 
 
 def new_layer(z, p, valid, k, opts, mixture):
-  return api._layer(z, p, valid, k, opts, mixture)  # pylint: disable=protected-access
+  return vjp.layer(z, p, valid, k, opts, mixture)
 
 
 def _residuals(shape, dtype, sqeuclid: bool, seed: int | None):

@@ -6,8 +6,8 @@ Runs on one device with a (1,1,1) mesh (outputs and gradients), e.g. on a lent H
 import os, jax, jax.numpy as jnp, numpy as np
 from prism_jax import sharding
 from prism_jax.config import MeshConfig
-from prism_jax.model import sharded_prototypes as sp
-from prism_jax.model.prototypes import topk_reconstruct_xla
+from pallas_kernels.topk_reconstruct import api, sharded
+from pallas_kernels.topk_reconstruct.reference import topk_reconstruct_xla
 impl = os.environ.get("IMPL", "pallas_gpu")
 rng = np.random.default_rng(0)
 z = jnp.asarray(rng.normal(size=(512, 64)), jnp.float32)
@@ -19,7 +19,7 @@ def f(fn, z, p, **kw):
 g = jax.value_and_grad(f, argnums=(1, 2), has_aux=True)
 (v0, o0), g0 = g(topk_reconstruct_xla, z, p)
 with jax.set_mesh(sharding.make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])):
-  (v1, o1), g1 = jax.jit(lambda z, p: g(lambda *a, **k: sp.topk_reconstruct_sharded(*a, implementation=impl, **k), z, p))(z, p)
+  (v1, o1), g1 = jax.jit(lambda z, p: g(lambda *a, **k: sharded.topk_reconstruct_sharded(*a, model_axis="model", token_axes=sharding.mesh_axes("tokens"), opts=api.kernel_options(impl, "sqeuclidean"), **k), z, p))(z, p)
 rel = lambda a, b: float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(a)))
 print(impl, "ids equal frac", float(jnp.mean(o0[0] == o1[0])), "z_hat rel", rel(o0[3], o1[3]),
       "dz rel", rel(g0[0], g1[0]), "dp rel", rel(g0[1], g1[1]))

@@ -11,6 +11,8 @@ import dataclasses
 import json
 from typing import Any, Literal
 
+from pallas_kernels.topk_reconstruct.api import IMPLEMENTATIONS, Implementation
+
 ResidualRouting = Literal["straight_through", "plain"]
 Mixture = Literal["raw", "normalized"]
 Distance = Literal["cosine", "sqeuclidean"]
@@ -46,7 +48,7 @@ class ModelConfig:
   mixture: Mixture = "normalized"
   distance: Distance = "cosine"  # for the clustering terms R1/R2
   proto_init: Literal["data", "normal"] = "data"
-  implementation: str | None = None  # prototype-layer kernel; None = best available
+  implementation: Implementation = None  # prototype-layer kernel; None = best available
   # Numerics.
   dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; params stay fp32
   remat: bool = False
@@ -69,6 +71,7 @@ class ModelConfig:
     _check_choice("model.distance", self.distance, ("cosine", "sqeuclidean"))
     _check_choice("model.proto_init", self.proto_init, ("data", "normal"))
     _check_choice("model.dtype", self.dtype, ("float32", "bfloat16"))
+    _check_choice("model.implementation", self.implementation, IMPLEMENTATIONS)
 
   @property
   def head_dim(self) -> int:

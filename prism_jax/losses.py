@@ -17,9 +17,7 @@ import jax.numpy as jnp
 
 from prism_jax.config import LossConfig
 from prism_jax.model.lm import LMOutput
-from prism_jax.model.prototypes import PrototypeOutput
-
-_EPS = 1e-6
+from prism_jax.model.prototypes import EPS, PrototypeOutput
 
 
 def _masked_mean(x_N: jax.Array, mask_N: jax.Array) -> jax.Array:
@@ -27,17 +25,24 @@ def _masked_mean(x_N: jax.Array, mask_N: jax.Array) -> jax.Array:
   return jnp.sum(x_N * mask) / jnp.maximum(jnp.sum(mask), 1.0)
 
 
+def token_nll(logits_NxV: jax.Array, targets_N: jax.Array) -> jax.Array:
+  """Per-token cross-entropy -log softmax(ℓ_t)[y_t], unmasked, in (at least) float32
+  (float64 logits stay float64). Any leading shape: (..., V) logits, (...) targets. The one
+  definition: the training loss, eval, EK-FAC and the curvature references use it."""
+  logits = logits_NxV.astype(jnp.promote_types(logits_NxV.dtype, jnp.float32))
+  logp = jax.nn.log_softmax(logits, axis=-1)
+  return -jnp.take_along_axis(logp, targets_N[..., None].astype(jnp.int32), axis=-1)[..., 0]
+
+
 def cross_entropy(logits_NxV: jax.Array, targets_N: jax.Array, mask_N: jax.Array) -> jax.Array:
-  logp = jax.nn.log_softmax(logits_NxV.astype(jnp.float32), axis=-1)
-  nll_N = -jnp.take_along_axis(logp, targets_N[:, None].astype(jnp.int32), axis=-1)[:, 0]
-  return _masked_mean(nll_N, mask_N)
+  return _masked_mean(token_nll(logits_NxV, targets_N), mask_N)
 
 
 def reconstruction(z_NxD: jax.Array, residual_NxD: jax.Array, mask_N: jax.Array,
                    kind: str = "relative") -> jax.Array:
   sq_r_N = jnp.sum(jnp.square(residual_NxD.astype(jnp.float32)), axis=-1)
   if kind == "relative":
-    sq_r_N = sq_r_N / jnp.maximum(jnp.sum(jnp.square(z_NxD.astype(jnp.float32)), -1), _EPS)
+    sq_r_N = sq_r_N / jnp.maximum(jnp.sum(jnp.square(z_NxD.astype(jnp.float32)), -1), EPS)
   elif kind != "plain":
     raise ValueError(f"rec kind {kind!r}; use 'relative' or 'plain'")
   return _masked_mean(sq_r_N, mask_N)
@@ -74,7 +79,7 @@ def total_loss(out: LMOutput, targets_BxT: jax.Array, mask_BxT: jax.Array,
     loss = ce + cfg.lambda_rec * rec + cfg.lambda_r1 * r1 + cfg.lambda_r2 * r2
     sq_r = _masked_mean(jnp.sum(jnp.square(p.residual_NxD), -1), mask_N)
     sq_z = _masked_mean(jnp.sum(jnp.square(z_NxD), -1), mask_N)
-    metrics.update(rec=rec, r1=r1, r2=r2, residual_share=sq_r / jnp.maximum(sq_z, _EPS),
+    metrics.update(rec=rec, r1=r1, r2=r2, residual_share=sq_r / jnp.maximum(sq_z, EPS),
                    mean_active=_masked_mean(jnp.sum(p.act_Nxk > 0, -1).astype(jnp.float32),
                                             mask_N))
   metrics["loss"] = loss

@@ -49,6 +49,13 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 )
 
 
+def mesh_axes(logical: str) -> tuple[str, ...]:
+  """The mesh axes LOGICAL_RULES maps a logical axis to (() = replicated): what the
+  prototype op is told to split its tokens ("tokens") and its bank ("proto") over."""
+  entry = dict(LOGICAL_RULES)[logical]
+  return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
+
+
 def resolve_mesh_shape(cfg: MeshConfig, num_devices: int) -> tuple[int, int, int]:
   """(data, fsdp, model) sizes, with one -1 filled from the device count."""
   sizes = [cfg.data, cfg.fsdp, cfg.model]

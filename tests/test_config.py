@@ -17,6 +17,7 @@ from prism_jax import config as C
     (dict(distance="l1"), "model.distance='l1'"),
     (dict(proto_init="zeros"), "model.proto_init='zeros'"),
     (dict(dtype="float16"), "model.dtype='float16'"),
+    (dict(implementation="cuda"), "model.implementation='cuda' is not one of"),
     (dict(k=0), "model.k must be a positive int, got 0"),
     (dict(n_layers=-1), "model.n_layers must be a positive int"),
     (dict(k=2.5), "model.k must be a positive int, got 2.5"),
@@ -25,6 +26,17 @@ from prism_jax import config as C
 def test_model_config_errors(overrides, match):
   with pytest.raises(ValueError, match=match):
     C.ModelConfig(**overrides)
+
+
+def test_implementation_choices_are_the_ops():
+  """One tuple of kernel implementations: the config's Literal is the op's."""
+  import typing  # pylint: disable=import-outside-toplevel
+  from pallas_kernels.topk_reconstruct import api  # pylint: disable=import-outside-toplevel
+  hint = typing.get_type_hints(C.ModelConfig)["implementation"]
+  literal = next(a for a in typing.get_args(hint) if a is not type(None))
+  assert (None,) + typing.get_args(literal) == api.IMPLEMENTATIONS
+  for impl in api.IMPLEMENTATIONS:
+    assert C.ModelConfig(implementation=impl).implementation == impl
 
 
 def test_loss_data_train_errors():

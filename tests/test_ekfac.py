@@ -13,6 +13,7 @@ from prism_jax.attribution import ekfac
 from prism_jax.attribution import ekfac_capture
 from prism_jax.config import ModelConfig
 from prism_jax.model.lm import build_model
+from prism_jax.model.tap import Tap
 
 CFG = ModelConfig(vocab_size=32, max_len=8, d_model=8, n_layers=1, n_heads=2, mlp_ratio=2,
                   num_prototypes=12, k=3)
@@ -44,13 +45,14 @@ def test_forward_and_capture_match_real_model():
   model = _random_model(0)
   b = _batch(1)
   out = model(jnp.asarray(b["inputs"]))
-  p = ekfac.extract_params(model)
-  logits, _ = ekfac_capture._forward(p, {}, jnp.asarray(b["inputs"]), CFG)
+  names = ekfac.layer_names(model)
+  tap = Tap(ekfac_capture._probes(CFG, names, *b["inputs"].shape, jnp.float32))
+  logits = model(jnp.asarray(b["inputs"]), tap=tap).logits_BxTxV  # zero probes
   np.testing.assert_allclose(logits, out.logits_BxTxV, rtol=1e-5, atol=1e-5)
+  assert sorted(tap.inputs) == sorted(names)
 
   # Σ_t δ aᵀ per row == nnx.grad of the real model's summed CE of that row.
-  names = ekfac.layer_names(model)
-  cap = ekfac.capture(p, CFG, names, b)
+  cap = ekfac.capture(model, names, b)
   grads = ekfac.per_sequence_grads(cap)
 
   def row_loss(m, row):
@@ -70,15 +72,18 @@ def test_forward_and_capture_match_real_model():
     np.testing.assert_allclose(grads["block0.qkv"][0, row], ref_qkv, rtol=2e-4, atol=2e-5)
 
 
-def _numpy_ekfac_scores(cap_fit, masks, cap_q, cap_t, seg_w, damping=None):
-  """Float64 NumPy EK-FAC from captured (a, δ): factors, Λ, damping, precondition, score."""
+def _numpy_ekfac_scores(cap_fit, masks, cap_q, cap_t, seg_w, damping=None, reals=None):
+  """Float64 NumPy EK-FAC from captured (a, δ): factors, Λ, damping, precondition, score.
+  A sums over the loss tokens (`masks`), S over the non-padding positions (`reals`,
+  kronfluence's convention; None: the loss tokens too, the old convention)."""
   names = list(cap_fit[0].acts)
+  reals = masks if reals is None else reals
   total = 0.0
   for n in names:
     cov_a, cov_s, ntok, nseq = 0.0, 0.0, 0, 0
-    for cap, m in zip(cap_fit, masks):
+    for cap, m, r in zip(cap_fit, masks, reals):
       a = np.asarray(cap.acts[n], np.float64)[m]
-      dl = np.asarray(cap.deltas[n][0], np.float64)[m]
+      dl = np.asarray(cap.deltas[n][0], np.float64)[r]
       cov_a = cov_a + a.T @ a
       cov_s = cov_s + dl.T @ dl
       ntok += int(m.sum())
@@ -103,6 +108,15 @@ def _numpy_ekfac_scores(cap_fit, masks, cap_q, cap_t, seg_w, damping=None):
   return total  # (Q, S, B)
 
 
+def _per_document(ref_QxSxB, w, seg_ids):
+  """Aggregates the reference per document (segments sharing an example id are summed)."""
+  ref_ids = np.unique(seg_ids[seg_ids >= 0])
+  ref_doc = np.stack([sum(ref_QxSxB[:, s, b] for s in range(w.shape[0])
+                          for b in range(w.shape[1]) if seg_ids[s, b] == e)
+                      for e in ref_ids], 1)
+  return ref_ids, ref_doc
+
+
 @pytest.mark.parametrize("damping", [None, 0.05])
 def test_ekfac_scores_match_float64_numpy(damping):
   with jax.enable_x64(True):
@@ -115,18 +129,16 @@ def test_ekfac_scores_match_float64_numpy(damping):
     scores, ids = ekfac.ekfac_scores(model, factors, query, [train], cfg=cfg,
                                      query_batch_size=2, dtype=jnp.float64)
 
-    p = ekfac.extract_params(model, jnp.float64)
+    p = ekfac.split_model(model, jnp.float64)
     names = ekfac.layer_names(model)
     assert "bank" in names and len(names) == 4 * CFG.n_layers + 1
-    caps = [ekfac.capture(p, CFG, names, b) for b in fit]
-    cap_q = ekfac.capture(p, CFG, names, query)
+    caps = [ekfac.capture(p, names, b) for b in fit]
+    cap_q = ekfac.capture(p, names, query)
     w, seg_ids = ekfac.segment_weights(train, by_example=True)
-    cap_t = ekfac.capture(p, CFG, names, train, None, w)
-    ref = _numpy_ekfac_scores(caps, [b["mask"] for b in fit], cap_q, cap_t, w, damping)
-  # Aggregate the reference per document (segments sharing an example id are summed).
-  ref_ids = np.unique(seg_ids[seg_ids >= 0])
-  ref_doc = np.stack([sum(ref[:, s, b] for s in range(w.shape[0]) for b in range(w.shape[1])
-                          if seg_ids[s, b] == e) for e in ref_ids], 1)
+    cap_t = ekfac.capture(p, names, train, None, w)
+    ref = _numpy_ekfac_scores(caps, [b["mask"] for b in fit], cap_q, cap_t, w, damping,
+                              reals=[b["example_id"] >= 0 for b in fit])
+  ref_ids, ref_doc = _per_document(ref, w, seg_ids)
   np.testing.assert_array_equal(ids, ref_ids)
   assert w.shape[0] == 2 and len(ids) == train["inputs"].shape[0]  # row 0 holds two docs
   err = np.max(np.abs(scores - ref_doc)) / np.max(np.abs(ref_doc))
@@ -171,3 +183,58 @@ def test_streamed_chunked_scores_equal_whole_batch_scores():
         assert np.max(np.abs(got - ref)) <= 1e-10 * np.max(np.abs(ref)), (by_example, qbs)
   with pytest.raises(ValueError, match="train_batch_size"):
     ekfac.ekfac_scores(model, factors, query, train, train_batch_size=0)
+
+
+def _packed_batch(seed, batch=4, seq=8, num_pad=3):
+  """Rows cut from one packed token stream (data/packing.py, batch contract): documents
+  of random lengths start inside rows (target offset 0: outside the loss, its input the
+  previous document's EOS), and the last `num_pad` positions are padding (ids -1)."""
+  rng = np.random.default_rng(seed)
+  n = batch * seq
+  lengths = rng.integers(3, 7, n)
+  ex = np.repeat(np.arange(n), lengths)[:n - num_pad] + 100 * seed
+  off = np.concatenate([np.arange(l) for l in lengths])[:n - num_pad]
+  ex = np.concatenate([ex, np.full(num_pad, -1)]).reshape(batch, seq).astype(np.int32)
+  off = np.concatenate([off, np.full(num_pad, -1)]).reshape(batch, seq).astype(np.int32)
+  tok = rng.integers(0, CFG.vocab_size, (batch, seq + 1)).astype(np.int32)
+  return dict(inputs=tok[:, :-1], targets=tok[:, 1:], mask=off > 0, example_id=ex,
+              offset=off, row_id=np.arange(batch, dtype=np.int32))
+
+
+def test_delta_covariance_covers_non_padding_positions_outside_the_loss():
+  """S_l sums δδᵀ over every non-padding position (kronfluence's convention): a document
+  start inside a packed row is outside the loss but carries δ from later tokens' losses.
+  Scores equal the float64 reference of that convention; the old one (δ masked by the
+  loss) differs by far more than the tolerance on these batches."""
+  with jax.enable_x64(True):
+    model = _random_model(13)
+    cfg = ekfac.EkfacConfig(empirical_fisher=True)
+    fit = [_packed_batch(14), _packed_batch(15)]
+    train, query = _packed_batch(16), _packed_batch(17, num_pad=0)
+    factors = ekfac.fit_factors(model, fit, cfg, dtype=jnp.float64)
+    scores, ids = ekfac.ekfac_scores(model, factors, query, [train], cfg=cfg,
+                                     query_batch_size=2, train_batch_size=2,
+                                     dtype=jnp.float64)
+    p = ekfac.split_model(model, jnp.float64)
+    names = ekfac.layer_names(model)
+    caps = [ekfac.capture(p, names, b) for b in fit]
+    cap_q = ekfac.capture(p, names, query)
+    w, seg_ids = ekfac.segment_weights(train, by_example=True)
+    cap_t = ekfac.capture(p, names, train, None, w)
+    masks, reals = [b["mask"] for b in fit], [b["example_id"] >= 0 for b in fit]
+    new = _numpy_ekfac_scores(caps, masks, cap_q, cap_t, w, reals=reals)
+    old = _numpy_ekfac_scores(caps, masks, cap_q, cap_t, w)
+  # The batches hold what makes the conventions differ: non-padding no-loss positions
+  # with nonzero δ (on qkv: later tokens attend to their keys and values); padding
+  # positions (at the end) get no δ at all.
+  outside = reals[0] & ~masks[0]
+  assert outside.sum() >= 4
+  delta = np.abs(np.asarray(caps[0].deltas["block0.qkv"][0])).sum(-1)
+  assert np.all(delta[outside] > 0) and np.all(delta[~reals[0]] == 0)
+  ref_ids, ref_new = _per_document(new, w, seg_ids)
+  _, ref_old = _per_document(old, w, seg_ids)
+  np.testing.assert_array_equal(ids, ref_ids)
+  scale = np.max(np.abs(ref_new))
+  assert np.max(np.abs(scores - ref_new)) / scale <= 1e-6
+  gap = np.max(np.abs(ref_old - ref_new)) / scale
+  assert gap >= 1e-2, gap  # measured: see the report of issue 10

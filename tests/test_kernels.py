@@ -11,7 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.topk_reconstruct import api, reference
+from pallas_kernels.topk_reconstruct import api, reference, vjp
 
 NAMES = ("idx", "act", "sim", "z_hat", "row_max_cos", "col_max_cos", "row_min_dist",
          "col_min_dist")
@@ -234,7 +234,7 @@ def test_sharded_over_tokens_matches_reference():
   mesh = jax.make_mesh((4, 2, 1), ("data", "fsdp", "model"), axis_types=(AxisType.Auto,) * 3)
   kernel = lambda z, p, m: api.topk_reconstruct(
       z, p, k, distance="sqeuclidean", mask_N=m, implementation="pallas_interpret",
-      block_n=8, block_k=128)
+      token_axes=("data", "fsdp"), block_n=8, block_k=128)
   ref = lambda z, p, m: reference.topk_reconstruct_reference(z, p, k, distance="sqeuclidean",
                                                              mask_N=m)
   loss = lambda fn: lambda z, p, m: _weighted_loss(
@@ -297,8 +297,8 @@ def test_gather_mix_on_bf16_rows_equals_widened_rows(sequential):
   w = jnp.asarray(rng.random((n, k)), jnp.float32)
   idx = jnp.asarray(rng.integers(0, num_protos, (n, k)), jnp.int32)
   g = jnp.asarray(rng.standard_normal((n, d)), jnp.float32)
-  new = lambda w, p: api.gather_mix(w, idx, p, sequential)
-  old = lambda w, p: api.gather_mix(w, idx, p.astype(jnp.float32), sequential)
+  new = lambda w, p: vjp.gather_mix(w, idx, p, sequential)
+  old = lambda w, p: vjp.gather_mix(w, idx, p.astype(jnp.float32), sequential)
   (out_new, vjp_new), (out_old, vjp_old) = jax.vjp(new, w, p), jax.vjp(old, w, p)
   assert out_new.dtype == jnp.float32
   np.testing.assert_array_equal(np.asarray(out_new), np.asarray(out_old))

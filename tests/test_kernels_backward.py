@@ -1,5 +1,5 @@
-"""The unsharded layer's single custom_vjp (`api._layer`) vs the old composition of
-`api._stats` (kernel statistics), the mixture (autodiff) and `api.gather_mix` (z_hat).
+"""The unsharded layer's single custom_vjp (`vjp.layer`) vs the old composition of
+`vjp.stats` (kernel statistics), the mixture (autodiff) and `vjp.gather_mix` (z_hat).
 
 Both run the same interpreted kernel forward; their backwards differ only in the order of
 fp32 sums (the bank's two gradient terms are now summed per row before one scatter-add).
@@ -13,7 +13,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.topk_reconstruct import api, reference
+from pallas_kernels.topk_reconstruct import api, reference, vjp
 from prism_jax.model.prototypes import mixture_weights
 
 TPU_INTERP = dict(interpret=True, block_n=16, block_k=128)
@@ -21,14 +21,14 @@ GPU_INTERP = dict(backend="gpu", interpret=True, block_n=16, block_k=32, block_d
 
 
 def _old_layer(z, p, valid, k, opts, mixture):
-  """The composition `run_with_options` used before `_layer` (still the sharded path)."""
-  out = api._stats(z, p, valid, k, opts)  # pylint: disable=protected-access
+  """The composition `run_with_options` used before `vjp.layer` (still the sharded path)."""
+  out = vjp.stats(z, p, valid, k, opts)
   act = mixture_weights(out[0], mixture)
-  return out, act, api.gather_mix(act, out[1], p, opts.backend == "tpu")
+  return out, act, vjp.gather_mix(act, out[1], p, opts.backend == "tpu")
 
 
 def _new_layer(z, p, valid, k, opts, mixture):
-  return api._layer(z, p, valid, k, opts, mixture)  # pylint: disable=protected-access
+  return vjp.layer(z, p, valid, k, opts, mixture)
 
 
 def _loss(layer, k, opts, mixture, valid, seed):

@@ -9,9 +9,9 @@ import numpy as np
 import pytest
 from jax.sharding import NamedSharding, PartitionSpec as P
 
+from pallas_kernels.topk_reconstruct import sharded as sharded_op
 from prism_jax import sharding
 from prism_jax.config import MeshConfig
-from prism_jax.model import sharded_prototypes
 from prism_jax.model.prototypes import prototype_layer, topk_reconstruct_xla
 
 FIELDS = ("idx", "act", "sim", "z_hat", "row_max_cos", "col_max_cos", "row_min_dist",
@@ -56,9 +56,14 @@ def test_sharded_layer_matches_unsharded(shape, distance, mixture):
   mesh = sharding.make_mesh(MeshConfig(*shape))
   with jax.set_mesh(mesh):
     sharded = jax.jit(grad_fn, static_argnums=(0, 4, 5, 6))
-    (v1, out1), g1 = sharded(sharded_prototypes.topk_reconstruct_sharded, z, protos, mask, k,
-                             distance, mixture)
+    (v1, out1), g1 = sharded(_k_sharded, z, protos, mask, k, distance, mixture)
   assert_layer_matches(FIELDS, out0, out1, (v0, g0), (v1, g1), shape, tol=2e-5)
+
+
+def _k_sharded(z, protos, k, **kw):
+  """The op's K-sharded path on the mesh axes of the rules table (XLA per shard)."""
+  return sharded_op.topk_reconstruct_sharded(z, protos, k, model_axis="model",
+                                             token_axes=sharding.mesh_axes("tokens"), **kw)
 
 
 def assert_layer_matches(names, ref, out, ref_value_grads, value_grads, shape, tol):
@@ -94,9 +99,9 @@ def test_more_shards_than_k_per_shard_and_ties():
 
 def test_routing_and_bad_bank_size():
   z, protos, mask = _inputs(3, 16, 12, 8)
-  assert not sharded_prototypes.use_sharded(12)  # no mesh: unsharded path
+  assert not sharded_op.use_sharded(12, "model")  # no mesh: unsharded path
   with jax.set_mesh(sharding.make_mesh(MeshConfig(1, 2, 4))):
-    assert sharded_prototypes.model_shards() == 4
+    assert sharded_op.model_shards("model") == 4
     txt = jax.jit(prototype_layer, static_argnums=2).lower(z, protos, 3).as_text()
     assert "shard_map" in txt or "sdy.manual_computation" in txt
   with jax.set_mesh(sharding.make_mesh(MeshConfig(1, 1, 8))):

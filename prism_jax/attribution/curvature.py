@@ -6,7 +6,8 @@ the targets are constants, and the training loss is a function of P alone (PRISM
     L(P) = CE + λ_rec REC + λ_1 R1 + λ_2 R2        (the same terms as prism_jax.losses)
 
 The functions are dtype-generic (run them under `jax.enable_x64(True)` with float64 inputs
-for reference-grade Hessians; prism_jax.model.prototypes always computes in float32).
+for reference-grade Hessians). The layer's maths is the op's (similarity, top-k mixture,
+residual routing from prism_jax.model.prototypes), the CE is prism_jax.losses.token_nll.
 
 Which path of ∂L/∂P we differentiate (PRISM.md §4 "the bank as a linear layer"):
   ẑ_t = Σ_{i∈S_t} a_{t,i} p_i = Pᵀ a_t, and P reaches the loss through ẑ_t in two ways:
@@ -44,9 +45,9 @@ import numpy as np
 from flax import nnx
 
 from prism_jax.config import LossConfig
-from prism_jax.model.prototypes import mixture_weights, similarity
-
-_EPS = 1e-6  # same guards as prism_jax.model.prototypes / prism_jax.losses
+from prism_jax.losses import token_nll
+from prism_jax.model.prototypes import (EPS, inv_norm, route_residual, similarity,
+                                        topk_mixture)
 _HI = jax.lax.Precision.HIGHEST
 Path = Literal["linear", "full"]
 
@@ -124,7 +125,7 @@ def head_inputs(model: Any, batch: dict[str, Any], dtype: Any = None) -> HeadInp
 
 def _norm_inv(x_NxD):
   sq = jnp.sum(x_NxD * x_NxD, -1)
-  return sq, jax.lax.rsqrt(jnp.maximum(sq, _EPS * _EPS))
+  return sq, inv_norm(sq)
 
 
 def head_forward(protos_KxD: jax.Array, head: HeadInputs, spec: HeadSpec, *,
@@ -135,20 +136,15 @@ def head_forward(protos_KxD: jax.Array, head: HeadInputs, spec: HeadSpec, *,
   z = head.z_NxD
   s = similarity(z, protos_KxD)  # in the inputs' dtype (float64 for the references)
   cos_NxK = s.cos_NxK
-  sim_Nxk, idx_Nxk = jax.lax.top_k(cos_NxK, spec.k)
-  act_Nxk = mixture_weights(sim_Nxk, spec.mixture)
-  if path == "linear":
-    act_Nxk = jax.lax.stop_gradient(act_Nxk)
-  z_hat = jnp.einsum("nk,nkd->nd", act_Nxk, protos_KxD[idx_Nxk], precision=_HI)
-  residual = z - (jax.lax.stop_gradient(z_hat)
-                  if spec.residual_routing == "straight_through" else z_hat)
+  _, idx_Nxk, act_Nxk, z_hat = topk_mixture(cos_NxK, protos_KxD, spec.k, spec.mixture,
+                                            fixed_weights=path == "linear")
+  residual = route_residual(z, z_hat, spec.residual_routing)
   logits = jnp.dot(residual + z_hat, head.wte_VxD.T, precision=_HI)
   if spec.distance == "cosine":
     dist_NxK = 1.0 - cos_NxK
   else:
     dist_NxK = s.sqdist()
-  return HeadForward(idx_Nxk.astype(jnp.int32), act_Nxk, z_hat, residual, logits, cos_NxK,
-                     dist_NxK)
+  return HeadForward(idx_Nxk, act_Nxk, z_hat, residual, logits, cos_NxK, dist_NxK)
 
 
 def _masked_mean(x_N, mask_N):
@@ -158,11 +154,10 @@ def _masked_mean(x_N, mask_N):
 
 def token_losses(fwd: HeadForward, head: HeadInputs, loss_cfg: LossConfig):
   """Per-token (CE_N, REC_N), unmasked, as prism_jax.losses defines them."""
-  logp = jax.nn.log_softmax(fwd.logits_NxV, -1)
-  ce_N = -jnp.take_along_axis(logp, head.targets_N[:, None], -1)[:, 0]
+  ce_N = token_nll(fwd.logits_NxV, head.targets_N)
   rec_N = jnp.sum(fwd.residual_NxD ** 2, -1)
   if loss_cfg.rec_kind == "relative":
-    rec_N = rec_N / jnp.maximum(jnp.sum(head.z_NxD ** 2, -1), _EPS)
+    rec_N = rec_N / jnp.maximum(jnp.sum(head.z_NxD ** 2, -1), EPS)
   return ce_N, rec_N
 
 
@@ -196,8 +191,7 @@ def bank_loss(protos_KxD: jax.Array, head: HeadInputs, spec: HeadSpec, loss_cfg:
 def output_loss_sum(z_hat_NxD, head: HeadInputs, spec: HeadSpec, loss_cfg: LossConfig):
   """Σ_t ℓ_t(ẑ_t) over valid tokens, with ẑ an independent input (routing as the model)."""
   z = head.z_NxD
-  residual = z - (jax.lax.stop_gradient(z_hat_NxD)
-                  if spec.residual_routing == "straight_through" else z_hat_NxD)
+  residual = route_residual(z, z_hat_NxD, spec.residual_routing)
   logits = jnp.dot(residual + z_hat_NxD, head.wte_VxD.T, precision=_HI)
   fwd = HeadForward(None, None, z_hat_NxD, residual, logits, None, None)
   ce_N, rec_N = token_losses(fwd, head, loss_cfg)
@@ -236,7 +230,7 @@ def output_hessians(head: HeadInputs, spec: HeadSpec, loss_cfg: LossConfig,
     iso_N = jnp.zeros_like(m)
   else:
     pi_NxV = jnp.zeros_like(logits_NxV)
-    scale_N = (1.0 / jnp.maximum(jnp.sum(head.z_NxD ** 2, -1), _EPS)
+    scale_N = (1.0 / jnp.maximum(jnp.sum(head.z_NxD ** 2, -1), EPS)
                if loss_cfg.rec_kind == "relative" else jnp.ones_like(m))
     iso_N = 2.0 * loss_cfg.lambda_rec * scale_N * m
   return pi_NxV, iso_N

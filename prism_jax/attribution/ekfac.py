@@ -7,6 +7,10 @@ George et al. 2018). Conventions follow kronfluence (pomonam/kronfluence):
     factors use labels sampled from the model (true Fisher) unless `empirical_fisher`;
   * per layer l with input a (bias: a 1 appended) and output-gradient δ:
       A_l = Σ_t a aᵀ / #tokens,  S_l = Σ_t δ δᵀ / #tokens,  A = Q_A diag Q_Aᵀ, S = Q_S diag Q_Sᵀ
+    A_l sums over the loss tokens (`mask`), S_l over every non-padding position
+    (example_id >= 0): a position outside the loss but inside a document (a document
+    start inside a packed row, whose input is the previous document's EOS) still carries
+    δ from later tokens' losses. #tokens counts the loss tokens.
       Λ_l = Σ_seq (Q_Sᵀ G_seq Q_A)² / #seq        (eigenvalue correction, G_seq = Σ_t δ aᵀ)
       precondition(G) = Q_S [(Q_Sᵀ G Q_A) / (Λ_l + λ_l)] Q_Aᵀ,  λ_l = 0.1 · mean(Λ_l) default
   * score(q, t) = Σ_l ⟨precondition(G_q), G_t⟩ = ∇L_qᵀ H⁻¹ ∇L_t. **Positive = the training
@@ -14,10 +18,10 @@ George et al. 2018). Conventions follow kronfluence (pomonam/kronfluence):
     Koh & Liang sign of PRISM.md §5.
 
 This file holds the config, factor fitting, the eigenvalue correction, preconditioning and
-scoring. Which layers, and how their inputs a and output-gradients δ are captured (a probed
-functional forward of the model), is ekfac_capture.py; its public names (extract_params,
-layer_names, capture, per_sequence_grads, segment_weights, stream_capture, Capture) are
-importable from here too.
+scoring. Which layers, and how their inputs a and output-gradients δ are captured (the real
+model run with probes), is ekfac_capture.py; its public names (split_model, layer_names,
+capture, per_sequence_grads, segment_weights, stream_capture, Capture) are importable from
+here too.
 
 Memory-bounded scoring (`ekfac_scores`, default `layerwise`): `stream_capture` chains the
 backward by hand one layer group at a time (bank, then blocks last to first), each group a
@@ -36,8 +40,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from prism_jax.attribution.ekfac_capture import (  # public names re-exported
-    Batch, Capture, _capture, _sample_labels, capture, extract_params, layer_names,
-    per_sequence_grads, segment_weights, stream_capture)
+    Batch, Capture, Split, _capture, capture, layer_names, per_sequence_grads, sample_labels,
+    segment_weights, split_model, stream_capture)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -65,18 +69,20 @@ _HI = jax.lax.Precision.HIGHEST
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _cov_step(mcfg, names, p, cov, tokens_BxT, labels_BxT, mask_BxT):
-  deltas, acts = _capture(mcfg, names, p, tokens_BxT, labels_BxT, mask_BxT[None])
-  m = mask_BxT[..., None]
+def _cov_step(graphdef, names, state, cov, tokens_BxT, labels_BxT, mask_BxT, real_BxT):
+  """Adds A_l (over the loss tokens `mask`) and S_l (over the non-padding positions
+  `real`, kronfluence's convention: see the module docstring) of one batch to `cov`."""
+  deltas, acts = _capture(graphdef, names, state, tokens_BxT, labels_BxT, mask_BxT[None])
+  m, r = mask_BxT[..., None], real_BxT[..., None]
   new = {n: (jnp.einsum("bti,btj->ij", acts[n] * m, acts[n], precision=_HI),
-             jnp.einsum("bti,btj->ij", deltas[n][0] * m, deltas[n][0], precision=_HI))
+             jnp.einsum("bti,btj->ij", deltas[n][0] * r, deltas[n][0], precision=_HI))
          for n in names}
   return new if cov is None else jax.tree.map(jnp.add, cov, new)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _lam_step(mcfg, names, p, lam, q_a, q_s, tokens_BxT, labels_BxT, mask_BxT):
-  deltas, acts = _capture(mcfg, names, p, tokens_BxT, labels_BxT, mask_BxT[None])
+def _lam_step(graphdef, names, state, lam, q_a, q_s, tokens_BxT, labels_BxT, mask_BxT):
+  deltas, acts = _capture(graphdef, names, state, tokens_BxT, labels_BxT, mask_BxT[None])
   grads = per_sequence_grads(Capture(acts, deltas))
   out = {}
   for n in names:
@@ -97,20 +103,24 @@ def fit_factors(model, batches: Iterable[Batch], cfg: EkfacConfig = EkfacConfig(
   `batches` is iterated once (pass 1); `lambda_batches` (default: `batches` again, so pass a
   re-iterable) once more. Memory: the factors plus one batch's activations.
   """
-  p = extract_params(model, dtype)
-  mcfg, names = model.cfg, tuple(layer_names(model, cfg.include_bank))
+  split = split_model(model, dtype)
+  names = tuple(layer_names(model, cfg.include_bank))
   key = jax.random.key(cfg.seed)
-  fdt = p["wte"].dtype
+  fdt = split.dtype
 
   def args(batch, step):
     tokens = jnp.asarray(batch["inputs"], jnp.int32)
     labels = (jnp.asarray(batch["targets"], jnp.int32) if cfg.empirical_fisher else
-              _sample_labels(mcfg, p, tokens, jax.random.fold_in(key, step)))
+              sample_labels(split, tokens, jax.random.fold_in(key, step)))
     return tokens, labels, jnp.asarray(batch["mask"], fdt)
 
   cov, num_tokens = None, 0
   for step, batch in enumerate(batches):
-    cov = _cov_step(mcfg, names, p, cov, *args(batch, step))
+    if "example_id" not in batch:
+      raise ValueError("fit_factors needs the batch's example_id (-1 on padding) to tell "
+                       "padding from positions outside the loss")
+    real = jnp.asarray(np.asarray(batch["example_id"]) >= 0, fdt)
+    cov = _cov_step(split.graphdef, names, split.state, cov, *args(batch, step), real)
     num_tokens += int(np.asarray(batch["mask"]).sum())
   if cov is None or num_tokens == 0:
     raise ValueError("fit_factors got no valid training tokens")
@@ -121,7 +131,7 @@ def fit_factors(model, batches: Iterable[Batch], cfg: EkfacConfig = EkfacConfig(
   lam = {n: jnp.zeros((q_s[n].shape[0], q_a[n].shape[0]), fdt) for n in names}
   num_seq = 0
   for step, batch in enumerate(batches if lambda_batches is None else lambda_batches):
-    lam = _lam_step(mcfg, names, p, lam, q_a, q_s, *args(batch, step))
+    lam = _lam_step(split.graphdef, names, split.state, lam, q_a, q_s, *args(batch, step))
     num_seq += int(np.asarray(batch["mask"]).shape[0])
   lam = {n: v / num_seq for n, v in lam.items()}
   damping = {n: (0.1 * jnp.mean(lam[n]) if cfg.damping is None
@@ -148,15 +158,16 @@ def precondition(factors: Factors, grads: Mapping[str, jax.Array]) -> dict[str, 
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _query_step(mcfg, names, p, q_a, q_s, lam, damping, tokens_BxT, labels_BxT, mask_BxT):
-  deltas, acts = _capture(mcfg, names, p, tokens_BxT, labels_BxT, mask_BxT[None])
+def _query_step(graphdef, names, state, q_a, q_s, lam, damping, tokens_BxT, labels_BxT,
+                mask_BxT):
+  deltas, acts = _capture(graphdef, names, state, tokens_BxT, labels_BxT, mask_BxT[None])
   grads = {n: g[0] for n, g in per_sequence_grads(Capture(acts, deltas)).items()}
   return _precondition(q_a, q_s, lam, damping, grads)
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _score_step(mcfg, names, p, pre_q, tokens_BxT, labels_BxT, weight_SxBxT):
-  deltas, acts = _capture(mcfg, names, p, tokens_BxT, labels_BxT, weight_SxBxT)
+def _score_step(graphdef, names, state, pre_q, tokens_BxT, labels_BxT, weight_SxBxT):
+  deltas, acts = _capture(graphdef, names, state, tokens_BxT, labels_BxT, weight_SxBxT)
   grads = per_sequence_grads(Capture(acts, deltas))
   return sum(jnp.einsum("qoi,sboi->qsb", pre_q[n], grads[n], precision=_HI) for n in names)
 
@@ -178,22 +189,28 @@ def _local(name):
   return name.split(".")[-1]
 
 
-def _query_layerwise(mcfg, names, p, fac, tokens_BxT, labels_BxT, mask_BxT):
+def _query_layerwise(split, names, fac, tokens_BxT, labels_BxT, mask_BxT):
   """Preconditioned query gradients, group by group: {group: {local name: (Q, out, in)}}."""
   pre = {}
-  for group, cap in stream_capture(p, mcfg, names, tokens_BxT, labels_BxT, mask_BxT[None]):
+  for group, cap in stream_capture(split, names, tokens_BxT, labels_BxT, mask_BxT[None]):
     sub = [{_local(n): d[n] for n in group} for d in fac]
     pre[group] = _group_precondition(*sub, cap.acts, cap.deltas)
   return pre
 
 
-def _query_whole(mcfg, names, p, fac, tokens_BxT, labels_BxT, mask_BxT):
-  return _query_step(mcfg, names, p, *fac, tokens_BxT, labels_BxT, mask_BxT)
+def _query_whole(split, names, fac, tokens_BxT, labels_BxT, mask_BxT):
+  return _query_step(split.graphdef, names, split.state, *fac, tokens_BxT, labels_BxT,
+                     mask_BxT)
 
 
-def _score_layerwise(mcfg, names, p, pre_q, tokens_BxT, labels_BxT, weight_SxBxT):
+def _score_whole(split, names, pre_q, tokens_BxT, labels_BxT, weight_SxBxT):
+  return _score_step(split.graphdef, names, split.state, pre_q, tokens_BxT, labels_BxT,
+                     weight_SxBxT)
+
+
+def _score_layerwise(split, names, pre_q, tokens_BxT, labels_BxT, weight_SxBxT):
   total = 0.0
-  for group, cap in stream_capture(p, mcfg, names, tokens_BxT, labels_BxT, weight_SxBxT):
+  for group, cap in stream_capture(split, names, tokens_BxT, labels_BxT, weight_SxBxT):
     total = total + _group_score(pre_q[group], cap.acts, cap.deltas)
   return total
 
@@ -216,14 +233,6 @@ def _row_chunks(batch: Batch, rows: int | None):
     yield sub
 
 
-def query_grads(model, query: Batch, cfg: EkfacConfig = EkfacConfig(), dtype=None):
-  """Per-query-row gradients of the summed CE over `query["mask"]` positions: (Q, out, in)."""
-  p = extract_params(model, dtype)
-  names = tuple(layer_names(model, cfg.include_bank))
-  cap = capture(p, model.cfg, names, query)
-  return {n: g[0] for n, g in per_sequence_grads(cap).items()}
-
-
 def ekfac_scores(model, factors: Factors, query: Batch, train_batches, *,
                  cfg: EkfacConfig = EkfacConfig(), query_batch_size: int | None = None,
                  train_batch_size: int | None = None, layerwise: bool = True,
@@ -241,7 +250,7 @@ def ekfac_scores(model, factors: Factors, query: Batch, train_batches, *,
   Sequences are documents (example ids) when `by_example`, else rows (row ids).
   The query loss is the summed CE over `query["mask"]`, the same convention as training.
   """
-  p = extract_params(model, dtype)
+  split = split_model(model, dtype)
   names = tuple(layer_names(model, cfg.include_bank))
   num_q = np.asarray(query["inputs"]).shape[0]
   qbs = num_q if query_batch_size is None else int(query_batch_size)
@@ -249,18 +258,18 @@ def ekfac_scores(model, factors: Factors, query: Batch, train_batches, *,
     raise ValueError(f"query_batch_size must be positive, got {query_batch_size}")
   if train_batch_size is not None and train_batch_size <= 0:
     raise ValueError(f"train_batch_size must be positive, got {train_batch_size}")
-  fdt = p["wte"].dtype
+  fdt = split.dtype
   fac = [{n: d[n] for n in names} for d in (factors.q_a, factors.q_s, factors.lam,
                                            factors.damping)]
   query_fn, score_fn = ((_query_layerwise, _score_layerwise) if layerwise else
-                        (_query_whole, _score_step))
+                        (_query_whole, _score_whole))
   scores: dict[int, np.ndarray] = {}
   for start in range(0, num_q, qbs):
     sl = slice(start, start + qbs)
     chunk = {k: np.asarray(query[k])[sl] for k in ("inputs", "targets", "mask")}
     # Layerwise, the query rows are captured train_batch_size at a time (padded): the same
     # compiled programs as the training side, and only the preconditioned gradients grow.
-    parts = [query_fn(model.cfg, names, p, fac, jnp.asarray(c["inputs"], jnp.int32),
+    parts = [query_fn(split, names, fac, jnp.asarray(c["inputs"], jnp.int32),
                       jnp.asarray(c["targets"], jnp.int32), jnp.asarray(c["mask"], fdt))
              for c in _row_chunks(chunk, train_batch_size if layerwise else None)]
     pre_q = jax.tree.map(lambda *x: jnp.concatenate(x)[:len(chunk["inputs"])], *parts)
@@ -269,7 +278,7 @@ def ekfac_scores(model, factors: Factors, query: Batch, train_batches, *,
     for big in batches:
       for batch in _row_chunks(big, train_batch_size):
         weights, seg_ids = segment_weights(batch, by_example)
-        s_QxSxB = np.asarray(score_fn(model.cfg, names, p, pre_q,
+        s_QxSxB = np.asarray(score_fn(split, names, pre_q,
                                       jnp.asarray(batch["inputs"], jnp.int32),
                                       jnp.asarray(batch["targets"], jnp.int32),
                                       jnp.asarray(weights, fdt)))

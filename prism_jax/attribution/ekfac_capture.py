@@ -1,19 +1,23 @@
-"""The probed functional model behind EK-FAC (ekfac.py): layer inputs and output-gradients.
+"""Layer inputs and output-gradients of the real model, for EK-FAC (ekfac.py).
 
 Layers: per block qkv (D→3D), attention out (D→D), MLP fc (D→F), MLP proj (F→D), all with
 bias; plus the bank as the linear map ẑ = Pᵀa (input a ∈ R^K, no bias; a held fixed, i.e.
 the Gauss-Newton view of PRISM.md §4). The tied embedding / LM head is *not* included.
-The loss is token cross-entropy *summed* over a segment's weighted tokens (`_summed_ce`).
+The loss is token cross-entropy (prism_jax.losses.token_nll) *summed* over a segment's
+weighted tokens.
 
-Capture design (no hooks): `_forward` re-implements the model's forward on a plain dict of
-arrays with a zero "probe" added to every linear layer's output; the gradient of the loss
-w.r.t. the probes is the per-token δ, and the layer inputs come back as aux. It keeps the
-input dtype (float64 under enable_x64). tests/test_ekfac.py pins it to the real model's logits
-and to jax.grad of the real model, so a model change cannot silently diverge from it.
+Capture: the real NNX modules run with a `Tap` (prism_jax/model/tap.py), which adds a zero
+probe to every named linear output and records that layer's input; the gradient w.r.t.
+the probes is the per-token δ. The model is passed as nnx (graphdef, state); `split_model`
+casts the state to float64 for the references (the modules then compute in float64).
 
 `capture` runs the whole backward as one program; `stream_capture` yields the same (a, δ)
 one layer group at a time (bank, then blocks last to first) for ekfac.py's memory-bounded
-scoring. Factor fitting, preconditioning and scoring live in ekfac.py.
+scoring: the forward is run block by block (`Backbone.embed`, each `Block`,
+`Backbone.final` + `head`), and the backward is chained by hand through the same pieces,
+each a small program compiled once and reused by every block (equal shapes and graphdefs),
+so peak memory is one block's programs and activations, not the whole model's backward.
+Factor fitting, preconditioning and scoring live in ekfac.py.
 """
 
 from __future__ import annotations
@@ -24,153 +28,72 @@ from typing import Any, Mapping, NamedTuple
 import jax
 import jax.numpy as jnp
 import numpy as np
+from flax import nnx
 
+from prism_jax.losses import token_nll
 from prism_jax.model.lm import PrismLM
-from prism_jax.model.prototypes import mixture_weights
+from prism_jax.model.tap import BLOCK_LAYERS, Tap
 
 Batch = Mapping[str, np.ndarray]
-_LN_EPS = 1e-5
-_EPS = 1e-6  # the prototype layer's norm / sum guard
 
 
-def extract_params(model, dtype=None) -> dict[str, Any]:
-  """The model's weights as a plain dict of arrays, linear kernels as (in, out) matrices."""
-  bb = model.backbone
-  cast = (lambda x: jnp.asarray(x[...], dtype)) if dtype else (lambda x: jnp.asarray(x[...]))
-  d = model.cfg.d_model
-  p: dict[str, Any] = {"wte": cast(bb.wte), "wpe": cast(bb.wpe),
-                       "ln_f": (cast(bb.ln_f.scale), cast(bb.ln_f.bias)), "blocks": []}
-  for blk in bb.blocks:
-    at, mlp = blk.attn, blk.mlp
-    p["blocks"].append({
-        "ln1": (cast(blk.ln1.scale), cast(blk.ln1.bias)),
-        "ln2": (cast(blk.ln2.scale), cast(blk.ln2.bias)),
-        "qkv": (cast(at.qkv_kernel).reshape(d, -1), cast(at.qkv_bias).reshape(-1)),
-        "attn_out": (cast(at.out_kernel).reshape(-1, d), cast(at.out_bias)),
-        "mlp_fc": (cast(mlp.fc_kernel), cast(mlp.fc_bias)),
-        "mlp_proj": (cast(mlp.proj_kernel), cast(mlp.proj_bias)),
-    })
-  if isinstance(model, PrismLM):
-    p["bank"] = cast(model.bank.protos)
-  return p
+class Split(NamedTuple):
+  """The model as nnx (graphdef, state): what the jitted capture programs take."""
+
+  graphdef: Any
+  state: Any
+
+  @property
+  def dtype(self):
+    """The parameters' float dtype (float64 for the references)."""
+    return jax.tree.leaves(self.state)[0].dtype
+
+
+def split_model(model, dtype=None) -> Split:
+  """nnx.split of the model, floating parameters cast to `dtype` when given."""
+  graphdef, state = nnx.split(model)
+  if dtype is not None:
+    state = jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x, state)
+  return Split(graphdef, state)
 
 
 def layer_names(model, include_bank: bool = True) -> list[str]:
-  names = [f"block{i}.{n}" for i in range(model.cfg.n_layers)
-           for n in ("qkv", "attn_out", "mlp_fc", "mlp_proj")]
+  names = [f"block{i}.{n}" for i in range(model.cfg.n_layers) for n in BLOCK_LAYERS]
   if include_bank and isinstance(model, PrismLM):
     names.append("bank")
   return names
 
 
-def _ln(x, scale_bias):
-  mean = x.mean(-1, keepdims=True)
-  var = jnp.square(x - mean).mean(-1, keepdims=True)
-  return (x - mean) * jax.lax.rsqrt(var + _LN_EPS) * scale_bias[0] + scale_bias[1]
-
-
-_BLOCK_LAYERS = ("qkv", "attn_out", "mlp_fc", "mlp_proj")
-
-
-def _embed(p, tokens_BxT):
-  return p["wte"][tokens_BxT] + p["wpe"][jnp.arange(tokens_BxT.shape[1])][None]
-
-
-def _block(blk, x, probes, mcfg):
-  """One transformer block; probes / returned inputs are keyed by _BLOCK_LAYERS names."""
-  hi = jax.lax.Precision.HIGHEST
-  batch, seq, _ = x.shape
-  h_, dh = mcfg.n_heads, mcfg.head_dim
-  acts = {}
-
-  def linear(name, x, w_b):
-    w, b = w_b
-    if name in probes:
-      acts[name] = jnp.concatenate([x, jnp.ones(x.shape[:-1] + (1,), x.dtype)], -1)
-    return jnp.einsum("bti,io->bto", x, w, precision=hi) + b + probes.get(name, 0.0)
-
-  causal_TxT = jnp.tril(jnp.ones((seq, seq), bool))
-  qkv = linear("qkv", _ln(x, blk["ln1"]), blk["qkv"]).reshape(batch, seq, 3, h_, dh)
-  q, k, v = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
-  scores = jnp.einsum("bthk,bshk->bhts", q, k, precision=hi) / jnp.sqrt(
-      jnp.asarray(dh, x.dtype))
-  scores = jnp.where(causal_TxT, scores, jnp.finfo(scores.dtype).min)
-  ctx = jnp.einsum("bhts,bshk->bthk", jax.nn.softmax(scores, -1), v, precision=hi)
-  x = x + linear("attn_out", ctx.reshape(batch, seq, h_ * dh), blk["attn_out"])
-  hid = jax.nn.gelu(linear("mlp_fc", _ln(x, blk["ln2"]), blk["mlp_fc"]), approximate=True)
-  return x + linear("mlp_proj", hid, blk["mlp_proj"]), acts
-
-
-def _head(p, probes, x, mcfg):
-  """ln_f, the prototype layer (bank probe / input a under "bank") and the tied LM head."""
-  hi = jax.lax.Precision.HIGHEST
-  acts = {}
-  z = _ln(x, p["ln_f"])
-  head_in = z
-  if "bank" in p:
-    protos = p["bank"]
-    unit_z = z * jax.lax.rsqrt(jnp.maximum(jnp.sum(z * z, -1, keepdims=True), _EPS * _EPS))
-    unit_p = protos * jax.lax.rsqrt(jnp.maximum(jnp.sum(protos * protos, -1, keepdims=True),
-                                                _EPS * _EPS))
-    cos = jnp.einsum("btd,kd->btk", unit_z, unit_p, precision=hi)
-    sim, idx = jax.lax.top_k(cos, mcfg.k)
-    act = mixture_weights(sim, mcfg.mixture)
-    a_BxTxK = jnp.sum(jax.nn.one_hot(idx, protos.shape[0], dtype=act.dtype) * act[..., None],
-                      axis=-2)
-    z_hat = jnp.einsum("btk,kd->btd", a_BxTxK, protos, precision=hi)
-    if "bank" in probes:
-      acts["bank"] = a_BxTxK
-      z_hat = z_hat + probes["bank"]
-    if mcfg.residual_routing == "straight_through":
-      head_in = z - jax.lax.stop_gradient(z_hat) + z_hat
-    else:
-      head_in = (z - z_hat) + z_hat
-  return jnp.einsum("btd,vd->btv", head_in, p["wte"], precision=hi), acts
-
-
-def _forward(p, probes, tokens_BxT, mcfg):
-  """Logits (B, T, V) and the per-layer inputs (bias column appended) of the probed layers."""
-  x = _embed(p, tokens_BxT)
-  acts = {}
-  for i, blk in enumerate(p["blocks"]):
-    local = {n: probes[f"block{i}.{n}"] for n in _BLOCK_LAYERS if f"block{i}.{n}" in probes}
-    x, a = _block(blk, x, local, mcfg)
-    acts.update({f"block{i}.{n}": v for n, v in a.items()})
-  logits, a = _head(p, probes, x, mcfg)
-  acts.update(a)
-  return logits, acts
+def _probes(cfg, names, batch: int, seq: int, dtype) -> dict[str, jax.Array]:
+  """Zero probes (B, T, out) for the named layers."""
+  out = {"qkv": 3 * cfg.d_model, "attn_out": cfg.d_model, "mlp_fc": cfg.d_mlp,
+         "mlp_proj": cfg.d_model, "bank": cfg.d_model}
+  return {n: jnp.zeros((batch, seq, out[n.split(".")[-1]]), dtype) for n in names}
 
 
 def _summed_ce(logits_BxTxV, labels_BxT, weight_BxT):
-  logp = jax.nn.log_softmax(logits_BxTxV, -1)
-  nll = -jnp.take_along_axis(logp, labels_BxT[..., None], -1)[..., 0]
-  return jnp.sum(nll * weight_BxT)
+  return jnp.sum(token_nll(logits_BxTxV, labels_BxT) * weight_BxT)
 
 
-def _probe_shapes(p, names, batch, seq):
-  out = {}
-  for name in names:
-    if name == "bank":
-      out[name] = (batch, seq, p["bank"].shape[1])
-    else:
-      i, lname = name.split(".")
-      out[name] = (batch, seq, p["blocks"][int(i[5:])][lname][0].shape[1])
-  return out
+def _positions(x_BxTxD):
+  batch, seq = x_BxTxD.shape[:2]
+  return jnp.broadcast_to(jnp.arange(seq), (batch, seq))
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _capture(mcfg, names, p, tokens_BxT, labels_BxT, weight_SxBxT):
+def _capture(graphdef, names, state, tokens_BxT, labels_BxT, weight_SxBxT):
   """Per-segment output-gradients δ (S, B, T, out) and layer inputs a (B, T, in).
 
   Segment s's loss is Σ_t weight[s, b, t] · CE_t; its parameter gradient is Σ_t δ_s aᵀ.
   """
-  batch, seq = tokens_BxT.shape
-  dtype = p["wte"].dtype
-  probes0 = {n: jnp.zeros(s, dtype) for n, s in _probe_shapes(p, names, batch, seq).items()}
+  model = nnx.merge(graphdef, state)
+  probes0 = _probes(model.cfg, names, *tokens_BxT.shape, weight_SxBxT.dtype)
 
   def loss(probes, w_BxT):
-    logits, acts = _forward(p, probes, tokens_BxT, mcfg)
-    return _summed_ce(logits, labels_BxT, w_BxT), acts
+    tap = Tap(probes)
+    logits = model(tokens_BxT, tap=tap).logits_BxTxV
+    return _summed_ce(logits, labels_BxT, w_BxT), tap.inputs
 
   def seg_grad(w_BxT):
     return jax.grad(loss, has_aux=True)(probes0, w_BxT)
@@ -180,9 +103,14 @@ def _capture(mcfg, names, p, tokens_BxT, labels_BxT, weight_SxBxT):
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def _sample_labels(mcfg, p, tokens_BxT, key):
-  logits, _ = _forward(p, {}, tokens_BxT, mcfg)
+def _sample_labels(graphdef, state, tokens_BxT, key):
+  logits = nnx.merge(graphdef, state)(tokens_BxT).logits_BxTxV
   return jax.random.categorical(key, logits.astype(jnp.float32), -1).astype(jnp.int32)
+
+
+def sample_labels(split: Split, tokens_BxT, key) -> jax.Array:
+  """Labels drawn from the model's predictive distribution (the true Fisher's)."""
+  return _sample_labels(split.graphdef, split.state, tokens_BxT, key)
 
 
 def segment_weights(batch: Batch, by_example: bool) -> tuple[np.ndarray, np.ndarray]:
@@ -210,16 +138,17 @@ class Capture(NamedTuple):
   deltas: dict[str, jax.Array]  # (S, B, T, out)
 
 
-def capture(model_or_params, mcfg, names, batch: Batch, labels_BxT=None,
-            weight_SxBxT=None) -> Capture:
-  """Layer inputs and per-segment output-gradients of the summed CE for one batch."""
-  p = model_or_params if isinstance(model_or_params, dict) else extract_params(model_or_params)
-  dtype = p["wte"].dtype
+def capture(model, names, batch: Batch, labels_BxT=None, weight_SxBxT=None, *,
+            dtype=None) -> Capture:
+  """Layer inputs and per-segment output-gradients of the summed CE for one batch.
+  `model`: the model or its `split_model` (dtype casts the model's parameters)."""
+  split = model if isinstance(model, Split) else split_model(model, dtype)
   labels = batch["targets"] if labels_BxT is None else labels_BxT
   if weight_SxBxT is None:
     weight_SxBxT = np.asarray(batch["mask"], bool)[None]
-  deltas, acts = _capture(mcfg, tuple(names), p, jnp.asarray(batch["inputs"]),
-                          jnp.asarray(labels, jnp.int32), jnp.asarray(weight_SxBxT, dtype))
+  deltas, acts = _capture(split.graphdef, tuple(names), split.state,
+                          jnp.asarray(batch["inputs"]), jnp.asarray(labels, jnp.int32),
+                          jnp.asarray(weight_SxBxT, split.dtype))
   return Capture(acts, deltas)
 
 
@@ -229,26 +158,30 @@ def per_sequence_grads(cap: Capture) -> dict[str, jax.Array]:
                         precision=jax.lax.Precision.HIGHEST) for n in cap.acts}
 
 
-# Layer-group streaming: the same per-sequence gradients as `_capture`, computed one group
-# (the bank, then each block from the last) at a time by a hand-chained backward. Each piece
-# is a small program compiled once and reused by every block (equal shapes), so peak memory
-# is one block's programs and activations, not the whole model's backward at once.
-_embed_jit = jax.jit(_embed)
+# Layer-group streaming: the same per-sequence gradients as `_capture`, one group (the
+# bank, then each block from the last) at a time, through the real modules' pieces.
+@functools.partial(jax.jit, static_argnums=(0,))
+def _embed(graphdef, state, tokens_BxT):
+  backbone = nnx.merge(graphdef, state).backbone
+  return backbone.embed(tokens_BxT, backbone.positions(tokens_BxT))
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def _block_fwd(mcfg, blk, x_BxTxD):
-  return _block(blk, x_BxTxD, {}, mcfg)[0]
+def _block_fwd(block_graphdef, block_state, x_BxTxD):
+  return nnx.merge(block_graphdef, block_state)(x_BxTxD, _positions(x_BxTxD))[0]
 
 
 @functools.partial(jax.jit, static_argnums=(0, 1))
-def _head_bwd(mcfg, with_bank, head_p, x_BxTxD, labels_BxT, weight_SxBxT):
+def _head_bwd(graphdef, with_bank, state, x_BxTxD, labels_BxT, weight_SxBxT):
   """Per-segment ∂loss/∂x (S, B, T, D), the bank's δ (S, B, T, D) and input a (B, T, K)."""
-  probes0 = {"bank": jnp.zeros(x_BxTxD.shape, x_BxTxD.dtype)} if with_bank else {}
+  model = nnx.merge(graphdef, state)
+  names = ("bank",) if with_bank else ()
+  probes0 = _probes(model.cfg, names, *x_BxTxD.shape[:2], x_BxTxD.dtype)
 
   def loss(x, probes, w_BxT):
-    logits, acts = _head(head_p, probes, x, mcfg)
-    return _summed_ce(logits, labels_BxT, w_BxT), acts
+    tap = Tap(probes)
+    logits = model.head(model.backbone.final(x), tap=tap).logits_BxTxV
+    return _summed_ce(logits, labels_BxT, w_BxT), tap.inputs
 
   def seg(w_BxT):
     (g_x, g_probes), acts = jax.grad(loss, argnums=(0, 1), has_aux=True)(
@@ -259,29 +192,32 @@ def _head_bwd(mcfg, with_bank, head_p, x_BxTxD, labels_BxT, weight_SxBxT):
 
 
 @functools.partial(jax.jit, static_argnums=(0,))
-def _block_bwd(mcfg, blk, x_BxTxD, g_out_SxBxTxD):
+def _block_bwd(block_graphdef, block_state, x_BxTxD, g_out_SxBxTxD):
   """Per-segment cotangents through one block: ∂/∂x_in, its layers' δ and inputs a."""
-  batch, seq, _ = x_BxTxD.shape
-  probes0 = {n: jnp.zeros((batch, seq, blk[n][0].shape[1]), x_BxTxD.dtype)
-             for n in _BLOCK_LAYERS}
-  _, vjp, acts = jax.vjp(lambda x, pr: _block(blk, x, pr, mcfg), x_BxTxD, probes0,
-                         has_aux=True)
+  block = nnx.merge(block_graphdef, block_state)
+  probes0 = _probes(block.attn.cfg, BLOCK_LAYERS, *x_BxTxD.shape[:2], x_BxTxD.dtype)
+
+  def fwd(x, probes):
+    tap = Tap(probes)
+    return block(x, _positions(x), tap=tap)[0], tap.inputs
+
+  _, vjp, acts = jax.vjp(fwd, x_BxTxD, probes0, has_aux=True)
   g_in, deltas = jax.vmap(vjp)(g_out_SxBxTxD)
   return g_in, deltas, acts
 
 
-def stream_capture(p, mcfg, names, tokens_BxT, labels_BxT, weight_SxBxT):
+def stream_capture(split: Split, names, tokens_BxT, labels_BxT, weight_SxBxT):
   """Yields (group names, Capture) per layer group, keyed by the group's local names
-  (_BLOCK_LAYERS for block i, "bank"), bank first then blocks last to first."""
+  (BLOCK_LAYERS for block i, "bank"), bank first then blocks last to first."""
   names = set(names)
-  xs = [_embed_jit(p, tokens_BxT)]
-  for blk in p["blocks"]:
-    xs.append(_block_fwd(mcfg, blk, xs[-1]))
-  head_p = {k: p[k] for k in ("wte", "ln_f", "bank") if k in p}
-  g, d_bank, a_bank = _head_bwd(mcfg, "bank" in names, head_p, xs.pop(), labels_BxT,
-                                weight_SxBxT)
+  blocks = [split_model(b) for b in nnx.merge(split.graphdef, split.state).backbone.blocks]
+  xs = [_embed(split.graphdef, split.state, tokens_BxT)]
+  for blk in blocks:
+    xs.append(_block_fwd(blk.graphdef, blk.state, xs[-1]))
+  g, d_bank, a_bank = _head_bwd(split.graphdef, "bank" in names, split.state, xs.pop(),
+                                labels_BxT, weight_SxBxT)
   if "bank" in names:
     yield ("bank",), Capture(a_bank, d_bank)
-  for i in reversed(range(len(p["blocks"]))):
-    g, deltas, acts = _block_bwd(mcfg, p["blocks"][i], xs.pop(), g)
-    yield tuple(f"block{i}.{n}" for n in _BLOCK_LAYERS), Capture(acts, deltas)
+  for i in reversed(range(len(blocks))):
+    g, deltas, acts = _block_bwd(blocks[i].graphdef, blocks[i].state, xs.pop(), g)
+    yield tuple(f"block{i}.{n}" for n in BLOCK_LAYERS), Capture(acts, deltas)

@@ -37,7 +37,8 @@ from prism_jax.attribution.curvature_stats import (  # noqa: F401
     condition_number, curvature_stats, eig_G, ggn_blocks, kappa_bound, kfac_block_norms,
     kfac_matrix, off_block_share)
 from prism_jax.config import LossConfig
-from prism_jax.losses import total_loss
+from prism_jax.losses import token_nll, total_loss
+from prism_jax.model.prototypes import EPS
 
 METHODS = ("hvp", "jax_hessian")
 
@@ -108,13 +109,13 @@ def ggn_from_head(head: HeadInputs, spec: HeadSpec, loss_cfg: LossConfig, *,
   j_logits, j_res = jax.jacfwd(outputs)(p0)  # (N, V, KD), (N, D, KD)
   m = head.mask_N.astype(p0.dtype)
   n_valid = jnp.maximum(jnp.sum(m), 1.0)
-  ce = lambda logit_V, y: -jax.nn.log_softmax(logit_V)[y]
+  ce = lambda logit_V, y: token_nll(logit_V[None], y[None])[0]
   fwd0 = cv.head_forward(head.protos_KxD, head, spec, path=path)
   h_ce = jax.vmap(jax.hessian(ce), (0, 0))(fwd0.logits_NxV, head.targets_N)  # (N, V, V)
   h_ce = h_ce * (m / n_valid)[:, None, None]
   def rec(r_D, z_D):
     scale = jnp.sum(z_D ** 2) if loss_cfg.rec_kind == "relative" else 1.0
-    return jnp.sum(r_D ** 2) / jnp.maximum(scale, 1e-6)  # the guard of losses.reconstruction
+    return jnp.sum(r_D ** 2) / jnp.maximum(scale, EPS)  # the guard of losses.reconstruction
   h_rec = jax.vmap(jax.hessian(rec), (0, 0))(fwd0.residual_NxD, head.z_NxD)  # (N, D, D)
   h_rec = h_rec * (loss_cfg.lambda_rec * m / n_valid)[:, None, None]
   hi = jax.lax.Precision.HIGHEST

@@ -16,6 +16,7 @@ from flax import nnx
 
 from prism_jax.config import ModelConfig
 from prism_jax.model.prototypes import PrototypeBank, PrototypeOutput
+from prism_jax.model.tap import Tap, linear
 from prism_jax.model.transformer import Backbone, KVCache
 
 
@@ -33,10 +34,15 @@ class DenseLM(nnx.Module):
     self.cfg = cfg
     self.backbone = Backbone(cfg, rngs=rngs)
 
-  def __call__(self, tokens_BxT, positions_BxT=None, *, mask_BxT=None, caches=None):
-    del mask_BxT  # the dense twin has no prototype statistics to mask
-    z_BxTxD, caches = self.backbone(tokens_BxT, positions_BxT, caches)
-    return LMOutput(self.backbone.lm_head(z_BxTxD), z_BxTxD, None, caches)
+  def __call__(self, tokens_BxT, positions_BxT=None, *, mask_BxT=None, caches=None,
+               tap: Tap | None = None):
+    z_BxTxD, caches = self.backbone(tokens_BxT, positions_BxT, caches, tap)
+    return self.head(z_BxTxD, mask_BxT, tap)._replace(caches=caches)
+
+  def head(self, z_BxTxD, mask_BxT=None, tap: Tap | None = None) -> LMOutput:
+    """Logits from the final hidden state (the tied LM head)."""
+    del mask_BxT, tap  # the dense twin has no prototype statistics to mask, no bank
+    return LMOutput(self.backbone.lm_head(z_BxTxD), z_BxTxD, None)
 
   def init_cache(self, batch: int):
     return self.backbone.init_cache(batch, jnp.dtype(self.cfg.dtype))
@@ -52,15 +58,29 @@ class PrismLM(nnx.Module):
                               residual_routing=cfg.residual_routing, mixture=cfg.mixture,
                               distance=cfg.distance, implementation=cfg.implementation)
 
-  def __call__(self, tokens_BxT, positions_BxT=None, *, mask_BxT=None, caches=None):
+  def __call__(self, tokens_BxT, positions_BxT=None, *, mask_BxT=None, caches=None,
+               tap: Tap | None = None):
     """`mask_BxT` marks valid (non-padding) tokens for the prototype statistics."""
-    z_BxTxD, caches = self.backbone(tokens_BxT, positions_BxT, caches)
+    z_BxTxD, caches = self.backbone(tokens_BxT, positions_BxT, caches, tap)
+    return self.head(z_BxTxD, mask_BxT, tap)._replace(caches=caches)
+
+  def head(self, z_BxTxD, mask_BxT=None, tap: Tap | None = None) -> LMOutput:
+    """The prototype layer on z and the tied LM head on r + ẑ. With a tap probing "bank",
+    ẑ = Pᵀ a gets the probe and a (B, T, K), the dense activations, is recorded."""
     batch, seq, d = z_BxTxD.shape
     mask_N = None if mask_BxT is None else mask_BxT.reshape(batch * seq)
     protos = self.bank(z_BxTxD.reshape(batch * seq, d), mask_N)
-    head_in_NxD = protos.residual_NxD + protos.z_hat_NxD  # = z in value; routes gradients
+    residual_NxD, z_hat_NxD = protos.residual_NxD, protos.z_hat_NxD
+    if tap is not None and "bank" in tap.probes:
+      rows_Nx1 = jnp.arange(batch * seq)[:, None]
+      a_NxK = jnp.zeros((batch * seq, self.cfg.num_prototypes), protos.act_Nxk.dtype)
+      z_hat_NxD = linear(tap, "bank", a_NxK.at[rows_Nx1, protos.idx_Nxk].set(protos.act_Nxk),
+                         z_hat_NxD, bias=False)
+      if self.cfg.residual_routing != "straight_through":
+        residual_NxD = residual_NxD - (z_hat_NxD - protos.z_hat_NxD)  # r = z - (ẑ + probe)
+    head_in_NxD = residual_NxD + z_hat_NxD  # = z in value; routes gradients
     logits = self.backbone.lm_head(head_in_NxD.reshape(batch, seq, d))
-    return LMOutput(logits, z_BxTxD, protos, caches)
+    return LMOutput(logits, z_BxTxD, protos)
 
   def init_cache(self, batch: int):
     return self.backbone.init_cache(batch, jnp.dtype(self.cfg.dtype))

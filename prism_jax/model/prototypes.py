@@ -8,6 +8,11 @@
 
 The per-row / per-column similarity extrema that R1, R2 and the grounding metrics need
 are returned so the N x K matrix is never recomputed.
+
+The maths and its implementations (XLA, Pallas kernels, mesh paths) are the op in
+pallas_kernels/topk_reconstruct; this module validates inputs, routes the op to the mesh
+axes of prism_jax.sharding's rules table, and applies the residual routing. The op's
+pure functions the library uses are re-exported here, so each exists once.
 """
 
 from __future__ import annotations
@@ -18,10 +23,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.topk_reconstruct import api, sharded
+from pallas_kernels.topk_reconstruct.api import IMPLEMENTATIONS
+from pallas_kernels.topk_reconstruct.reference import (  # re-exported: the one definition
+    EPS, Similarity, first_max, first_min, inv_norm, mixture_weights, similarity,
+    topk_mixture, topk_reconstruct_xla)
+from prism_jax import sharding
 from prism_jax.model.params import normal_param
 
-_EPS = 1e-6  # guards the norms of all-zero rows and the sum of all-zero activations
-IMPLEMENTATIONS = (None, "xla", "pallas_tpu", "pallas_gpu", "pallas_interpret")
+__all__ = ["EPS", "IMPLEMENTATIONS", "PrototypeBank", "PrototypeOutput", "Similarity",
+           "first_max", "first_min", "inv_norm", "mixture_weights", "prototype_layer", "route_residual",
+           "similarity", "topk_mixture", "topk_reconstruct_xla", "validate_inputs"]
 
 
 class PrototypeOutput(NamedTuple):
@@ -65,99 +77,6 @@ def validate_inputs(z_NxD: jax.Array, protos_KxD: jax.Array, k: int, *,
     raise ValueError(f"mask must have shape (N,)=({z_NxD.shape[0]},), got {mask_N.shape}")
 
 
-class Similarity(NamedTuple):
-  """The one N x K matmul of the layer and what is derived from it, in the inputs' dtype."""
-
-  dot_NxK: jax.Array
-  sqnorm_z_N: jax.Array
-  sqnorm_p_K: jax.Array
-  cos_NxK: jax.Array
-
-  def sqdist(self) -> jax.Array:
-    """Squared Euclidean distances from the same dot products (clamped at 0)."""
-    return jnp.maximum(self.sqnorm_z_N[:, None] + self.sqnorm_p_K[None, :]
-                       - 2.0 * self.dot_NxK, 0.0)
-
-
-def similarity(z_NxD: jax.Array, protos_KxD: jax.Array) -> Similarity:
-  """Cosine similarities via one matmul; norms guarded by _EPS. Keeps the input dtype
-  (float64 for the curvature references), so callers cast first where they need to."""
-  sqnorm_z_N = jnp.sum(z_NxD * z_NxD, axis=-1)
-  sqnorm_p_K = jnp.sum(protos_KxD * protos_KxD, axis=-1)
-  inv_z_N = jax.lax.rsqrt(jnp.maximum(sqnorm_z_N, _EPS * _EPS))
-  inv_p_K = jax.lax.rsqrt(jnp.maximum(sqnorm_p_K, _EPS * _EPS))
-  dot_NxK = jnp.dot(z_NxD, protos_KxD.T, precision=jax.lax.Precision.HIGHEST)
-  return Similarity(dot_NxK, sqnorm_z_N, sqnorm_p_K,
-                    dot_NxK * inv_z_N[:, None] * inv_p_K[None, :])
-
-
-def first_max(x: jax.Array, axis: int) -> jax.Array:
-  """max along `axis` whose gradient goes to the first (lowest-index) maximum only.
-
-  jnp.max splits the gradient evenly among exact ties; the Pallas kernels can only name
-  one element per row/column without the N x K matrix, so every implementation breaks ties
-  of the extremum statistics the same documented way: lowest prototype id (rows), lowest
-  token id (columns), as lax.top_k and jnp.argmax do."""
-  arg = jnp.argmax(x, axis=axis, keepdims=True)
-  return jnp.squeeze(jnp.take_along_axis(x, arg, axis=axis), axis)
-
-
-def first_min(x: jax.Array, axis: int) -> jax.Array:
-  """min along `axis` with the gradient on the first minimum (see first_max)."""
-  return -first_max(-x, axis)
-
-
-def mixture_weights(sim_Nxk: jax.Array, mixture: str) -> jax.Array:
-  """Activations a = ReLU(sim) of the active prototypes, normalised to sum 1 if asked."""
-  act_Nxk = jax.nn.relu(sim_Nxk)
-  if mixture == "normalized":
-    act_Nxk = act_Nxk / jnp.maximum(jnp.sum(act_Nxk, axis=-1, keepdims=True), _EPS)
-  return act_Nxk
-
-
-def topk_reconstruct_xla(z_NxD: jax.Array, protos_KxD: jax.Array, k: int, *,
-                         mixture: str = "raw", distance: str = "cosine",
-                         mask_N: jax.Array | None = None):
-  """Pure-JAX reference: (idx, act, sim, z_hat, row_max_cos, col_max_cos, row_min_dist,
-  col_min_dist), all in float32. This is the oracle every kernel is tested against."""
-  z = z_NxD.astype(jnp.float32)
-  p = protos_KxD.astype(jnp.float32)
-  s = similarity(z, p)
-  cos_NxK = s.cos_NxK
-
-  sim_Nxk, idx_Nxk = jax.lax.top_k(cos_NxK, k)
-  act_Nxk = mixture_weights(sim_Nxk, mixture)
-  z_hat_NxD = jnp.einsum("nk,nkd->nd", act_Nxk, p[idx_Nxk],
-                         precision=jax.lax.Precision.HIGHEST)
-
-  valid_N = jnp.ones(z.shape[0], bool) if mask_N is None else mask_N.astype(bool)
-  # Extremum statistics: on exact ties the gradient goes to the lowest id (first_max).
-  row_max_cos_N = sim_Nxk[:, 0]  # top_k's first entry: the row maximum, lowest id on ties
-  col_max_cos_K = first_max(jnp.where(valid_N[:, None], cos_NxK, -jnp.inf), 0)
-  if distance == "cosine":
-    row_min_dist_N = 1.0 - row_max_cos_N
-    col_min_dist_K = 1.0 - col_max_cos_K
-  else:
-    sqdist_NxK = s.sqdist()
-    row_min_dist_N = first_min(sqdist_NxK, -1)
-    col_min_dist_K = first_min(jnp.where(valid_N[:, None], sqdist_NxK, jnp.inf), 0)
-  return (idx_Nxk.astype(jnp.int32), act_Nxk, sim_Nxk, z_hat_NxD, row_max_cos_N,
-          col_max_cos_K, row_min_dist_N, col_min_dist_K)
-
-
-def _dispatch(implementation: str | None):
-  if implementation in (None, "xla"):
-    if implementation is None:
-      try:  # Pallas kernels register themselves behind the same switch when present.
-        from pallas_kernels.topk_reconstruct import api  # pylint: disable=import-outside-toplevel
-        return api.topk_reconstruct
-      except ImportError:
-        return topk_reconstruct_xla
-    return topk_reconstruct_xla
-  from pallas_kernels.topk_reconstruct import api  # pylint: disable=import-outside-toplevel
-  return api.topk_reconstruct
-
-
 def prototype_layer(z_NxD: jax.Array, protos_KxD: jax.Array, k: int, *,
                     residual_routing: str = "straight_through", mixture: str = "raw",
                     distance: str = "cosine", implementation: str | None = None,
@@ -169,22 +88,36 @@ def prototype_layer(z_NxD: jax.Array, protos_KxD: jax.Array, k: int, *,
   """
   validate_inputs(z_NxD, protos_KxD, k, residual_routing=residual_routing, mixture=mixture,
                   distance=distance, implementation=implementation, mask_N=mask_N)
-  fn = _dispatch(implementation)
-  from prism_jax.model import sharded_prototypes  # pylint: disable=import-outside-toplevel
-  if sharded_prototypes.use_sharded(protos_KxD.shape[0]):  # mesh with model axis > 1
-    fn = sharded_prototypes.topk_reconstruct_sharded
-  kwargs = dict(mixture=mixture, distance=distance, mask_N=mask_N)
-  if fn is not topk_reconstruct_xla:
-    kwargs["implementation"] = implementation
   (idx, act, sim, z_hat, row_max_cos, col_max_cos, row_min_dist,
-   col_min_dist) = fn(z_NxD, protos_KxD, k, **kwargs)
-  z = z_NxD.astype(jnp.float32)
-  if residual_routing == "straight_through":
-    residual = z - jax.lax.stop_gradient(z_hat)
-  else:
-    residual = z - z_hat
+   col_min_dist) = topk_reconstruct_on_mesh(z_NxD, protos_KxD, k, mixture=mixture,
+                                            distance=distance, mask_N=mask_N,
+                                            implementation=implementation)
+  residual = route_residual(z_NxD.astype(z_hat.dtype), z_hat, residual_routing)
   return PrototypeOutput(idx, act, sim, z_hat, residual, row_max_cos, col_max_cos,
                          row_min_dist, col_min_dist)
+
+
+def topk_reconstruct_on_mesh(z_NxD, protos_KxD, k, *, mixture="raw", distance="cosine",
+                             mask_N=None, implementation=None):
+  """The op with the active mesh's axes named by the rules table: the bank split over
+  the axis of "proto" when that is larger than one, the tokens over those of "tokens"."""
+  token_axes = sharding.mesh_axes("tokens")
+  (model_axis,) = sharding.mesh_axes("proto")
+  if sharded.use_sharded(protos_KxD.shape[0], model_axis):
+    return sharded.topk_reconstruct_sharded(
+        z_NxD, protos_KxD, k, model_axis=model_axis, token_axes=token_axes, mixture=mixture,
+        distance=distance, mask_N=mask_N, opts=api.kernel_options(implementation, distance))
+  return api.topk_reconstruct(z_NxD, protos_KxD, k, mixture=mixture, distance=distance,
+                              mask_N=mask_N, implementation=implementation,
+                              token_axes=token_axes)
+
+
+def route_residual(z_NxD: jax.Array, z_hat_NxD: jax.Array, residual_routing: str):
+  """r = z - stop_gradient(z_hat) (straight-through: CE reaches the bank only through
+  z_hat) or z - z_hat (plain)."""
+  if residual_routing == "straight_through":
+    return z_NxD - jax.lax.stop_gradient(z_hat_NxD)
+  return z_NxD - z_hat_NxD
 
 
 class PrototypeBank(nnx.Module):

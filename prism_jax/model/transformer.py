@@ -3,6 +3,12 @@
 Every parameter carries logical axis names from birth (`out_sharding=`); the mesh rules that
 map them to devices live in one table elsewhere. Modules hold no shared references, so they
 work in NNX tree mode.
+
+Dtypes: the blocks compute in `cfg.dtype`; LayerNorm statistics, attention scores and the
+logits in at least float32 (`wide`). A model whose parameters were cast to float64 (EK-FAC's
+float64 references under jax.enable_x64) computes in float64 throughout; float32/bf16 runs
+are unchanged by that rule. An optional `Tap` (model/tap.py) captures every linear map's
+input and output-gradient for attribution.
 """
 
 from __future__ import annotations
@@ -16,7 +22,18 @@ from flax import nnx
 from prism_jax.config import ModelConfig
 from prism_jax.model.params import const_param as _const
 from prism_jax.model.params import normal_param as _param
+from prism_jax.model.tap import Tap, linear, scoped
 from prism_jax.sharding import constrain
+
+
+def wide(dtype) -> jnp.dtype:
+  """At least float32: float32 for bf16/fp32 compute, float64 for float64 references."""
+  return jnp.promote_types(dtype, jnp.float32)
+
+
+def compute_dtype(cfg: ModelConfig, param: jax.Array) -> jnp.dtype:
+  """cfg.dtype, or float64 when the parameters are float64 (reference runs)."""
+  return jnp.dtype(jnp.float64) if param.dtype == jnp.float64 else jnp.dtype(cfg.dtype)
 
 
 class LayerNorm(nnx.Module):
@@ -26,7 +43,7 @@ class LayerNorm(nnx.Module):
     self.bias = _const((d_model,), 0.0, ("norm",))
 
   def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
-    x = x_BxTxD.astype(jnp.float32)  # statistics in fp32 whatever the compute dtype
+    x = x_BxTxD.astype(wide(x_BxTxD.dtype))  # statistics in fp32 whatever the compute dtype
     mean = x.mean(-1, keepdims=True)
     var = jnp.square(x - mean).mean(-1, keepdims=True)
     y = (x - mean) * jax.lax.rsqrt(var + 1e-5) * self.scale[...] + self.bias[...]
@@ -52,10 +69,11 @@ class Attention(nnx.Module):
     self.out_bias = _const((d,), 0.0, ("embed",))
 
   def __call__(self, x_BxTxD: jax.Array, positions_BxT: jax.Array,
-               cache: KVCache | None = None) -> tuple[jax.Array, KVCache | None]:
+               cache: KVCache | None = None,
+               tap: Tap | None = None) -> tuple[jax.Array, KVCache | None]:
     dtype = x_BxTxD.dtype
     qkv = jnp.einsum("btd,dchk->btchk", x_BxTxD, self.qkv_kernel[...].astype(dtype))
-    qkv = qkv + self.qkv_bias[...].astype(dtype)
+    qkv = linear(tap, "qkv", x_BxTxD, qkv + self.qkv_bias[...].astype(dtype))
     q_BxTxHxDh, k_BxTxHxDh, v_BxTxHxDh = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     if cache is None:
       keys, values = k_BxTxHxDh, v_BxTxHxDh
@@ -70,14 +88,15 @@ class Attention(nnx.Module):
       cache = KVCache(keys, values)
       key_pos_BxS = jnp.broadcast_to(jnp.arange(keys.shape[1]), keys.shape[:2])
       keys, values = keys.astype(dtype), values.astype(dtype)
-    scores = jnp.einsum("bthk,bshk->bhts", q_BxTxHxDh, keys).astype(jnp.float32)
-    scores = scores / jnp.sqrt(jnp.float32(self.cfg.head_dim))
+    sdt = wide(dtype)
+    scores = jnp.einsum("bthk,bshk->bhts", q_BxTxHxDh, keys).astype(sdt)
+    scores = scores / jnp.sqrt(jnp.asarray(self.cfg.head_dim, sdt))
     causal_BxTxS = positions_BxT[:, :, None] >= key_pos_BxS[:, None, :]
-    scores = jnp.where(causal_BxTxS[:, None], scores, jnp.finfo(jnp.float32).min)
+    scores = jnp.where(causal_BxTxS[:, None], scores, jnp.finfo(sdt).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
     ctx_BxTxHxDh = jnp.einsum("bhts,bshk->bthk", probs, values)
     out = jnp.einsum("bthk,hkd->btd", ctx_BxTxHxDh, self.out_kernel[...].astype(dtype))
-    return out + self.out_bias[...].astype(dtype), cache
+    return linear(tap, "attn_out", ctx_BxTxHxDh, out + self.out_bias[...].astype(dtype)), cache
 
 
 class MLP(nnx.Module):
@@ -90,11 +109,12 @@ class MLP(nnx.Module):
     self.proj_kernel = _param(rngs, (f, d), proj_std, ("mlp", "embed"))
     self.proj_bias = _const((d,), 0.0, ("embed",))
 
-  def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
+  def __call__(self, x_BxTxD: jax.Array, tap: Tap | None = None) -> jax.Array:
     dtype = x_BxTxD.dtype
     h = x_BxTxD @ self.fc_kernel[...].astype(dtype) + self.fc_bias[...].astype(dtype)
-    h = jax.nn.gelu(h, approximate=True)
-    return h @ self.proj_kernel[...].astype(dtype) + self.proj_bias[...].astype(dtype)
+    h = jax.nn.gelu(linear(tap, "mlp_fc", x_BxTxD, h), approximate=True)
+    out = h @ self.proj_kernel[...].astype(dtype) + self.proj_bias[...].astype(dtype)
+    return linear(tap, "mlp_proj", h, out)
 
 
 class Block(nnx.Module):
@@ -105,10 +125,10 @@ class Block(nnx.Module):
     self.ln2 = LayerNorm(cfg.d_model)
     self.mlp = MLP(cfg, rngs=rngs)
 
-  def __call__(self, x_BxTxD, positions_BxT, cache=None):
-    attn_out, cache = self.attn(self.ln1(x_BxTxD), positions_BxT, cache)
+  def __call__(self, x_BxTxD, positions_BxT, cache=None, tap: Tap | None = None):
+    attn_out, cache = self.attn(self.ln1(x_BxTxD), positions_BxT, cache, tap)
     x_BxTxD = x_BxTxD + attn_out
-    x_BxTxD = x_BxTxD + self.mlp(self.ln2(x_BxTxD))
+    x_BxTxD = x_BxTxD + self.mlp(self.ln2(x_BxTxD), tap)
     return x_BxTxD, cache
 
 
@@ -123,32 +143,46 @@ class Backbone(nnx.Module):
     self.ln_f = LayerNorm(cfg.d_model)
 
   def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array | None = None,
-               caches: list[KVCache] | None = None):
-    batch, seq = tokens_BxT.shape
-    if positions_BxT is None:
-      positions_BxT = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
-    if caches is None and seq > self.cfg.max_len:
-      raise ValueError(f"sequence length {seq} exceeds model.max_len={self.cfg.max_len}")
-    dtype = jnp.dtype(self.cfg.dtype)
-    x = self.wte[...][tokens_BxT] + self.wpe[...][positions_BxT]
-    x = constrain(x.astype(dtype), ("batch", "seq", "act_embed"))
+               caches: list[KVCache] | None = None, tap: Tap | None = None):
+    """z (B, T, D) after the final norm, and the updated caches (None without caches)."""
+    positions_BxT = self.positions(tokens_BxT, positions_BxT, caches)
+    x = self.embed(tokens_BxT, positions_BxT)
     new_caches = []
     for i, block in enumerate(self.blocks):
       cache = None if caches is None else caches[i]
-      if self.cfg.remat and caches is None:
+      if self.cfg.remat and caches is None and tap is None:
         x, cache = nnx.remat(lambda blk, h, pos: blk(h, pos))(block, x, positions_BxT)
       else:
-        x, cache = block(x, positions_BxT, cache)
+        x, cache = block(x, positions_BxT, cache, scoped(tap, f"block{i}"))
       new_caches.append(cache)
-    z_BxTxD = constrain(self.ln_f(x).astype(jnp.float32), ("batch", "seq", "act_embed"))
-    return z_BxTxD, (None if caches is None else new_caches)
+    return self.final(x), (None if caches is None else new_caches)
+
+  def positions(self, tokens_BxT, positions_BxT=None, caches=None) -> jax.Array:
+    """The given positions, or 0..T-1 per row; checks T against max_len without a cache."""
+    batch, seq = tokens_BxT.shape
+    if caches is None and seq > self.cfg.max_len:
+      raise ValueError(f"sequence length {seq} exceeds model.max_len={self.cfg.max_len}")
+    if positions_BxT is None:
+      positions_BxT = jnp.broadcast_to(jnp.arange(seq), (batch, seq))
+    return positions_BxT
+
+  def embed(self, tokens_BxT: jax.Array, positions_BxT: jax.Array) -> jax.Array:
+    """Token + position embeddings in the compute dtype: the first block's input."""
+    x = self.wte[...][tokens_BxT] + self.wpe[...][positions_BxT]
+    dtype = compute_dtype(self.cfg, self.wte[...])
+    return constrain(x.astype(dtype), ("batch", "seq", "act_embed"))
+
+  def final(self, x_BxTxD: jax.Array) -> jax.Array:
+    """The final LayerNorm after the last block: z in (at least) float32."""
+    z_BxTxD = self.ln_f(x_BxTxD)
+    return constrain(z_BxTxD.astype(wide(z_BxTxD.dtype)), ("batch", "seq", "act_embed"))
 
   def lm_head(self, h_BxTxD: jax.Array) -> jax.Array:
     """Tied LM head W (V x D): logits = h W^T, in fp32."""
     # Full fp32 accuracy in fp32 mode so the logit decomposition is exact; default (fast)
     # matmul precision when the model computes in bf16 anyway.
     precision = jax.lax.Precision.HIGHEST if self.cfg.dtype == "float32" else None
-    logits = jnp.einsum("btd,vd->btv", h_BxTxD.astype(jnp.float32), self.wte[...],
+    logits = jnp.einsum("btd,vd->btv", h_BxTxD.astype(wide(h_BxTxD.dtype)), self.wte[...],
                         precision=precision)
     return constrain(logits, ("batch", "seq", "act_vocab"))
 

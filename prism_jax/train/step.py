@@ -111,8 +111,7 @@ def make_eval_step(graphdef, cfg: Config, param_shardings: Any,
     vocab = out.logits_BxTxV.shape[-1]
     mask_N = batch["mask"].reshape(-1)
     maskf_N = mask_N.astype(jnp.float32)
-    logp = jax.nn.log_softmax(out.logits_BxTxV.reshape(-1, vocab), axis=-1)
-    nll_N = -jnp.take_along_axis(logp, batch["targets"].reshape(-1, 1), axis=-1)[:, 0]
+    nll_N = losses.token_nll(out.logits_BxTxV.reshape(-1, vocab), batch["targets"].reshape(-1))
     new = dict(stats)
     new["nll_sum"] = stats["nll_sum"] + jnp.sum(nll_N * maskf_N)
     new["tokens"] = stats["tokens"] + jnp.sum(maskf_N)

@@ -1,0 +1,194 @@
+"""Sparse custom_vjps of the kernel op: every differentiable output is a cosine or squared
+distance of one (token, prototype) pair named by the forward (the N*k active pairs, the N
+row extrema and the K column extrema), so the gradient touches only those pairs: a
+gather-reduce into dz and a scatter-add into the bank.
+
+  gather_mix  z_hat-style mixture sum_j w_j p[idx_j] (k row gathers, never N x k x D)
+  stats       the kernel's statistics (launch.kernel_stats); used per shard (sharded.py)
+  layer       unsharded: statistics, mixture and z_hat under one custom_vjp. The mixture's
+              vjp is taken inside the backward, and the bank's gradients through z_hat
+              (act[n, j] g_zhat[n]) and through the cosines (c[n, j] z[n]) hit the same rows
+              idx[n, j], so they are summed per row and scatter-added once (k scatters of N
+              rows instead of 2k; the scatters dominate the backward's memory traffic).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.topk_reconstruct import launch, reference
+from pallas_kernels.topk_reconstruct.reference import mixture_weights
+
+
+def _mix(w_Nxk, idx_Nxk, p_KxD, sequential: bool):
+  """sum_j w_j p[idx_j] in float32. Never an N x k x D operand (6.3 GiB at the XL shape):
+  unrolled row gathers that XLA:GPU fuses into one elementwise sum, or (TPU, whose XLA does
+  not fuse gathers) a loop over j holding one N x D gather at a time. Rows are gathered in
+  p's own dtype and widened after the gather (exact), so bf16 moves half the bytes; the
+  same holds for `_scatter_mix` and `_dot_rows`."""
+  if sequential:
+    body = lambda j, acc: acc + w_Nxk[:, j, None] * p_KxD[idx_Nxk[:, j]]
+    return jax.lax.fori_loop(0, idx_Nxk.shape[1], body,
+                             jnp.zeros((w_Nxk.shape[0], p_KxD.shape[1]), jnp.float32))
+  out = w_Nxk[:, 0, None] * p_KxD[idx_Nxk[:, 0]]
+  for j in range(1, idx_Nxk.shape[1]):
+    out = out + w_Nxk[:, j, None] * p_KxD[idx_Nxk[:, j]]
+  return out
+
+
+def _scatter_mix(terms, idx_Nxk, num_rows: int, sequential: bool):
+  """out[i] = sum over (n, j) with idx[n, j] = i of sum_t w_t[n, j] x_t[n], for
+  terms = ((w_Nxk, x_NxD), ...): k scatter-adds of N rows, whatever the number of terms
+  (the terms are summed per row before the scatter, so the bank is updated k times)."""
+  def rows(j):
+    out = terms[0][0][:, j, None] * terms[0][1]
+    for w_Nxk, x_NxD in terms[1:]:
+      out = out + w_Nxk[:, j, None] * x_NxD
+    return out
+  out = jnp.zeros((num_rows, terms[0][1].shape[1]), jnp.float32)
+  step = lambda j, acc: acc.at[idx_Nxk[:, j]].add(rows(j))
+  if sequential:
+    return jax.lax.fori_loop(0, idx_Nxk.shape[1], step, out)
+  for j in range(idx_Nxk.shape[1]):
+    out = step(j, out)
+  return out
+
+
+def _dot_rows(g_NxD, idx_Nxk, p_KxD, sequential: bool):
+  """<g_n, p[idx[n, j]]> for every active pair, (N, k)."""
+  one = lambda j: jnp.sum(g_NxD * p_KxD[idx_Nxk[:, j]], axis=-1)
+  if sequential:
+    body = lambda j, acc: acc.at[:, j].set(one(j))
+    return jax.lax.fori_loop(0, idx_Nxk.shape[1], body, jnp.zeros(idx_Nxk.shape, jnp.float32))
+  return jnp.stack([one(j) for j in range(idx_Nxk.shape[1])], axis=1)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3,))
+def gather_mix(w_Nxk, idx_Nxk, p_KxD, sequential: bool):
+  """z_hat-style sparse mixture sum_j w_j p[idx_j] with a backward over the N*k pairs."""
+  return _mix(w_Nxk, idx_Nxk, p_KxD, sequential)
+
+
+def _gather_mix_fwd(w_Nxk, idx_Nxk, p_KxD, sequential):
+  return _mix(w_Nxk, idx_Nxk, p_KxD, sequential), (w_Nxk, idx_Nxk, p_KxD)
+
+
+def _gather_mix_bwd(sequential, res, g_NxD):
+  w_Nxk, idx_Nxk, p_KxD = res
+  dw = _dot_rows(g_NxD, idx_Nxk, p_KxD, sequential)
+  dp = _scatter_mix(((w_Nxk, g_NxD),), idx_Nxk, p_KxD.shape[0], sequential)
+  return dw.astype(w_Nxk.dtype), None, dp.astype(p_KxD.dtype)
+
+
+gather_mix.defvjp(_gather_mix_fwd, _gather_mix_bwd)
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
+def stats(z_NxD, p_KxD, valid_N, k, opts):
+  return launch.kernel_stats(z_NxD, p_KxD, valid_N, k, opts)
+
+
+def _stats_fwd(z_NxD, p_KxD, valid_N, k, opts):
+  out = launch.kernel_stats(z_NxD, p_KxD, valid_N, k, opts)
+  return out, (z_NxD, p_KxD, valid_N, out)
+
+
+def _stats_bwd(k, opts, res, cts):
+  del k
+  z_NxD, p_KxD, valid_N, out = res
+  dz, dp = _stats_grads(opts, z_NxD, p_KxD, out, cts)
+  return dz.astype(z_NxD.dtype), dp.astype(p_KxD.dtype), jnp.zeros_like(valid_N)
+
+
+stats.defvjp(_stats_fwd, _stats_bwd)
+
+
+def _stats_grads(opts, z_NxD, p_KxD, out, cts, pair_terms=()):
+  """Cotangents of (sim, ., col_max_cos, . [, row_min_sq, ., col_min_sq, .]) -> float32
+  dz, dp. `pair_terms` ((w_Nxk, x_NxD), ...) join the active pairs' scatter-add into the
+  bank (row idx[n, j] += w[n, j] x[n]), so a caller's z_hat gradient costs no second set
+  of k scatters (see `_layer_bwd`)."""
+  z = z_NxD.astype(jnp.float32)
+  p = p_KxD.astype(jnp.float32)
+  sq_z, inv_z = launch.norms(z)
+  sq_p, inv_p = launch.norms(p)
+  # d rsqrt(max(|x|^2, eps^2)) is zero where the guard is active.
+  live_z = jnp.where(sq_z > reference.EPS * reference.EPS, 1.0, 0.0)
+  live_p = jnp.where(sq_p > reference.EPS * reference.EPS, 1.0, 0.0)
+  sim, idx, col_max, col_arg = out[:4]
+  g_sim, g_cmax = cts[0], cts[2]
+
+  # Cosine pairs: the N*k active pairs, then the K per-prototype maxima.
+  # d cos/dz = a b p - cos a^2 z, d cos/dp = a b z - cos b^2 p  (a = 1/|z|, b = 1/|p|).
+  seq = opts.backend == "tpu"
+  gb_Nxk = g_sim * inv_p[idx]
+  dz = inv_z[:, None] * _mix(gb_Nxk, idx, p_KxD, seq)  # gathers in p's dtype
+  dz -= (inv_z ** 2 * live_z * jnp.sum(g_sim * sim, -1))[:, None] * z
+  flat_idx = idx.reshape(-1)
+  dp = _scatter_mix(((gb_Nxk * inv_z[:, None], z_NxD),) + tuple(pair_terms), idx,
+                    p.shape[0], seq)
+  gcos_p = jnp.zeros_like(inv_p).at[flat_idx].add((g_sim * sim).reshape(-1))
+  dp -= (inv_p ** 2 * live_p * gcos_p)[:, None] * p
+
+  ok = jnp.isfinite(col_max)
+  g_c = jnp.where(ok, g_cmax, 0.0)
+  c_c = jnp.where(ok, col_max, 0.0)
+  a_c = inv_z[col_arg]
+  z_c = z[col_arg]
+  dz = dz.at[col_arg].add((g_c * a_c * inv_p)[:, None] * p
+                          - (g_c * c_c * a_c ** 2 * live_z[col_arg])[:, None] * z_c)
+  dp += (g_c * a_c * inv_p)[:, None] * z_c - (g_c * c_c * inv_p ** 2 * live_p)[:, None] * p
+
+  if opts.distance == "sqeuclidean":
+    _, row_arg, col_min, col_min_arg = out[4:]
+    g_rmin, g_cmin = cts[4], cts[6]
+    # d max(|z|^2+|p|^2-2 z.p, 0) = 2(z-p) dz + 2(p-z) dp, halved on the clamp's tie (as
+    # jnp.maximum), zero below it.
+    def pair_grad(g, n_ids, k_ids):
+      zn, pk = z[n_ids], p[k_ids]
+      x = sq_z[n_ids] + sq_p[k_ids] - 2.0 * jnp.einsum(
+          "md,md->m", zn, pk, precision=jax.lax.Precision.HIGHEST)
+      gate = jnp.where(x > 0.0, 1.0, jnp.where(x == 0.0, 0.5, 0.0))
+      return (2.0 * g * gate)[:, None] * (zn - pk)
+    dz += pair_grad(g_rmin, jnp.arange(z.shape[0]), row_arg)
+    dp = dp.at[row_arg].add(-pair_grad(g_rmin, jnp.arange(z.shape[0]), row_arg))
+    okc = jnp.isfinite(col_min)
+    gq = pair_grad(jnp.where(okc, g_cmin, 0.0), col_min_arg, jnp.arange(p.shape[0]))
+    dz = dz.at[col_min_arg].add(gq)
+    dp -= gq
+  return dz, dp
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
+def layer(z_NxD, p_KxD, valid_N, k, opts, mixture):
+  """Unsharded layer: (kernel statistics, act_Nxk, z_hat_NxD) under one custom_vjp, so the
+  bank's gradient through z_hat and through the cosines is one set of k scatter-adds."""
+  return _layer_fwd(z_NxD, p_KxD, valid_N, k, opts, mixture)[0]
+
+
+def _layer_fwd(z_NxD, p_KxD, valid_N, k, opts, mixture):
+  out = launch.kernel_stats(z_NxD, p_KxD, valid_N, k, opts)
+  act_Nxk = mixture_weights(out[0], mixture)
+  z_hat_NxD = _mix(act_Nxk, out[1], p_KxD, opts.backend == "tpu")  # float32, see _mix
+  return (out, act_Nxk, z_hat_NxD), (z_NxD, p_KxD, valid_N, out, act_Nxk)
+
+
+def _layer_bwd(k, opts, mixture, res, cts):
+  """z_hat's backward (`_gather_mix_bwd`) and the mixture's folded into `_stats_grads`: row
+  idx[n, j] of dp gets act[n, j] g_zhat[n] + c[n, j] z[n] in one scatter-add."""
+  del k
+  z_NxD, p_KxD, valid_N, out, act_Nxk = res
+  cts_out, g_act_Nxk, g_zhat_NxD = cts
+  sim_Nxk, idx_Nxk = out[0], out[1]
+  g_act_Nxk = g_act_Nxk + _dot_rows(g_zhat_NxD, idx_Nxk, p_KxD, opts.backend == "tpu")
+  _, mixture_vjp = jax.vjp(lambda s: mixture_weights(s, mixture), sim_Nxk)
+  g_sim_Nxk = cts_out[0] + mixture_vjp(g_act_Nxk)[0]
+  dz, dp = _stats_grads(opts, z_NxD, p_KxD, out, (g_sim_Nxk,) + tuple(cts_out[1:]),
+                        ((act_Nxk, g_zhat_NxD),))
+  return dz.astype(z_NxD.dtype), dp.astype(p_KxD.dtype), jnp.zeros_like(valid_N)
+
+
+layer.defvjp(_layer_fwd, _layer_bwd)
