@@ -8,7 +8,8 @@ import pytest
 
 MODULES = ["pallas_kernels.topk_reconstruct", "pallas_kernels.topk_reconstruct.reference",
            "pallas_kernels.topk_reconstruct.api", "pallas_kernels.topk_reconstruct.vjp",
-           "pallas_kernels.topk_reconstruct.sharded", "pallas_kernels.topk_reconstruct.launch"]
+           "pallas_kernels.topk_reconstruct.sharded", "pallas_kernels.topk_reconstruct.launch",
+           "pallas_kernels.topk_reconstruct.options"]
 
 
 @pytest.mark.parametrize("module", MODULES)

@@ -20,7 +20,7 @@ mesh, the kernel runs per token shard (sharded.py).
 
 Layout of the op (self-contained: nothing here imports prism_jax):
   reference.py  the pure maths (similarity, mixture weights, extrema, EPS) and the XLA oracle
-  api.py        this switch and the kernel options
+  api.py        this switch (options.py: the static kernel options)
   launch.py     block sizes, padding and the kernel call (tpu.py Mosaic, gpu.py Triton)
   vjp.py        the sparse custom_vjps (statistics, mixture, whole unsharded layer)
   sharded.py    both mesh paths: tokens split over data axes, the bank split over K
@@ -31,31 +31,19 @@ from __future__ import annotations
 import functools
 import importlib
 import typing
-from typing import Literal, NamedTuple
+from typing import Literal
 import warnings
 
 import jax
 import jax.numpy as jnp
 
 from pallas_kernels.topk_reconstruct import common, launch, reference, sharded, vjp
+from pallas_kernels.topk_reconstruct.options import KernelOptions
 from pallas_kernels.topk_reconstruct.reference import mixture_weights
 
 Kernel = Literal["xla", "pallas_tpu", "pallas_gpu", "pallas_interpret"]
 Implementation = typing.Optional[Kernel]  # None: the best for the backend
 IMPLEMENTATIONS = (None,) + typing.get_args(Kernel)
-
-
-class KernelOptions(NamedTuple):
-  """Static kernel choices (hashable: a custom_vjp non-differentiable argument)."""
-  distance: str = "cosine"
-  backend: str = "tpu"  # "tpu" | "gpu"
-  interpret: bool = False
-  block_n: int | None = None
-  block_k: int | None = None
-  block_d: int | None = None  # GPU only
-  precision: str = "tf32x3"  # GPU fp32 only: "tf32x3" | "ieee" | "tf32"
-  num_warps: int | None = None  # GPU only; None: gpu.default_config(dtype)
-  num_stages: int | None = None  # GPU only; None: gpu.default_config(dtype)
 
 
 def resolve_implementation(implementation: str | None) -> str:

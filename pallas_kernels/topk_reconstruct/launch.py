@@ -3,20 +3,15 @@
 `kernel_stats` resolves the block sizes (clipped to the problem, checked against what each
 backend can tile), pads z and the bank to whole blocks, runs the kernel and finishes its
 partial outputs (sorted top-k, per-prototype extrema reduced over token blocks). Its
-gradients are vjp.py's; the implementation switch and options are api.py's.
+gradients are vjp.py's; the implementation switch is api.py's.
 """
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-import jax
 import jax.numpy as jnp
 
 from pallas_kernels.topk_reconstruct import common, reference
-
-if TYPE_CHECKING:
-  from pallas_kernels.topk_reconstruct.api import KernelOptions
+from pallas_kernels.topk_reconstruct.options import KernelOptions
 
 KERNEL_DTYPES = (jnp.float32, jnp.bfloat16, jnp.float16)
 

@@ -32,8 +32,9 @@ from prism_jax import sharding
 from prism_jax.model.params import normal_param
 
 __all__ = ["EPS", "IMPLEMENTATIONS", "PrototypeBank", "PrototypeOutput", "Similarity",
-           "first_max", "first_min", "inv_norm", "mixture_weights", "prototype_layer", "route_residual",
-           "similarity", "topk_mixture", "topk_reconstruct_xla", "validate_inputs"]
+           "first_max", "first_min", "inv_norm", "mixture_weights", "prototype_layer",
+           "route_residual", "similarity", "topk_mixture", "topk_reconstruct_on_mesh",
+           "topk_reconstruct_xla", "validate_inputs"]
 
 
 class PrototypeOutput(NamedTuple):

@@ -8,8 +8,10 @@ where the layer has a bias). EK-FAC (attribution/ekfac_capture.py) is built on t
 
 Names are "block{i}.{qkv|attn_out|mlp_fc|mlp_proj}" and "bank" (the prototype bank as the
 linear map ẑ = Pᵀ a, a ∈ R^K held fixed); probes are (B, T, out), inputs come back as
-(B, T, in). Without a tap, or for names not probed, the forward is unchanged bit for bit.
-The recorded inputs are traced values: return `tap.inputs` from the function being traced.
+(B, T, in). `streams` names residual-stream values to keep: "block{i}" is the stream after
+block i (B, T, D), "z" the final hidden state; they come back in `tap.inputs` too.
+Without a tap, or for names not probed, the forward is unchanged bit for bit. The
+recorded values are traced: return `tap.inputs` from the function being traced.
 """
 
 from __future__ import annotations
@@ -26,14 +28,20 @@ class Tap:
   """Probes in, layer inputs out (see module docstring). `scope` prefixes names."""
 
   def __init__(self, probes: Mapping[str, jax.Array], prefix: str = "",
-               inputs: dict[str, jax.Array] | None = None):
+               inputs: dict[str, jax.Array] | None = None, streams: tuple[str, ...] = ()):
     self.probes = probes
     self.prefix = prefix
     self.inputs = {} if inputs is None else inputs
+    self.streams = streams
 
   def scope(self, name: str) -> "Tap":
     """A view of the same tap whose names are `name.<layer>`."""
-    return Tap(self.probes, f"{self.prefix}{name}.", self.inputs)
+    return Tap(self.probes, f"{self.prefix}{name}.", self.inputs, self.streams)
+
+  def stream(self, name: str, x: jax.Array) -> None:
+    """Keeps a residual-stream value if its name is in `streams`."""
+    if self.prefix + name in self.streams:
+      self.inputs[self.prefix + name] = x
 
   def linear(self, name: str, x_in: jax.Array, y_out: jax.Array, *, bias: bool = True):
     """y_out + probe (reshaped to y's shape), recording x_in as (B, T, in[+1])."""

@@ -154,8 +154,13 @@ class Backbone(nnx.Module):
         x, cache = nnx.remat(lambda blk, h, pos: blk(h, pos))(block, x, positions_BxT)
       else:
         x, cache = block(x, positions_BxT, cache, scoped(tap, f"block{i}"))
+        if tap is not None:
+          tap.stream(f"block{i}", x)
       new_caches.append(cache)
-    return self.final(x), (None if caches is None else new_caches)
+    z_BxTxD = self.final(x)
+    if tap is not None:
+      tap.stream("z", z_BxTxD)
+    return z_BxTxD, (None if caches is None else new_caches)
 
   def positions(self, tokens_BxT, positions_BxT=None, caches=None) -> jax.Array:
     """The given positions, or 0..T-1 per row; checks T against max_len without a cache."""
