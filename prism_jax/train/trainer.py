@@ -64,14 +64,17 @@ def merge(params: Mapping, subset: Mapping) -> dict:
 
 def init_state(params: Mapping, tx: optax.GradientTransformation,
                trainable: Trainable | None = None) -> TrainState:
-  """Step 0: `params` and the optimiser state of the trainable leaves."""
+  """Step 0: a copy of `params` (the step donates its state) and the optimiser state of
+  the trainable leaves."""
   if not isinstance(params, Mapping):
     raise TypeError(f"params must be a nested dict of arrays, got {type(params).__name__}")
   sub = params if trainable is None else select(params, trainable)
   if not jax.tree.leaves(sub):
     raise ValueError("trainable selects no parameter: check the predicate against the "
                      "key paths of params")
-  return TrainState(jnp.zeros((), jnp.int32), dict(params), tx.init(sub))
+  params = jax.tree.map(jnp.copy, dict(params))
+  sub = params if trainable is None else select(params, trainable)
+  return TrainState(jnp.zeros((), jnp.int32), params, tx.init(sub))
 
 
 def _all_finite(tree) -> jax.Array:
