@@ -185,7 +185,7 @@ def _step(model, carry, key, knobs, spec: _Spec, prompt_len: int):
 def _prefill(model, prompt_BxP, key, knobs, spec: _Spec):
   """Initial buffers, then token 0 (cached: the prompt goes through the cache in one go)."""
   batch, prompt_len = prompt_BxP.shape
-  steps, k = spec.max_new_tokens, getattr(model.cfg, "k", 0)
+  steps, k = spec.max_new_tokens, model.cfg.k
   # The generated part starts as EOS: a loop that stops early (all rows done) leaves it so.
   fill = jnp.maximum(knobs["eos_id"], 0)
   buf_BxS = jnp.full((batch, prompt_len + steps), fill, jnp.int32).at[:, :prompt_len].set(

@@ -38,6 +38,7 @@ import numpy as np
 from prism_jax.attribution.ekfac_capture import (  # public names re-exported
     Batch, Capture, _capture, _sample_labels, capture, extract_params, layer_names,
     per_sequence_grads, segment_weights, stream_capture)
+from prism_jax.data import batch as batch_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -206,22 +207,8 @@ def _row_chunks(batch: Batch, rows: int | None):
     yield batch
     return
   for start in range(0, num, rows):
-    sub = {k: np.asarray(v)[start:start + rows] for k, v in batch.items()}
-    have = sub["inputs"].shape[0]
-    if have < rows:
-      fill = lambda k: False if k == "mask" else (-1 if k in ("example_id", "offset",
-                                                              "row_id") else 0)
-      sub = {k: np.concatenate([v, np.full((rows - have,) + v.shape[1:], fill(k), v.dtype)])
-             for k, v in sub.items()}
-    yield sub
-
-
-def query_grads(model, query: Batch, cfg: EkfacConfig = EkfacConfig(), dtype=None):
-  """Per-query-row gradients of the summed CE over `query["mask"]` positions: (Q, out, in)."""
-  p = extract_params(model, dtype)
-  names = tuple(layer_names(model, cfg.include_bank))
-  cap = capture(p, model.cfg, names, query)
-  return {n: g[0] for n, g in per_sequence_grads(cap).items()}
+    yield batch_lib.pad_batch({k: np.asarray(v)[start:start + rows] for k, v in batch.items()},
+                              rows)
 
 
 def ekfac_scores(model, factors: Factors, query: Batch, train_batches, *,
