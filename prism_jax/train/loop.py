@@ -140,16 +140,15 @@ def train(cfg: Config, workdir: str, *, mesh: jax.sharding.Mesh | None = None,
         raise
       except Exception:  # pylint: disable=broad-except
         pass  # unreadable: restore_latest reports it and falls back
-    packed, train_loader, val_loader = prepare(cfg, workdir, mesh)
-    return _run(cfg, workdir, mesh, ckpt, packed, train_loader, val_loader, callbacks,
-                allow, t_start)
+    _, train_loader, val_loader = prepare(cfg, workdir, mesh)
+    return _run(cfg, workdir, mesh, ckpt, train_loader, val_loader, callbacks, allow,
+                t_start)
   finally:
     ckpt.close()
 
 
-def _run(cfg, workdir, mesh, ckpt, packed, train_loader, val_loader, callbacks, allow,
+def _run(cfg, workdir, mesh, ckpt, train_loader, val_loader, callbacks, allow,
          t_start) -> TrainResult:
-  del packed
   tc = cfg.train
   tx = make_optimizer(tc)
   with jax.set_mesh(mesh):
