@@ -5,6 +5,7 @@ float64 NumPy and forms ℓ' = W (z − Σ_{i∈S_t} (1 − g_i) a_{t,i} p_i): t
 r_t = z_t − ẑ_t is the unedited one, so only the active prototypes' shares move.
 """
 
+import functools
 import secrets
 
 import jax
@@ -16,9 +17,12 @@ from prism_jax.model.lm import build_model, init_prototypes_from_hidden
 from prism_jax.model.logit_edit import controlled_logits, suppression_gains
 
 VOCAB, SEQ, K, TOP = 48, 12, 16, 4
+SEEDS = {}  # model seeds, reported in failure messages
 
 
-def _model(kind="prism", mixture="raw", seed=0):
+@functools.cache  # one model per kind and mixture, at a fresh seed, per session
+def _model(kind="prism", mixture="raw"):
+  seed = SEEDS[f"{kind}/{mixture}"] = secrets.randbits(16)
   cfg = model_preset("tiny", kind=kind, vocab_size=VOCAB, max_len=SEQ, d_model=32,
                      n_layers=1, n_heads=2, num_prototypes=K, k=TOP, init_std=0.3,
                      mixture=mixture)
@@ -48,7 +52,7 @@ def _reference(model, z_BxTxD, gains_K):
 def test_edited_logits_match_float64_reference(mixture):
   seed = secrets.randbits(32)
   rng = np.random.default_rng(seed)
-  model = _model(mixture=mixture, seed=seed % 1000)
+  model = _model(mixture=mixture)
   tokens = rng.integers(0, VOCAB, (3, SEQ))
   out = model(tokens)
   gains = rng.uniform(-1.0, 2.0, K).astype(np.float32)  # suppression and amplification
@@ -56,7 +60,8 @@ def test_edited_logits_match_float64_reference(mixture):
   assert got.shape == (3, SEQ, VOCAB)
   want = _reference(model, out.z_BxTxD, gains)
   scale = np.abs(want).max()
-  np.testing.assert_allclose(got, want, atol=1e-5 * scale, err_msg=f"seed {seed}")
+  np.testing.assert_allclose(got, want, atol=1e-5 * scale,
+                             err_msg=f"seed {seed} models {SEEDS}")
   # The edit is not a no-op here: the reference moves the logits well beyond the tolerance.
   assert np.abs(want - np.asarray(out.logits_BxTxV, np.float64)).max() > 1e-2 * scale
 
@@ -64,7 +69,7 @@ def test_edited_logits_match_float64_reference(mixture):
 def test_unit_gains_are_the_identity_and_suppression_zeroes_a_share():
   seed = secrets.randbits(32)
   rng = np.random.default_rng(seed)
-  model = _model(seed=seed % 1000)
+  model = _model()
   out = model(rng.integers(0, VOCAB, (2, SEQ)))
   same = controlled_logits(model, out, np.ones(K, np.float32))
   np.testing.assert_array_equal(np.asarray(same), np.asarray(out.logits_BxTxV))
@@ -73,7 +78,8 @@ def test_unit_gains_are_the_identity_and_suppression_zeroes_a_share():
   gains = np.ones(K)
   gains[ids] = 0.0
   want = _reference(model, out.z_BxTxD, gains)
-  np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(), err_msg=f"seed {seed}")
+  np.testing.assert_allclose(got, want, atol=1e-5 * np.abs(want).max(),
+                             err_msg=f"seed {seed} models {SEEDS}")
 
 
 def test_suppression_gains_and_bad_inputs():
