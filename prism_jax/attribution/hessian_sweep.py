@@ -21,6 +21,7 @@ from flax import nnx
 
 from prism_jax.attribution import hessian as hs
 from prism_jax.config import LossConfig, ModelConfig
+from prism_jax.data import batch as batch_lib
 from prism_jax.losses import total_loss
 from prism_jax.model.lm import build_model, init_prototypes_from_hidden
 from prism_jax.train.trainer import Trainer
@@ -60,9 +61,7 @@ def windows(tokens: np.ndarray, rows: int, seq_len: int, rng: np.random.Generato
   """A batch of random windows inside tokens[lo:hi] (inputs, targets shifted by one)."""
   hi = len(tokens) if hi is None else hi
   starts = rng.integers(lo, hi - seq_len - 1, rows)
-  win = np.stack([tokens[s:s + seq_len + 1] for s in starts])
-  return {"inputs": win[:, :-1], "targets": win[:, 1:],
-          "mask": np.ones((rows, seq_len), bool)}
+  return batch_lib.next_token(np.stack([tokens[s:s + seq_len + 1] for s in starts]))
 
 
 def _sweep_loss(graphdef):
