@@ -68,14 +68,16 @@ def test_probe_trains_only_the_subset_like_a_plain_optax_loop():
   seed = secrets.randbits(16)
   params, batches, tx = _params(seed), _batches(seed), optax.adam(3e-2)
   want = _reference(params, batches, tx)
-  out = Trainer(_probe_loss, tx, trainable=PROBE).fit(params, batches, steps=STEPS)
+  out = Trainer(_probe_loss, tx, trainable=PROBE).fit(params, batches, steps=STEPS,
+                                                      tokens_per_step=ROWS)
   assert out.final_step == STEPS and int(out.state.step) == STEPS
   _assert_trees_equal(out.state.params["features"], params["features"])  # frozen, untouched
   jax.tree.map(lambda g, w: np.testing.assert_allclose(g, w, rtol=1e-6, atol=1e-7,
                                                        err_msg=f"seed {seed}"),
                out.state.params["probe"], want)
   assert not np.allclose(out.state.params["probe"]["w"], params["probe"]["w"])
-  assert set(out.train) >= {"loss", "mse", "grad_norm"} and out.train["loss"] == out.train["mse"]
+  assert set(out.train) >= {"loss", "mse", "grad_norm", "tokens_per_s"}
+  assert out.train["loss"] == out.train["mse"] and "tflops_per_s" not in out.train
   # The optimiser state covers the probe alone.
   opt_paths = [jax.tree_util.keystr(p) for p, _ in
                jax.tree_util.tree_leaves_with_path(out.state.opt_state)]

@@ -99,11 +99,13 @@ def read_metrics(workdir: str, split: str | None = "train") -> list[dict[str, An
 class Throughput:
   """Tokens/s, TFLOP/s and MFU over windows between `mark` calls."""
 
-  def __init__(self, model_cfg: ModelConfig, seq_len: int, tokens_per_step: int,
+  def __init__(self, model_cfg: ModelConfig | None, seq_len: int, tokens_per_step: int,
                num_devices: int, device=None):
+    """`model_cfg` None (a loss that is not the model's): tokens/s only, no TFLOP/s."""
     self.tokens_per_step = tokens_per_step
     self.num_devices = num_devices
-    self.flops_per_token = float(flops.flops_per_token(model_cfg, seq_len)["train"])
+    self.flops_per_token = (None if model_cfg is None else
+                            float(flops.flops_per_token(model_cfg, seq_len)["train"]))
     peak = flops.device_peak_flops(device or jax.devices()[0])
     self.peak_total = peak * num_devices if peak else None
     self._t0 = None

@@ -245,9 +245,11 @@ class Trainer:
   """`loss_fn` + optimiser over a parameter subset: the jitted step and its loop."""
 
   def __init__(self, loss_fn: LossFn, tx: optax.GradientTransformation, *,
-               trainable: Trainable | None = None, schedule: optax.Schedule | None = None):
+               trainable: Trainable | None = None, schedule: optax.Schedule | None = None,
+               state_shardings: Any = None, batch_shardings: Any = None):
     self.tx, self.trainable = tx, trainable
-    self.step = make_step(loss_fn, tx, trainable=trainable, schedule=schedule)
+    self.step = make_step(loss_fn, tx, trainable=trainable, schedule=schedule,
+                          state_shardings=state_shardings, batch_shardings=batch_shardings)
 
   def init(self, params: Mapping) -> TrainState:
     return init_state(params, self.tx, self.trainable)
@@ -255,16 +257,21 @@ class Trainer:
   def fit(self, params: Mapping, batches: Iterable | Callable[[int], Iterator], *,
           steps: int, workdir: str | None = None, ckpt_every: int | None = None,
           log_every: int = 10, keep: int = 3, config: Mapping | None = None,
+          tokens_per_step: int | None = None,
           callbacks: Sequence[Callback] = ()) -> LoopResult:
     """Trains `params` for `steps` steps (resuming from `workdir`'s newest checkpoint).
 
     `batches` is an iterable of batches (a resume skips the ones already used) or a
     function `start_step -> iterator`. Checkpoints (with `config`, a JSON dict that a
     resume must match) are written to `workdir` every `ckpt_every` steps and at the end.
+    `tokens_per_step` adds tokens/s (and steps/s) to the logged metrics.
     """
     state = self.init(params)
+    thr = None
+    if tokens_per_step is not None:
+      thr = metrics_lib.Throughput(None, 0, tokens_per_step, jax.device_count())
     if workdir is None:
-      loop = Loop(start=0, steps=steps, log_every=log_every)
+      loop = Loop(start=0, steps=steps, log_every=log_every, throughput=thr)
       return loop.run(state, _batches_from(batches, 0), lambda s: self.step,
                       callbacks=callbacks)
     config = dict(config or {})
@@ -283,7 +290,7 @@ class Trainer:
         start = latest
       saving = Checkpointing(ckpt, ckpt_every or steps, lambda done: {"step": done}, config)
       loop = Loop(start=start, steps=steps, log_every=log_every, workdir=workdir,
-                  checkpointing=saving)
+                  checkpointing=saving, throughput=thr)
       return loop.run(state, _batches_from(batches, start), lambda s: self.step,
                       callbacks=callbacks, restored=latest is not None)
     finally:
