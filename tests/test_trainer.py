@@ -129,12 +129,14 @@ def test_nan_loss_stops_before_saving_the_bad_state(tmp_path):
   assert saved == [2, 4]
 
 
-def test_bad_subset_is_refused():
+def test_bad_inputs_are_refused():
   with pytest.raises(ValueError, match="trainable selects no parameter"):
     Trainer(_probe_loss, optax.adam(1e-2), trainable=lambda p: p[0] == "nope").fit(
         _params(0), _batches(0), steps=1)
   with pytest.raises(TypeError, match="params must be a nested dict"):
     Trainer(_probe_loss, optax.adam(1e-2)).fit([1.0], _batches(0), steps=1)
+  with pytest.raises(ValueError, match="the batches ran out after 2 of 3 steps"):
+    Trainer(_probe_loss, optax.adam(1e-2)).fit(_params(0), _batches(0, steps=2), steps=3)
 
 
 def test_prism_lm_bank_only():

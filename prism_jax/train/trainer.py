@@ -169,6 +169,7 @@ class Loop:
       self._consume(*item)
 
   def _diverged(self, step: int, bad: str) -> TrainingDivergedError:
+    hint = self.hint or "Lower the learning rate or check the data."
     good = None
     if self.ckpt is not None:
       self.ckpt.checkpointer.wait()
@@ -177,7 +178,7 @@ class Loop:
              else "none")
     return TrainingDivergedError(
         f"training diverged at step {step}: {bad}. Stopped; the bad state was not saved. "
-        f"Last good checkpoint: {where}. {self.hint or 'Lower the learning rate or check the data.'}")
+        f"Last good checkpoint: {where}. {hint}")
 
   def _consume(self, step: int, m_dev) -> None:
     m = {k: float(v) for k, v in jax.device_get(m_dev).items()}
@@ -211,7 +212,10 @@ class Loop:
       for s in range(self.start, self.steps):
         if before_step is not None:
           state = before_step(s, state)
-        state, m_dev = step_for(s)(state, next(batches))
+        batch = next(batches, None)
+        if batch is None:
+          raise ValueError(f"the batches ran out after {s} of {self.steps} steps")
+        state, m_dev = step_for(s)(state, batch)
         self.flush()
         self._pending = (s + 1, m_dev)
         done = s + 1
