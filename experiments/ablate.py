@@ -64,14 +64,14 @@ def run_variant(name: str) -> dict:
     with open(cached) as f:
       return json.load(f)
   cfg = variant_config(name, FLAGS.preset, FLAGS.steps, FLAGS.set)
-  summary = train(cfg, workdir)
-  ev = summary["eval"]
+  result = train(cfg, workdir)
+  ev = result.eval
   if not ev:
     raise RuntimeError(f"variant {name}: no evaluation ran (empty val split?)")
   result = {"variant": name, "overrides": list(VARIANTS[name]) + list(FLAGS.set), **ev,
             "val_tokens": ev.get("tokens"),
             "train_tokens": FLAGS.steps * cfg.train.batch_size * cfg.data.seq_len,
-            "tokens_per_s": summary["tokens_per_s"], "wall_s": summary["wall_s"]}
+            "tokens_per_s": result.tokens_per_s, "wall_s": result.wall_s}
   with open(cached, "w") as f:
     json.dump(result, f, indent=1)
   return result

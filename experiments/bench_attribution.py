@@ -66,8 +66,10 @@ def _max_rows(packed):
 def _worker(out_dir):
   """Runs FLAGS.method; writes <method>.json (+ scores .npz)."""
   from prism_jax.attribution import cache as cache_lib  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution import cache_format  # pylint: disable=g-import-not-at-top
   from prism_jax.attribution import ekfac  # pylint: disable=g-import-not-at-top
   from prism_jax.attribution import influence  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution import influence_full  # pylint: disable=g-import-not-at-top
   model, cfg, packed, queries = _load(out_dir)
   cache_dir = os.path.join(out_dir, "cache" + FLAGS.suffix)
   rows = packed.rows("val")["tokens"]
@@ -105,14 +107,14 @@ def _worker(out_dir):
     path = "linear" if FLAGS.method == "full_linear" else "full"
     qs = [(tok, [len(tok) - 1]) for tok in q_tokens]
     icfg = influence.InfluenceConfig(unit=FLAGS.unit)
-    influence.full_scores(model, cache, packed, qs, path=path, max_rows=2, cfg=icfg)  # warm
+    influence_full.full_scores(model, cache, packed, qs, path=path, max_rows=2, cfg=icfg)  # warm
     t = time.time()
-    ids, sc = influence.full_scores(model, cache, packed, qs, path=path, cfg=icfg)
+    ids, sc = influence_full.full_scores(model, cache, packed, qs, path=path, cfg=icfg)
     res["per_query_s"] = (time.time() - t) / len(qs)
     np.savez(os.path.join(out_dir, f"{tag}.npz"), ids=ids, scores=sc)
   elif FLAGS.method == "ekfac_fit":
     t = time.time()
-    batches = lambda: (b for _, b in cache_lib.iter_rows(packed, "train", 16, 0,
+    batches = lambda: (b for _, b in cache_format.iter_rows(packed, "train", 16, 0,
                                                          _max_rows(packed)))
     factors = ekfac.fit_factors(model, batches(), lambda_batches=batches())
     res["fit_seconds"] = time.time() - t
@@ -132,11 +134,11 @@ def _worker(out_dir):
              "mask": np.zeros((len(queries), t_len), bool)}
     for q, (_, p) in enumerate(queries):
       query["mask"][q, p - 1] = True
-    batches = lambda: (b for _, b in cache_lib.iter_rows(packed, "train", FLAGS.tbs, 0,
+    batches = lambda: (b for _, b in cache_format.iter_rows(packed, "train", FLAGS.tbs, 0,
                                                          _max_rows(packed)))
     small = {k: v[:FLAGS.qbs] for k, v in query.items()}
     # Warm-up compiles; layer groups are streamed (ekfac_scores' default `layerwise`).
-    ekfac.ekfac_scores(model, factors, small, lambda: (b for _, b in cache_lib.iter_rows(
+    ekfac.ekfac_scores(model, factors, small, lambda: (b for _, b in cache_format.iter_rows(
         packed, "train", FLAGS.tbs, 0, 2 * FLAGS.tbs)), query_batch_size=FLAGS.qbs,
                        train_batch_size=FLAGS.tbs, by_example=FLAGS.unit == "document")
     # Every query chunk streams the whole training set once, so one chunk's time / its size

@@ -40,15 +40,15 @@ def main(argv):
   except ValueError as e:
     sys.exit(f"error: {e}")
   try:
-    summary = train(cfg, FLAGS.workdir)
+    result = train(cfg, FLAGS.workdir)
   except ConfigMismatchError as e:
     sys.exit(f"error: {e}\n(remove {FLAGS.workdir} to retrain the demo from scratch)")
-  ev = summary.get("eval") or {}
-  if summary["start_step"] == summary["final_step"]:
-    print(f"\nreusing the finished run in {summary['workdir']} (step {summary['final_step']})")
+  ev = result.eval
+  if result.start_step == result.final_step:
+    print(f"\nreusing the finished run in {result.workdir} (step {result.final_step})")
   else:
-    print(f"\ntrained steps {summary['start_step']}..{summary['final_step']} in "
-          f"{summary['wall_s']:.0f} s; workdir {summary['workdir']}")
+    print(f"\ntrained steps {result.start_step}..{result.final_step} in "
+          f"{result.wall_s:.0f} s; workdir {result.workdir}")
   if ev:
     print("validation: " + ", ".join(f"{k} {v:.4g}" for k, v in ev.items()))
 

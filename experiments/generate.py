@@ -29,7 +29,8 @@ def main(argv):
   del argv
   logging.set_verbosity(logging.WARNING)  # keep checkpoint-restore chatter out of the sample
   from prism_jax.analysis.token_report import token_report  # pylint: disable=g-import-not-at-top
-  from prism_jax.generate import generate, suppression_gains  # pylint: disable=g-import-not-at-top
+  from prism_jax.generate import generate  # pylint: disable=g-import-not-at-top
+  from prism_jax.model.logit_edit import suppression_gains  # pylint: disable=g-import-not-at-top
   from prism_jax.train import load_for_inference  # pylint: disable=g-import-not-at-top
   try:
     model, cfg, tokenizer = load_for_inference(FLAGS.workdir, step=FLAGS.step)

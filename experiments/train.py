@@ -48,8 +48,7 @@ def main(argv):
   from prism_jax.train import train  # pylint: disable=g-import-not-at-top
   from prism_jax.train.metrics import quiet_library_logs  # pylint: disable=g-import-not-at-top
   quiet_library_logs()
-  summary = train(cfg, FLAGS.workdir)
-  printable = {k: v for k, v in summary.items() if k not in ("state", "graphdef")}
+  printable = train(cfg, FLAGS.workdir).summary()
   logging.info("done: %s", json.dumps(printable, default=str))
   if distributed.is_main_process():
     print(json.dumps(printable, default=str, indent=1))

@@ -130,11 +130,3 @@ def sync(name: str) -> None:
     from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
     multihost_utils.sync_global_devices(name)
 
-
-def shard_options(mesh: jax.sharding.Mesh, global_batch: int):
-  """grain ShardOptions giving this process exactly its rows of each global batch."""
-  import grain  # pylint: disable=import-outside-toplevel
-  from prism_jax.sharding import process_batch_slice  # pylint: disable=import-outside-toplevel
-  index, count = process_batch_slice(mesh, global_batch)
-  return grain.sharding.ShardOptions(shard_index=index, shard_count=count,
-                                     drop_remainder=True)

@@ -22,8 +22,9 @@ contributions to the sampled token's logit and the residual slice; they sum to
 
 Control (PRISM.md §6): `proto_gain_K` scales each prototype's share of the logits,
     ℓ' = ℓ − Σ_{i∈S_t} (1 − g_i) a_{t,i} W p_i,
-keeping r_t from the unedited pass; `suppression_gains(K, ids)` gives g = 0 on a set G
-(suppression); g_i = 1 + w_i is the gain controller ℓ' = ℓ + Σ_i w_i a_{t,i} W p_i.
+keeping r_t from the unedited pass (`prism_jax.model.logit_edit.controlled_logits`, the
+edit a teacher-forced scorer uses too); `logit_edit.suppression_gains(K, ids)` gives g = 0
+on a set G (suppression); g_i = 1 + w_i is the gain controller ℓ' = ℓ + Σ_i w_i a W p_i.
 Contributions are reported after the gains, so they still sum with the residual to the
 logit that was sampled from.
 `logit_hook(logits_BxV, protos) -> logits_BxV` is applied last (e.g. banning tokens); the
@@ -33,7 +34,7 @@ trace decomposes the logit before the hook.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Literal, NamedTuple
 
 import jax
@@ -41,7 +42,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from prism_jax.model.lm import DenseLM, PrismLM, decompose
+from prism_jax.model.lm import DenseLM, LMOutput, PrismLM, decompose
+from prism_jax.model.logit_edit import controlled_logits
 from prism_jax.model.prototypes import PrototypeOutput
 
 LogitHook = Callable[[jax.Array, PrototypeOutput | None], jax.Array]
@@ -74,17 +76,6 @@ class _Spec:
   use_cache: bool
   use_gains: bool
   logit_hook: LogitHook | None
-
-
-def suppression_gains(num_prototypes: int, proto_ids: Sequence[int]) -> jax.Array:
-  """Gain vector (K,) that is 0 on `proto_ids` and 1 elsewhere: suppression of a set G."""
-  ids = np.asarray(list(proto_ids), np.int64).reshape(-1)
-  if ids.size and (ids.min() < 0 or ids.max() >= num_prototypes):
-    raise ValueError(f"prototype ids must be in [0, {num_prototypes}), got "
-                     f"{ids[(ids < 0) | (ids >= num_prototypes)].tolist()}")
-  gains = np.ones(num_prototypes, np.float32)
-  gains[ids] = 0.0
-  return jnp.asarray(gains)
 
 
 def filter_logits(logits_BxV: jax.Array, top_k: int | None, top_p: float | jax.Array
@@ -139,12 +130,8 @@ def _forward_at(model, tokens_BxT, positions_BxT, caches, at):
 def _pick(model, logits_BxV, protos, key, knobs, spec: _Spec):
   """Applies gains and hook, samples, and decomposes the sampled token's logit."""
   if spec.use_gains:
-    gains_K = knobs["gains_K"]
-    drop_Bxk = (1.0 - gains_K[protos.idx_Nxk]) * protos.act_Nxk
-    p_BxkxD = model.bank.protos[...][protos.idx_Nxk]
-    delta_BxD = jnp.einsum("bk,bkd->bd", drop_Bxk, p_BxkxD,
-                           precision=jax.lax.Precision.HIGHEST)
-    logits_BxV = logits_BxV - model.backbone.lm_head(delta_BxD[:, None])[:, 0]
+    unedited = LMOutput(logits_BxV[:, None], None, protos)  # the decoded rows, T = 1
+    logits_BxV = controlled_logits(model, unedited, knobs["gains_K"])[:, 0]
   hooked_BxV = logits_BxV if spec.logit_hook is None else spec.logit_hook(logits_BxV, protos)
   tok_B = _sample(hooked_BxV, key, knobs, spec)
   logit_B = jnp.take_along_axis(logits_BxV, tok_B[:, None], axis=-1)[:, 0]
@@ -198,7 +185,7 @@ def _step(model, carry, key, knobs, spec: _Spec, prompt_len: int):
 def _prefill(model, prompt_BxP, key, knobs, spec: _Spec):
   """Initial buffers, then token 0 (cached: the prompt goes through the cache in one go)."""
   batch, prompt_len = prompt_BxP.shape
-  steps, k = spec.max_new_tokens, getattr(model.cfg, "k", 0)
+  steps, k = spec.max_new_tokens, model.cfg.k
   # The generated part starts as EOS: a loop that stops early (all rows done) leaves it so.
   fill = jnp.maximum(knobs["eos_id"], 0)
   buf_BxS = jnp.full((batch, prompt_len + steps), fill, jnp.int32).at[:, :prompt_len].set(

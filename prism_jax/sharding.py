@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import contextlib
 import math
-from typing import Any, Callable
 
 import jax
 import numpy as np
@@ -155,26 +154,6 @@ def no_mesh():
   """Trace without a context mesh, e.g. so parameter constructors do not eager-shard."""
   with jax.sharding.use_abstract_mesh(jax.sharding.AbstractMesh((), ())):
     yield
-
-
-def create_sharded(make: Callable[[], Any], mesh: jax.sharding.Mesh):
-  """Build an NNX object with its state born sharded on `mesh` (never whole on a device).
-
-  `make` must be deterministic (seeded), e.g. `lambda: build_model(cfg, seed)` or a
-  function returning an nnx.Optimizer. Shardings come from the rules table via each
-  variable's logical names; the jitted initialiser writes each shard in place.
-  """
-  with no_mesh():
-    abstract = nnx.eval_shape(make)
-  graphdef, abstract_state = nnx.split(abstract)
-  shardings = param_shardings(abstract_state, mesh)
-
-  def init():
-    with no_mesh():
-      return nnx.split(make())[1]
-
-  state = jax.jit(init, out_shardings=shardings)()
-  return nnx.merge(graphdef, state)
 
 
 # ---------------------------------------------------------------- global batches

@@ -13,8 +13,9 @@ import numpy as np
 import pytest
 
 from prism_jax.attribution import cache as cache_lib
+from prism_jax.attribution import cache_build, cache_format
 from prism_jax.attribution import curvature as cv
-from prism_jax.attribution import influence
+from prism_jax.attribution import influence, influence_full
 from prism_jax.config import Config, DataConfig, LossConfig, ModelConfig
 from prism_jax.data import prepare_data
 from prism_jax.model.lm import build_model
@@ -71,7 +72,7 @@ def test_cached_equals_full_and_bruteforce(setup):
   tokens, pos = _query(packed)
   icfg = influence.InfluenceConfig(top=5)
   att = influence.attribute(model, cache, tokens, pos, cfg=icfg, packed=packed)
-  ids, full = influence.full_scores(model, cache, packed, [(tokens, pos)], cfg=icfg,
+  ids, full = influence_full.full_scores(model, cache, packed, [(tokens, pos)], cfg=icfg,
                                     batch_rows=4)
   cached = dict(zip(att.all_ids.tolist(), att.all_scores))
   ref = full[0]
@@ -81,7 +82,7 @@ def test_cached_equals_full_and_bruteforce(setup):
   # The same equality with packed rows as the training sequences.
   rcfg = influence.InfluenceConfig(top=5, unit="row")
   att_r = influence.attribute(model, cache, tokens, pos, cfg=rcfg)
-  ids_r, full_r = influence.full_scores(model, cache, packed, [(tokens, pos)], cfg=rcfg,
+  ids_r, full_r = influence_full.full_scores(model, cache, packed, [(tokens, pos)], cfg=rcfg,
                                         batch_rows=4)
   got_r = dict(zip(att_r.all_ids.tolist(), att_r.all_scores))
   np.testing.assert_allclose([got_r.get(r, 0.0) for r in ids_r.tolist()], full_r[0],
@@ -122,7 +123,7 @@ def test_co_usage_matches_dense_kronecker_solve(setup):
   tokens, pos = _query(packed)
   icfg = influence.InfluenceConfig(coupling="co_usage", top=3)
   att = influence.attribute(model, cache, tokens, pos, cfg=icfg)
-  ids, full = influence.full_scores(model, cache, packed, [(tokens, pos)], cfg=icfg,
+  ids, full = influence_full.full_scores(model, cache, packed, [(tokens, pos)], cfg=icfg,
                                     batch_rows=4)
   # Dense (K·D)×(K·D) H = A ⊗ G + blockdiag((μ_i + λ) I), solved directly in float64.
   k_, d = cfg.model.num_prototypes, cfg.model.d_model
@@ -262,8 +263,8 @@ def _read_all(path):
   out = {}
   for name in sorted(os.listdir(path)):
     if os.path.isdir(os.path.join(path, name)):
-      out[name] = cache_lib.open_array(path, name, CACHE_CFG.driver).read().result()
-  with open(os.path.join(path, cache_lib.METADATA)) as f:
+      out[name] = cache_format.store(path, name, CACHE_CFG.driver).read().result()
+  with open(os.path.join(path, cache_format.METADATA)) as f:
     meta = json.load(f)
   meta.pop("build_seconds_last_run")
   return out, meta
@@ -278,7 +279,7 @@ def test_killed_build_resumes_to_identical_cache(setup, tmp_path):
       [os.path.dirname(__file__), os.environ.get("PYTHONPATH", "")]), JAX_PLATFORMS="cpu")
   proc = subprocess.Popen([sys.executable, str(script), packed.path, out], env=env,
                           stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
-  prog_path = os.path.join(out, cache_lib.PROGRESS)
+  prog_path = os.path.join(out, cache_format.PROGRESS)
   deadline, killed_at = time.time() + 90, None
   try:
     while time.time() < deadline and proc.poll() is None:
@@ -328,6 +329,34 @@ def test_pass1_interruption_resumes_identically(setup, tmp_path):
   want, _ = _read_all(cache.path)
   for name in want:
     np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+RECORDS = ("row_offsets", "example_id", "offset", "idx", "act", "g")
+
+
+def test_records_only_build_equals_the_full_build_records(setup, tmp_path):
+  _, cfg, packed, model, cache = setup
+  want, meta_want = _read_all(cache.path)
+  out = str(tmp_path / "records")
+  cache_build.write_records(model, cfg, packed, out, CACHE_CFG, basis_DxR=want["g_evecs"],
+                            progress=False)
+  got, meta = _read_all(out)
+  assert meta["records_only"] and meta["sizes"] == meta_want["sizes"]
+  assert sorted(got) == sorted(RECORDS + ("g_evecs",))  # no curvature, no inverted index
+  for name in RECORDS + ("g_evecs",):
+    np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+  # Without a basis g is the raw D-dim g_t: the full build's g rotated back.
+  raw = str(tmp_path / "raw")
+  cache_build.write_records(model, cfg, packed, raw, CACHE_CFG, progress=False)
+  g_raw = cache_format.store(raw, "g", CACHE_CFG.driver).read().result()
+  np.testing.assert_allclose(g_raw.astype(np.float64) @ want["g_evecs"], want["g"],
+                             rtol=0, atol=1e-5 * np.abs(want["g"]).max())
+  with pytest.raises(ValueError, match="records-only"):
+    cache_lib.AttributionCache(out, model, cfg)
+  with pytest.raises(cache_lib.CacheMismatchError, match="records-only build"):
+    cache_lib.build_cache(model, cfg, packed, out, CACHE_CFG, progress=False)
+  with pytest.raises(ValueError, match=r"basis_DxR must have shape \(D=16, rank\)"):
+    cache_build.write_records(model, cfg, packed, raw, CACHE_CFG, basis_DxR=np.eye(8))
 
 
 def test_mismatched_cache_is_refused(setup):

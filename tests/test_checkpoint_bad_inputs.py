@@ -44,8 +44,8 @@ def trained(tmp_path_factory):
   root = tmp_path_factory.mktemp("bad_inputs")
   data = _corpus(root / "corpus.txt")
   cfg = _cfg(data)
-  summary = train(cfg, str(root / "run"))
-  assert summary["final_step"] == 4
+  result = train(cfg, str(root / "run"))
+  assert result.final_step == 4
   return cfg, str(root / "run"), data
 
 
@@ -100,8 +100,8 @@ def test_corrupt_latest_checkpoint_falls_back_to_previous(trained, tmp_path, cap
       with open(os.path.join(root, name), "wb") as f:
         f.write(b"\x00garbage")
   with caplog.at_level(logging.ERROR):
-    summary = train(cfg, run)
-  assert summary["start_step"] == 2 and summary["final_step"] == 4
+    result = train(cfg, run)
+  assert result.start_step == 2 and result.final_step == 4
   assert any("checkpoint 4" in r.getMessage() and "unreadable" in r.getMessage()
              for r in caplog.records)
   moved = os.listdir(os.path.join(run, "corrupt_checkpoints"))

@@ -12,7 +12,8 @@ import pytest
 
 from prism_jax.analysis.token_report import token_report, token_rows
 from prism_jax.config import model_preset
-from prism_jax.generate import filter_logits, generate, suppression_gains
+from prism_jax.generate import filter_logits, generate
+from prism_jax.model.logit_edit import suppression_gains
 from prism_jax.model.lm import build_model, init_prototypes_from_hidden
 
 VOCAB, MAX_LEN, PROMPT, STEPS = 64, 24, 5, 10

@@ -8,8 +8,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from prism_jax.analysis.grounding import (GroundingAccumulator, grounding_finalize,
-                                          grounding_init, grounding_merge, grounding_update)
+from prism_jax.grounding import (GroundingAccumulator, grounding_finalize,
+                                 grounding_init, grounding_merge, grounding_update)
 from prism_jax.config import ModelConfig
 from prism_jax.model import build_model
 from prism_jax.model.prototypes import prototype_layer

@@ -107,9 +107,8 @@ def test_resolve_from_flags_env_and_cluster():
     distributed.resolve(mode="maybe", env={})
 
 
-def test_grain_shard_options_single_process():
-  opts = distributed.shard_options(sharding.make_mesh(MeshConfig(2, 2, 2)), 8)
-  assert (opts.shard_index, opts.shard_count, opts.drop_remainder) == (0, 1, True)
+def test_single_process_batch_slice_and_no_runtime():
+  assert sharding.process_batch_slice(sharding.make_mesh(MeshConfig(2, 2, 2)), 8) == (0, 1)
   assert distributed.initialize(mode="off") is False and distributed.is_main_process()
 
 

@@ -11,6 +11,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import pytest
+from flax import nnx
 from jax.sharding import PartitionSpec as P
 
 from prism_jax import sharding
@@ -116,7 +117,8 @@ def test_state_born_sharded_and_constrain():
   protos = state.params["bank"]["protos"]
   assert protos.sharding.spec == P("model", "fsdp")
   assert protos.addressable_shards[0].data.shape == (64 // 4, 32 // 2)
-  model = sharding.create_sharded(lambda: build_model(CFG.model, 0), mesh)
+  graphdef, fresh, _ = state_lib.create_train_state(CFG, mesh)  # a second, fresh build
+  model = nnx.merge(graphdef, fresh.params)
   wte = model.backbone.wte[...]
   assert wte.sharding.spec == P("model", "fsdp") and wte.addressable_shards[0].data.shape == (
       64 // 4, 32 // 2)

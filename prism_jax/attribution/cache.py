@@ -23,14 +23,8 @@ import numpy as np
 
 from prism_jax.attribution import cache_build
 from prism_jax.attribution import cache_format as fmt
+from prism_jax.attribution.cache_format import CacheConfig, CacheMismatchError
 from prism_jax.config import Config
-
-# The format's public names, so `cache.X` keeps working for every caller.
-CacheConfig = fmt.CacheConfig
-CacheMismatchError = fmt.CacheMismatchError
-METADATA, PROGRESS, FORMAT_VERSION = fmt.METADATA, fmt.PROGRESS, fmt.FORMAT_VERSION
-iter_rows, pad_rows, model_fingerprint = fmt.iter_rows, fmt.pad_rows, fmt.model_fingerprint
-open_array = fmt.store
 
 
 def build_cache(model, cfg: Config, packed, out_dir: str,
@@ -59,6 +53,9 @@ class AttributionCache:
     if not os.path.exists(meta_path):
       raise FileNotFoundError(f"{self.path} is not an attribution cache (no {fmt.METADATA})")
     self.metadata = fmt.read_json(meta_path)
+    if self.metadata.get("records_only"):
+      raise ValueError(f"{self.path} holds a records-only build (no curvature, no index); "
+                       "read its arrays with cache_format.store, or build_cache elsewhere")
     if not self.metadata.get("complete"):
       raise ValueError(f"the cache in {self.path} is unfinished; run build_cache again with "
                        "the same model and config to resume it")

@@ -20,6 +20,7 @@ from flax import nnx
 
 from prism_jax.attribution import curvature_stats as cs
 from prism_jax.config import Config, to_dict
+from prism_jax.data import batch as batch_lib
 
 METADATA = "metadata.json"
 PROGRESS = "progress.json"
@@ -74,8 +75,7 @@ def relevant_config(cfg: Config) -> dict[str, Any]:
 def identity(model, cfg: Config, cache_cfg: CacheConfig, packed) -> dict[str, Any]:
   return {"format": FORMAT_VERSION, "model_fingerprint": model_fingerprint(model),
           "config": relevant_config(cfg), "cache": dataclasses.asdict(cache_cfg),
-          "data": {"path": getattr(packed, "path", None),
-                   "pack": getattr(packed, "metadata", {}).get("config")}}
+          "data": {"path": packed.path, "pack": packed.metadata.get("config")}}
 
 
 def diff(a: Any, b: Any, prefix: str = "") -> list[str]:
@@ -126,20 +126,7 @@ def iter_rows(packed, split: str, batch_rows: int, start_row: int = 0,
   total = packed.num_rows(split) if max_rows is None else min(max_rows, packed.num_rows(split))
   for start in range(start_row, total, batch_rows):
     stop = min(start + batch_rows, total)
-    tok = np.asarray(rows["tokens"][start:stop])
-    ex = np.asarray(rows["example_id"][start:stop])
-    off = np.asarray(rows["offset"][start:stop])
-    yield start, {"inputs": tok[:, :-1], "targets": tok[:, 1:], "mask": off[:, 1:] > 0,
-                  "example_id": ex[:, 1:], "offset": off[:, 1:],
-                  "row_id": np.arange(start, stop, dtype=np.int32)}
-
-
-def pad_rows(batch, rows):
-  """Pads a short final batch to `rows` rows (mask False) so one compiled shape serves all."""
-  have = batch["inputs"].shape[0]
-  if have == rows:
-    return batch
-  pad = lambda x, v: np.concatenate([x, np.full((rows - have,) + x.shape[1:], v, x.dtype)])
-  return {"inputs": pad(batch["inputs"], 0), "targets": pad(batch["targets"], 0),
-          "mask": pad(batch["mask"], False), "example_id": pad(batch["example_id"], -1),
-          "offset": pad(batch["offset"], -1), "row_id": pad(batch["row_id"], -1)}
+    yield start, batch_lib.from_rows(rows["tokens"][start:stop],
+                                     rows["example_id"][start:stop],
+                                     rows["offset"][start:stop],
+                                     np.arange(start, stop, dtype=np.int32))

@@ -42,6 +42,7 @@ import numpy as np
 from prism_jax.attribution.ekfac_capture import (  # public names re-exported
     Batch, Capture, Split, _capture, capture, layer_names, per_sequence_grads, sample_labels,
     segment_weights, split_model, stream_capture)
+from prism_jax.data import batch as batch_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -223,14 +224,8 @@ def _row_chunks(batch: Batch, rows: int | None):
     yield batch
     return
   for start in range(0, num, rows):
-    sub = {k: np.asarray(v)[start:start + rows] for k, v in batch.items()}
-    have = sub["inputs"].shape[0]
-    if have < rows:
-      fill = lambda k: False if k == "mask" else (-1 if k in ("example_id", "offset",
-                                                              "row_id") else 0)
-      sub = {k: np.concatenate([v, np.full((rows - have,) + v.shape[1:], fill(k), v.dtype)])
-             for k, v in sub.items()}
-    yield sub
+    yield batch_lib.pad_batch({k: np.asarray(v)[start:start + rows] for k, v in batch.items()},
+                              rows)
 
 
 def ekfac_scores(model, factors: Factors, query: Batch, train_batches, *,

@@ -4,8 +4,8 @@ For each λ (λ_1 = λ_2 = λ) a micro PrismLM is trained briefly from the SAME 
 the same byte-tokenised batches (the standard library's pydoc topics text, so it runs
 offline), then `hessian.curvature_report` measures, on held-out batches in float64, the
 off-block mass share and condition numbers of the exact Hessian of that model's training
-loss w.r.t. the bank. A minimal optax loop keeps this self-contained (the full trainer is
-prism_jax.train); the sweep is small enough for a few CPU minutes.
+loss w.r.t. the bank. Training runs on the shared trainer (prism_jax.train.trainer, Adam,
+no checkpoints); the sweep is small enough for a few CPU minutes.
 """
 
 from __future__ import annotations
@@ -21,8 +21,10 @@ from flax import nnx
 
 from prism_jax.attribution import hessian as hs
 from prism_jax.config import LossConfig, ModelConfig
+from prism_jax.data import batch as batch_lib
 from prism_jax.losses import total_loss
 from prism_jax.model.lm import build_model, init_prototypes_from_hidden
+from prism_jax.train.trainer import Trainer
 
 
 @dataclasses.dataclass(frozen=True)
@@ -59,23 +61,19 @@ def windows(tokens: np.ndarray, rows: int, seq_len: int, rng: np.random.Generato
   """A batch of random windows inside tokens[lo:hi] (inputs, targets shifted by one)."""
   hi = len(tokens) if hi is None else hi
   starts = rng.integers(lo, hi - seq_len - 1, rows)
-  win = np.stack([tokens[s:s + seq_len + 1] for s in starts])
-  return {"inputs": win[:, :-1], "targets": win[:, 1:],
-          "mask": np.ones((rows, seq_len), bool)}
+  return batch_lib.next_token(np.stack([tokens[s:s + seq_len + 1] for s in starts]))
 
 
-def _train_step_fn():
-  @nnx.jit
-  def step(model, opt, batch, lambdas):
-    def loss_fn(m):
-      out = m(batch["inputs"], mask_BxT=batch["mask"])
-      _, met = total_loss(out, batch["targets"], batch["mask"], LossConfig())
-      # λ as traced values: one compilation serves the whole sweep.
-      return met["ce"] + lambdas[0] * met["rec"] + lambdas[1] * (met["r1"] + met["r2"])
-    loss, grads = nnx.value_and_grad(loss_fn)(model)
-    opt.update(model, grads)
-    return loss
-  return step
+def _sweep_loss(graphdef):
+  """The training loss with (λ_rec, λ) read from the batch: traced, so one compilation
+  of the shared train step serves the whole sweep."""
+  def loss_fn(params, batch):
+    out = nnx.merge(graphdef, params)(batch["inputs"], mask_BxT=batch["mask"])
+    _, met = total_loss(out, batch["targets"], batch["mask"], LossConfig())
+    lambdas = batch["lambdas"]
+    loss = met["ce"] + lambdas[0] * met["rec"] + lambdas[1] * (met["r1"] + met["r2"])
+    return loss, {"loss": loss}
+  return loss_fn
 
 
 def run_sweep(cfg: SweepConfig, log=print) -> list[dict[str, float]]:
@@ -85,7 +83,8 @@ def run_sweep(cfg: SweepConfig, log=print) -> list[dict[str, float]]:
   mcfg = ModelConfig(vocab_size=256, max_len=cfg.seq_len, d_model=cfg.d_model, n_layers=1,
                      n_heads=2, num_prototypes=cfg.num_prototypes, k=cfg.k,
                      distance=cfg.distance, init_std=0.1)
-  step = _train_step_fn()
+  graphdef, _ = nnx.split(build_model(mcfg, 0))
+  trainer = Trainer(_sweep_loss(graphdef), optax.adam(cfg.lr))
   rows = []
   for seed in cfg.seeds:
     base = build_model(mcfg, seed)
@@ -95,13 +94,12 @@ def run_sweep(cfg: SweepConfig, log=print) -> list[dict[str, float]]:
     train = [windows(tokens, cfg.batch_size, cfg.seq_len, rng, 0, split)
              for _ in range(cfg.steps)]
     evalb = windows(tokens, cfg.eval_rows, cfg.seq_len, rng, split)
-    gdef, state = nnx.split(base)
+    init = nnx.to_pure_dict(nnx.state(base, nnx.Param))
     for lam in cfg.lambdas:
-      model = nnx.merge(gdef, jax.tree.map(jnp.copy, state))  # same init for every λ
-      opt = nnx.Optimizer(model, optax.adam(cfg.lr), wrt=nnx.Param)
       lambdas = jnp.asarray([cfg.lambda_rec, lam], jnp.float32)
-      for b in train:
-        step(model, opt, b, lambdas)
+      fitted = trainer.fit(init, [dict(b, lambdas=lambdas) for b in train],  # same init
+                           steps=cfg.steps, log_every=cfg.steps)
+      model = nnx.merge(graphdef, fitted.state.params)
       out = model(jnp.asarray(evalb["inputs"]), mask_BxT=jnp.asarray(evalb["mask"]))
       eval_ce = total_loss(out, jnp.asarray(evalb["targets"]), jnp.asarray(evalb["mask"]),
                            LossConfig())[1]["ce"]

@@ -22,12 +22,8 @@ the ranking, breakdowns and snippets are a few bincounts. `attribute_batch` runs
 forwards in one compiled call (rows of a lax.map, so a query's result does not depend on
 what it is batched with) and then scores each query; `attribute` is a batch of one.
 
-The full prototype-space reference (`full_scores`) needs no cache records: it takes the
-exact autodiff gradient of the query loss w.r.t. P, preconditions it with the same H in
-full rank, and gets ⟨H⁻¹∇_P L_q, ∇_P L_seq⟩ for every training sequence from one JVP of the
-per-token losses along that direction (= the exact per-sequence gradient's inner product),
-streaming the backbone over the training rows. path="linear" holds a fixed (the cached
-model, equal to the cache at rank D); path="full" also differentiates a(P) (similarities).
+The full prototype-space reference (exact autodiff gradients w.r.t. P, no cache records) is
+`influence_full.full_scores`.
 """
 
 from __future__ import annotations
@@ -44,6 +40,7 @@ from flax import nnx
 from prism_jax.attribution import cache as cache_lib
 from prism_jax.attribution import curvature as cv
 from prism_jax.config import LossConfig
+from prism_jax.data import batch as batch_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -98,11 +95,10 @@ def _query_row(tokens, target_positions, max_len):
   return padded, pos - 1
 
 
-def _query_batch(tokens, target_positions, max_len):
+def query_batch(tokens, target_positions, max_len):
+  """The (1, max_len) batch of one query (mask on its target positions) and its columns."""
   padded, cols = _query_row(tokens, target_positions, max_len)
-  mask = np.zeros((1, max_len), bool)
-  mask[0, cols] = True
-  return {"inputs": padded[None, :-1], "targets": padded[None, 1:], "mask": mask}, cols
+  return batch_lib.next_token(padded[None], np.isin(np.arange(max_len), cols)[None]), cols
 
 
 @functools.partial(jax.jit, static_argnums=(0,), static_argnames=("spec", "loss_cfg"))
@@ -145,14 +141,12 @@ def query_sides(model, queries, loss_cfg: LossConfig, split=None,
   for lo in range(0, len(prepared), batch_size):
     chunk = prepared[lo:lo + batch_size]
     rows = _bucket(len(chunk), batch_size)
-    tokens_BxL = np.zeros((rows, max_len + 1), np.int32)
-    mask_BxT = np.zeros((rows, max_len), bool)
-    for b, (padded, cols) in enumerate(chunk):
-      tokens_BxL[b] = padded
-      mask_BxT[b, cols] = True
-    og = _query_outputs(graphdef, state, jnp.asarray(tokens_BxL[:, :-1]),
-                        jnp.asarray(tokens_BxL[:, 1:]), jnp.asarray(mask_BxT), spec=spec,
-                        loss_cfg=loss_cfg)
+    batch = batch_lib.pad_batch(batch_lib.next_token(
+        np.stack([padded for padded, _ in chunk]),
+        np.stack([np.isin(np.arange(max_len), cols) for _, cols in chunk])), rows)
+    og = _query_outputs(graphdef, state, *(jnp.asarray(batch[k]) for k in
+                                           ("inputs", "targets", "mask")),
+                        spec=spec, loss_cfg=loss_cfg)
     idx, act, g = (np.asarray(a).reshape(rows, max_len, -1)
                    for a in (og.idx_Nxk, og.act_Nxk, og.g_NxD))
     out += [QuerySide(idx[b, cols], act[b, cols].astype(np.float64),
@@ -285,7 +279,8 @@ def _ranked(cache, q_protos, tok, pid, val, cfg: InfluenceConfig, packed) -> Att
                      seq_scores[all_ids])
 
 
-def _loss_config(cache, loss_cfg):
+def cache_loss_config(cache, loss_cfg: LossConfig | None) -> LossConfig:
+  """`loss_cfg`, or the loss config the cache was built with."""
   return LossConfig(**cache.metadata["identity"]["config"]["loss"]) if loss_cfg is None \
       else loss_cfg
 
@@ -300,7 +295,7 @@ def attribute_batch(model, cache: cache_lib.AttributionCache,
   passes run `batch_size` at a time in one padded batch (see query_sides), then each query
   is scored. Equal to calling `attribute` on each query."""
   pre = Preconditioner(cache, cfg) if precond is None else precond
-  sides = query_sides(model, queries, _loss_config(cache, loss_cfg),
+  sides = query_sides(model, queries, cache_loss_config(cache, loss_cfg),
                       pre.split if pre.model is model else None, batch_size)
   return [_ranked(cache, *_scored_pairs(cache, q, pre, cfg), cfg, packed) for q in sides]
 
@@ -328,75 +323,6 @@ def attribute_generation(model, cache: cache_lib.AttributionCache, prompt_tokens
     pos = len(prompt) + i
     yield int(tok), attribute(model, cache, seq[:pos + 1], [pos], cfg=cfg, packed=packed,
                               precond=pre)
-
-
-# --- full prototype-space reference -------------------------------------------------------
-
-def _summed_token_loss(protos, head, spec, loss_cfg, path, weight_N):
-  fwd = cv.head_forward(protos, head, spec, path=path)
-  ce_N, rec_N = cv.token_losses(fwd, head, loss_cfg)
-  return (ce_N + loss_cfg.lambda_rec * rec_N) * weight_N
-
-
-@functools.partial(jax.jit, static_argnames=("spec", "loss_cfg", "path"))
-def _query_grad(protos, head, spec, loss_cfg, path):
-  w = head.mask_N.astype(protos.dtype)
-  return jax.grad(lambda p: jnp.sum(_summed_token_loss(p, head, spec, loss_cfg, path, w)))(
-      protos)
-
-
-@functools.partial(jax.jit, static_argnames=("spec", "loss_cfg", "path"))
-def _token_directional(protos, head, spec, loss_cfg, path, x_QxKxD):
-  """⟨X_q, ∇_P ℓ_t⟩ for every query direction and token: (Q, N), one JVP per direction."""
-  w = head.mask_N.astype(protos.dtype)
-  f = lambda p: _summed_token_loss(p, head, spec, loss_cfg, path, w)
-  return jax.vmap(lambda x: jax.jvp(f, (protos,), (x,))[1])(x_QxKxD)
-
-
-def full_scores(model, cache: cache_lib.AttributionCache, packed, queries, *,
-                loss_cfg: LossConfig | None = None, cfg: InfluenceConfig = InfluenceConfig(),
-                path: Literal["linear", "full"] = "linear", split: str = "train",
-                max_rows: int | None = None, batch_rows: int = 16,
-                precond: Preconditioner | None = None) -> tuple[np.ndarray, np.ndarray]:
-  """Exact prototype-space influence of every training sequence on each query.
-
-  `queries`: a list of (tokens, target_positions). Streams `split`'s rows (the first
-  `max_rows`; default: the rows the cache was built from) once for all queries.
-  Returns (ids_E sorted, scores_QxE).
-  """
-  loss_cfg = _loss_config(cache, loss_cfg)
-  max_rows = cache.sizes["num_rows"] if max_rows is None else max_rows
-  pre = Preconditioner(cache, cfg) if precond is None else precond
-  spec = cv.HeadSpec.from_model(model)
-  protos = jnp.asarray(model.bank.protos[...], jnp.float32)
-  xs = []
-  for tokens, positions in queries:
-    batch, _ = _query_batch(tokens, positions, model.cfg.max_len)
-    g_KxD = np.asarray(_query_grad(protos, cv.head_inputs(model, batch), spec, loss_cfg,
-                                   path), np.float64)
-    rows = np.flatnonzero(np.any(g_KxD != 0, 1))
-    p_rows, x = pre.apply(g_KxD[rows] @ pre.u_full, rows, pre.e_full)
-    x_full = np.zeros_like(g_KxD)
-    x_full[p_rows] = x @ pre.u_full.T
-    xs.append(x_full)
-  x_QxKxD = jnp.asarray(np.stack(xs), jnp.float32)
-  totals: dict[int, np.ndarray] = {}
-  for _, batch in cache_lib.iter_rows(packed, split, batch_rows, 0, max_rows):
-    batch = cache_lib.pad_rows(batch, batch_rows)
-    head = cv.head_inputs(model, batch)
-    s_QxN = np.asarray(_token_directional(protos, head, spec, loss_cfg, path, x_QxKxD),
-                       np.float64)
-    ex_N = (batch["example_id"] if cfg.unit == "document" else np.broadcast_to(
-        batch["row_id"][:, None], batch["example_id"].shape)).reshape(-1)
-    valid = batch["mask"].reshape(-1)
-    ids, inv = np.unique(ex_N[valid], return_inverse=True)
-    for q in range(len(xs)):
-      sums = np.bincount(inv, weights=s_QxN[q][valid], minlength=len(ids))
-      for e, v in zip(ids, sums):
-        totals.setdefault(int(e), np.zeros(len(xs)))[q] += v
-  ids = np.asarray(sorted(totals), np.int64)
-  return ids, (np.stack([totals[e] for e in ids], 1) if len(ids) else
-               np.zeros((len(xs), 0)))
 
 
 def top_overlap(ids_a, scores_a, ids_b, scores_b, m: int) -> float:

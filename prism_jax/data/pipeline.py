@@ -9,9 +9,7 @@ instant: a checkpoint stores only {"step", "seed"}.
 Eval: the split's rows in fixed order, ceil(R/B) global batches; the last one is filled
 with padding rows (mask False, example_id/offset/row_id -1).
 
-Batch contract (all (B, T) but row_id (B,)): inputs, targets int32; mask bool (target is
-a real token whose input is not a document-ending EOS); example_id, offset int32 of the
-target token; row_id int32.
+Batches follow the contract of prism_jax/data/batch.py.
 """
 
 from __future__ import annotations
@@ -22,6 +20,7 @@ from typing import Any, Iterator
 import grain
 import numpy as np
 
+from prism_jax.data import batch as batch_lib
 from prism_jax.data import packing
 
 
@@ -63,9 +62,10 @@ class PackedRows:
 
   def pad_row(self) -> dict[str, np.ndarray]:
     n = self.seq_len + 1
+    pad = batch_lib.PAD_VALUES
     return {"tokens": np.full(n, self.pad_id, np.int32),
-            "example_id": np.full(n, -1, np.int32), "offset": np.full(n, -1, np.int32),
-            "row_id": np.int32(-1)}
+            "example_id": np.full(n, pad["example_id"], np.int32),
+            "offset": np.full(n, pad["offset"], np.int32), "row_id": np.int32(pad["row_id"])}
 
 
 class _PaddedLookup:
@@ -80,17 +80,7 @@ class _PaddedLookup:
 
 def row_to_example(row: dict[str, np.ndarray]) -> dict[str, np.ndarray]:
   """One packed row of T+1 tokens -> the model's (T,) inputs/targets/mask/ids."""
-  offset_T = row["offset"][1:]
-  return {
-      "inputs": row["tokens"][:-1],
-      "targets": row["tokens"][1:],
-      # offset 0: the target starts a document, so its input is the previous EOS (no
-      # cross-document prediction); -1: padding.
-      "mask": offset_T > 0,
-      "example_id": row["example_id"][1:],
-      "offset": offset_T,
-      "row_id": row["row_id"],
-  }
+  return batch_lib.from_rows(row["tokens"], row["example_id"], row["offset"], row["row_id"])
 
 
 @dataclasses.dataclass(frozen=True)

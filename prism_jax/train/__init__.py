@@ -1,14 +1,16 @@
 """prism_jax.train: optimiser, sharded state, jitted steps, loop, orbax checkpoints, metrics.
 
   cfg = apply_overrides(preset("tiny"), ["model.k=8", "train.steps=100"])
-  summary = train(cfg, "runs/x")                  # resumes from runs/x if present
+  result = train(cfg, "runs/x")                   # resumes from runs/x if present
+  result.final_step, result.eval, result.state    # a TrainResult; .summary() is JSON
+  Trainer(loss_fn, tx, trainable=pred).fit(params, batches, steps=100)  # any loss
   model, cfg, tokenizer = load_for_inference("runs/x")
 """
 
 from prism_jax.train.checkpoint import Checkpointer, ConfigMismatchError
 from prism_jax.train.evaluation import Evaluator, evaluate
 from prism_jax.train.inference import load_config, load_for_inference, load_params
-from prism_jax.train.loop import TrainingDivergedError, init_prototypes, prepare, train
+from prism_jax.train.loop import TrainResult, init_prototypes, prepare, train
 from prism_jax.train.metrics import read_metrics
 from prism_jax.train.optimizer import decay_mask, lr_schedule, make_optimizer, reset_moments
 from prism_jax.train.overrides import (apply_overrides, config_diff, config_from_dict,
@@ -16,12 +18,14 @@ from prism_jax.train.overrides import (apply_overrides, config_diff, config_from
 from prism_jax.train.state import (TrainState, abstract_state, create_train_state,
                                    default_mesh, state_shardings)
 from prism_jax.train.step import make_eval_step, make_train_step
+from prism_jax.train.trainer import (Loop, LoopResult, Trainer, TrainingDivergedError,
+                                     make_step)
 
 __all__ = [
-    "Checkpointer", "ConfigMismatchError", "Evaluator", "TrainState",
-    "TrainingDivergedError", "abstract_state", "apply_overrides", "config_diff",
-    "config_from_dict", "create_train_state", "decay_mask", "default_mesh", "evaluate",
-    "init_prototypes", "load_config", "load_for_inference", "load_params", "lr_schedule",
-    "make_eval_step", "make_optimizer", "make_train_step", "prepare", "read_metrics",
-    "reset_moments", "state_shardings", "train", "valid_keys",
+    "Checkpointer", "ConfigMismatchError", "Evaluator", "Loop", "LoopResult", "TrainResult",
+    "TrainState", "Trainer", "TrainingDivergedError", "abstract_state", "apply_overrides",
+    "config_diff", "config_from_dict", "create_train_state", "decay_mask", "default_mesh",
+    "evaluate", "init_prototypes", "load_config", "load_for_inference", "load_params",
+    "lr_schedule", "make_eval_step", "make_optimizer", "make_step", "make_train_step",
+    "prepare", "read_metrics", "reset_moments", "state_shardings", "train", "valid_keys",
 ]

@@ -14,6 +14,7 @@ import json
 import os
 import shutil
 import time
+from collections.abc import Mapping
 from typing import Any
 
 import jax
@@ -71,13 +72,15 @@ class Checkpointer:
     self.manager = ocp.CheckpointManager(self.directory, options=options)
 
   # ------------------------------------------------------------------ saving
-  def save(self, step: int, state: TrainState, data_state: dict[str, Any], cfg: Config):
-    """Starts an async save (device->host copy happens before this returns)."""
+  def save(self, step: int, state: TrainState, data_state: dict[str, Any],
+           cfg: Config | Mapping[str, Any]):
+    """Starts an async save (device->host copy happens before this returns). `cfg` is the
+    run's Config, or a JSON dict for a trainer that has none (prism_jax.train.trainer)."""
     args = ocp.args.Composite(
         params=ocp.args.StandardSave(state.params),
         opt=ocp.args.StandardSave({"step": state.step, "opt_state": state.opt_state}),
         data=ocp.args.JsonSave(data_state),
-        config=ocp.args.JsonSave(to_dict(cfg)))
+        config=ocp.args.JsonSave(dict(cfg) if isinstance(cfg, Mapping) else to_dict(cfg)))
     self.manager.save(int(step), args=args, force=True)
 
   def wait(self) -> None:

@@ -11,7 +11,6 @@ from __future__ import annotations
 from typing import Any
 
 import jax
-import numpy as np
 
 from prism_jax.config import Config
 from prism_jax.train import step as step_lib
@@ -25,7 +24,7 @@ class Evaluator:
     self.cfg, self.mesh, self.loader = cfg, mesh, loader
     self._step = step_lib.make_eval_step(graphdef, cfg, param_shardings, mesh)
     n = cfg.train.eval_batches if num_batches is None else num_batches
-    total = getattr(loader, "num_batches", None) if loader is not None else 0
+    total = loader.num_batches if loader is not None else 0
     self.num_batches = n if total is None else min(n, total)
 
   def __call__(self, params) -> dict[str, float]:
@@ -48,6 +47,3 @@ def evaluate(graphdef, params, cfg: Config, loader, mesh=None,
     params = jax.device_put(params, shardings)
     return Evaluator(graphdef, cfg, shardings, mesh, loader, num_batches)(params)
 
-
-def perplexity(loss: float) -> float:
-  return float(np.exp(min(loss, 80.0)))

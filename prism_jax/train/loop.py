@@ -1,16 +1,17 @@
-"""The training loop: `train(cfg, workdir) -> summary` (resumes from <workdir>).
+"""The model's training: `train(cfg, workdir) -> TrainResult` (resumes from <workdir>).
 
-Per step s: dispatch step s, then fetch step s-1's metrics (the host never waits for the
-step it just launched); the NaN/Inf guard runs on what was fetched. Before a checkpoint
-the step being saved is fetched and checked, so a non-finite state is never saved.
+The data, the born-sharded state, the prototype init from data at `train.proto_init_step`
+and the val evaluation around the shared loop of prism_jax.train.trainer (one-step-late
+metrics, NaN guard, checkpoints, metrics writers, progress).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import os
-import sys
 import time
-from typing import Any, Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any
 
 import jax
 import numpy as np
@@ -24,22 +25,12 @@ from prism_jax.train import checkpoint as ckpt_lib
 from prism_jax.train import evaluation
 from prism_jax.train import metrics as metrics_lib
 from prism_jax.train import step as step_lib
+from prism_jax.train import trainer
 from prism_jax.train.optimizer import PROTO_PATH, make_optimizer, reset_moments
+from prism_jax.train.progress import format_metrics
 from prism_jax.train.state import (TrainState, abstract_state, create_train_state,
                                    default_mesh, model_template, state_shardings)
-
-Callback = Callable[[int, TrainState], None]
-
-
-class TrainingDivergedError(FloatingPointError):
-  """A step produced a non-finite loss or parameters; nothing after it was saved."""
-
-
-def _shard_of(mesh, global_batch: int) -> tuple[int, int]:
-  fn = getattr(shard_lib, "process_batch_slice", None)
-  if fn is not None:
-    return fn(mesh, global_batch)
-  return jax.process_index(), jax.process_count()
+from prism_jax.train.trainer import Callback
 
 
 def prepare(cfg: Config, workdir: str, mesh) -> tuple[Any, Any, Any]:
@@ -52,7 +43,7 @@ def prepare(cfg: Config, workdir: str, mesh) -> tuple[Any, Any, Any]:
   if packed.seq_len != cfg.data.seq_len:
     raise ValueError(f"packed data has seq_len {packed.seq_len}, data.seq_len="
                      f"{cfg.data.seq_len}")
-  index, count = _shard_of(mesh, cfg.train.batch_size)
+  index, count = shard_lib.process_batch_slice(mesh, cfg.train.batch_size)
   train_loader = data_lib.make_loader(packed, "train", cfg.train.batch_size, cfg.data.seed,
                                       index, count)
   val_loader = None
@@ -99,59 +90,32 @@ def _proto_init_tokens(loader, cfg: Config, step: int) -> tuple[np.ndarray, np.n
   return np.concatenate(toks), np.concatenate(masks)
 
 
-def _terminal_width() -> int:
-  """Columns of the terminal on stderr; 0 when it is not a (sized) TTY."""
-  try:
-    return os.get_terminal_size(sys.stderr.fileno()).columns if sys.stderr.isatty() else 0
-  except (OSError, ValueError):
-    return 0
+@dataclasses.dataclass(frozen=True)
+class TrainResult:
+  """What `train()` returns: the run's summary fields (`summary()`, JSON-able) and the
+  trained state."""
 
+  workdir: str
+  start_step: int
+  final_step: int
+  checkpoint_step: int | None  # the newest step on disk after the run
+  train: Mapping[str, float]  # the last train metrics (and rates) of this call
+  eval: Mapping[str, float]  # the last val metrics ({} without a val split)
+  wall_s: float
+  tokens_per_s: float | None  # median over logged windows, compilation excluded
+  state: TrainState
+  graphdef: Any
 
-class _Progress:
-  """tqdm on a TTY, plain absl log lines every `log_every` steps otherwise."""
-
-  def __init__(self, start: int, total: int, log_every: int):
-    self.log_every, self.total = log_every, total
-    self.bar = None
-    if _terminal_width() > 0 and jax.process_index() == 0:
-      from tqdm import tqdm  # pylint: disable=g-import-not-at-top
-      self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
-
-  def update(self, step: int, m: dict[str, float], rates: dict[str, float]) -> None:
-    if self.bar is not None:
-      self.bar.update(1)
-      post = {"loss": f"{m['loss']:.4f}"}
-      if rates.get("tokens_per_s"):
-        post["tok/s"] = f"{rates['tokens_per_s']:,.0f}"
-      self.bar.set_postfix(post, refresh=False)
-    elif rates or step == self.total:
-      logging.info("step %d/%d %s", step, self.total, format_metrics({**m, **rates}))
-
-  def write(self, text: str) -> None:
-    if self.bar is not None:
-      self.bar.write(text)
-    else:
-      logging.info("%s", text)
-
-  def close(self) -> None:
-    if self.bar is not None:
-      self.bar.close()
-
-
-def format_metrics(m: dict[str, Any]) -> str:
-  parts = []
-  for k, v in m.items():
-    if isinstance(v, float):
-      parts.append(f"{k} {v:,.4g}" if abs(v) < 1e4 else f"{k} {v:,.0f}")
-    else:
-      parts.append(f"{k} {v}")
-  return " | ".join(parts)
+  def summary(self) -> dict[str, Any]:
+    """The JSON fields (everything but the live state and graphdef)."""
+    return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)
+            if f.name not in ("state", "graphdef")}
 
 
 def train(cfg: Config, workdir: str, *, mesh: jax.sharding.Mesh | None = None,
           callbacks: Sequence[Callback] = (),
-          allow_config_change: Sequence[str] = ()) -> dict[str, Any]:
-  """Trains (or resumes) `cfg` in `workdir`; returns a summary dict.
+          allow_config_change: Sequence[str] = ()) -> TrainResult:
+  """Trains (or resumes) `cfg` in `workdir`.
 
   `callbacks(step, state)` run after each dispatched step (and its checkpoint, if any).
   `allow_config_change` adds dotted keys that may differ from the checkpoint's config.
@@ -176,15 +140,15 @@ def train(cfg: Config, workdir: str, *, mesh: jax.sharding.Mesh | None = None,
         raise
       except Exception:  # pylint: disable=broad-except
         pass  # unreadable: restore_latest reports it and falls back
-    packed, train_loader, val_loader = prepare(cfg, workdir, mesh)
-    return _run(cfg, workdir, mesh, ckpt, packed, train_loader, val_loader, callbacks,
-                allow, t_start)
+    _, train_loader, val_loader = prepare(cfg, workdir, mesh)
+    return _run(cfg, workdir, mesh, ckpt, train_loader, val_loader, callbacks, allow,
+                t_start)
   finally:
     ckpt.close()
 
 
-def _run(cfg, workdir, mesh, ckpt, packed, train_loader, val_loader, callbacks, allow,
-         t_start) -> dict[str, Any]:
+def _run(cfg, workdir, mesh, ckpt, train_loader, val_loader, callbacks, allow,
+         t_start) -> TrainResult:
   tc = cfg.train
   tx = make_optimizer(tc)
   with jax.set_mesh(mesh):
@@ -200,99 +164,51 @@ def _run(cfg, workdir, mesh, ckpt, packed, train_loader, val_loader, callbacks, 
     ckpt_lib.write_config(workdir, cfg)
 
     fns: dict[bool, Callable] = {}
+    warm_dense = step_lib.uses_dense_warmup(cfg)
 
-    def step_fn(dense: bool):
+    def step_for(s: int) -> Callable:
+      dense = warm_dense and s < tc.proto_init_step
       if dense not in fns:
         fns[dense] = step_lib.make_train_step(graphdef, cfg, tx, shardings, mesh,
                                               dense_phase=dense)
       return fns[dense]
 
     eval_fn = evaluation.Evaluator(graphdef, cfg, shardings.params, mesh, val_loader)
-    writer = metrics_lib.MetricsWriter(workdir, start)
-    tokens_per_step = tc.batch_size * cfg.data.seq_len
-    thr = metrics_lib.Throughput(cfg.model, cfg.data.seq_len, tokens_per_step,
-                                 mesh.devices.size)
-    progress = _Progress(start, tc.steps, tc.log_every)
-    summary: dict[str, Any] = {"workdir": workdir, "start_step": start, "final_step": start,
-                               "checkpoint_step": start if restored else None}
-    last_train: dict[str, float] = {}
+    thr = metrics_lib.Throughput(cfg.model, cfg.data.seq_len,
+                                 tc.batch_size * cfg.data.seq_len, mesh.devices.size)
+    saving = trainer.Checkpointing(ckpt, tc.ckpt_every, train_loader.state, cfg)
+    loop = trainer.Loop(start=start, steps=tc.steps, log_every=tc.log_every,
+                        workdir=workdir, checkpointing=saving, throughput=thr,
+                        hint="Lower train.lr or check the data.")
     last_eval: dict[str, float] = {}
-    rates_hist: list[float] = []
-    pending = None  # (step, device metrics) not yet fetched
-    warm_dense = step_lib.uses_dense_warmup(cfg)
-    batches = train_loader.resume(data_state) if start < tc.steps else iter(())
 
-    def consume(item):
-      nonlocal last_train
-      step, m_dev = item
-      m = {k: float(v) for k, v in jax.device_get(m_dev).items()}
-      bad = None
-      if not np.isfinite(m["loss"]):
-        bad = f"non-finite loss ({m['loss']})"
-      elif m.pop("params_finite") != 1.0:
-        bad = f"non-finite parameters after the update (loss {m['loss']:.4g}, grad_norm " \
-              f"{m.get('grad_norm')})"
-      if bad:
-        ckpt.wait()
-        good = ckpt.latest_step()
-        raise TrainingDivergedError(
-            f"training diverged at step {step}: {bad}. Stopped; the bad state was not "
-            f"saved. Last good checkpoint: "
-            + (f"step {good} in {ckpt.directory}" if good is not None else "none")
-            + ". Lower train.lr or check the data.")
-      m.pop("params_finite", None)
-      thr.step()
-      rates = thr.read() if (step % tc.log_every == 0 or step == tc.steps) else {}
-      if rates and step - start > tc.log_every:  # skip the window holding compilation
-        rates_hist.append(rates["tokens_per_s"])
-      writer.write(step, "train", {**m, **rates})
-      progress.update(step, m, rates)
-      last_train = {**m, **rates}
+    def before_step(s: int, state: TrainState) -> TrainState:
+      if not proto_init_due(cfg, s):
+        return state
+      loop.flush()
+      toks, mask = _proto_init_tokens(train_loader, cfg, s)
+      state = init_prototypes(graphdef, state, shardings, cfg, toks, mask)
+      loop.note(f"step {s}: prototypes set from {int(mask.sum())} hidden states (k-means++)")
+      return state
 
-    try:
-      thr.start()
-      for s in range(start, tc.steps):
-        if proto_init_due(cfg, s):
-          if pending is not None:
-            consume(pending)
-            pending = None
-          toks, mask = _proto_init_tokens(train_loader, cfg, s)
-          state = init_prototypes(graphdef, state, shardings, cfg, toks, mask)
-          progress.write(f"step {s}: prototypes set from {int(mask.sum())} hidden states "
-                         "(k-means++)")
-        batch = step_lib.device_batch(next(batches), mesh, tc.batch_size)
-        dense = warm_dense and s < tc.proto_init_step
-        state, m_dev = step_fn(dense)(state, batch)
-        if pending is not None:
-          consume(pending)
-        pending = (s + 1, m_dev)
-        done = s + 1
-        if done % tc.ckpt_every == 0 or done == tc.steps:
-          consume(pending)  # never save a state that is not known to be finite
-          pending = None
-          ckpt.save(done, state, train_loader.state(done), cfg)
-          summary["checkpoint_step"] = done
-        if val_loader is not None and (done % tc.eval_every == 0 or done == tc.steps):
-          if pending is not None:
-            consume(pending)
-            pending = None
-          last_eval = eval_fn(state.params)
-          writer.write(done, "val", last_eval)
-          progress.write(f"eval step {done}: {format_metrics(last_eval)}")
-        for cb in callbacks:
-          cb(done, state)
-        summary["final_step"] = done
-      if pending is not None:
-        consume(pending)
-      ckpt.wait()
-    finally:
-      progress.close()
-      writer.close()
+    def after_step(done: int, state: TrainState) -> None:
+      nonlocal last_eval
+      if val_loader is not None and (done % tc.eval_every == 0 or done == tc.steps):
+        loop.flush()
+        last_eval = eval_fn(state.params)
+        loop.write(done, "val", last_eval)
+        loop.note(f"eval step {done}: {format_metrics(last_eval)}")
+
+    batches = iter(())
+    if start < tc.steps:
+      batches = (step_lib.device_batch(b, mesh, tc.batch_size)
+                 for b in train_loader.resume(data_state))
+    out = loop.run(state, batches, step_for, before_step=before_step, after_step=after_step,
+                   callbacks=callbacks, restored=restored is not None)
   if not last_eval and val_loader is not None:  # e.g. a finished run re-opened: last record
     vals = [r for r in metrics_lib.read_metrics(workdir, "val")
-            if r["step"] == summary["final_step"]]
+            if r["step"] == out.final_step]
     last_eval = {k: v for k, v in vals[-1].items() if k not in ("step", "split")} if vals else {}
-  summary.update(train=last_train, eval=last_eval, wall_s=time.time() - t_start,
-                 tokens_per_s=float(np.median(rates_hist)) if rates_hist else None,
-                 state=state, graphdef=graphdef)
-  return summary
+  return TrainResult(workdir, out.start_step, out.final_step, out.checkpoint_step,
+                     dict(out.train), last_eval, time.time() - t_start, out.tokens_per_s,
+                     out.state, graphdef)

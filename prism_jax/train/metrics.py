@@ -16,6 +16,7 @@ from typing import Any
 import jax
 from absl import logging
 
+from prism_jax import flops
 from prism_jax.config import ModelConfig
 
 METRICS_FILE = "metrics.jsonl"
@@ -95,33 +96,17 @@ def read_metrics(workdir: str, split: str | None = "train") -> list[dict[str, An
   return [r for r in records if split is None or r.get("split") == split]
 
 
-def train_flops_per_token(model_cfg: ModelConfig, seq_len: int) -> float | None:
-  """Training FLOPs per token from prism_jax.flops, or None if unavailable."""
-  try:
-    from prism_jax import flops  # pylint: disable=g-import-not-at-top
-    return float(flops.flops_per_token(model_cfg, seq_len)["train"])
-  except Exception as e:  # pylint: disable=broad-except
-    logging.warning("FLOP count unavailable (%s); TFLOP/s and MFU not reported", e)
-    return None
-
-
-def device_peak(device) -> float | None:
-  try:
-    from prism_jax import flops  # pylint: disable=g-import-not-at-top
-    return flops.device_peak_flops(device)
-  except Exception:  # pylint: disable=broad-except
-    return None
-
-
 class Throughput:
   """Tokens/s, TFLOP/s and MFU over windows between `mark` calls."""
 
-  def __init__(self, model_cfg: ModelConfig, seq_len: int, tokens_per_step: int,
+  def __init__(self, model_cfg: ModelConfig | None, seq_len: int, tokens_per_step: int,
                num_devices: int, device=None):
+    """`model_cfg` None (a loss that is not the model's): tokens/s only, no TFLOP/s."""
     self.tokens_per_step = tokens_per_step
     self.num_devices = num_devices
-    self.flops_per_token = train_flops_per_token(model_cfg, seq_len)
-    peak = device_peak(device or jax.devices()[0])
+    self.flops_per_token = (None if model_cfg is None else
+                            float(flops.flops_per_token(model_cfg, seq_len)["train"]))
+    peak = flops.device_peak_flops(device or jax.devices()[0])
     self.peak_total = peak * num_devices if peak else None
     self._t0 = None
     self._steps = 0

@@ -91,7 +91,3 @@ def create_train_state(cfg: Config, mesh: jax.sharding.Mesh | None = None,
   state = jax.jit(_init_fn(cfg, tx), out_shardings=shardings)()
   return graphdef, state, shardings
 
-
-def merge_model(graphdef, params: dict[str, Any]):
-  """The NNX module for `params` (e.g. for generation or analysis outside jit)."""
-  return nnx.merge(graphdef, params)

@@ -16,10 +16,11 @@ import numpy as np
 import optax
 from flax import nnx
 
+from prism_jax import grounding
 from prism_jax import losses
-from prism_jax.analysis import grounding
 from prism_jax import sharding as shard_lib
 from prism_jax.config import Config
+from prism_jax.train import trainer
 from prism_jax.train.optimizer import lr_schedule
 from prism_jax.train.state import TrainState
 
@@ -30,12 +31,7 @@ def device_batch(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh,
                  global_batch: int) -> dict[str, jax.Array]:
   """This process's rows of a batch -> global arrays split over the data axes."""
   local = {k: np.asarray(batch[k]) for k in BATCH_KEYS}
-  make = getattr(shard_lib, "make_global_batch", None)
-  if make is not None:
-    return make(local, mesh, global_batch)
-  sh = shard_lib.batch_sharding(mesh)
-  return {k: jax.make_array_from_process_local_data(sh, v, (global_batch,) + v.shape[1:])
-          for k, v in local.items()}
+  return shard_lib.make_global_batch(local, mesh, global_batch)
 
 
 def uses_dense_warmup(cfg: Config) -> bool:
@@ -57,18 +53,14 @@ def _model_loss(model, batch, cfg: Config) -> tuple[jax.Array, dict[str, jax.Arr
   return losses.total_loss(out, batch["targets"], batch["mask"], cfg.loss)
 
 
-def _all_finite(tree) -> jax.Array:
-  return jnp.all(jnp.stack([jnp.all(jnp.isfinite(x)) for x in jax.tree.leaves(tree)]))
-
-
 def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation,
                     shardings: TrainState, mesh: jax.sharding.Mesh, *,
                     dense_phase: bool = False) -> Callable:
-  """Jitted `train_step(state, batch) -> (state, metrics)` with the state donated.
+  """Jitted `train_step(state, batch) -> (state, metrics)` with the state donated: the
+  model's loss through the shared step builder (prism_jax.train.trainer.make_step).
 
   `dense_phase=True` builds the warm-up variant (dense CE through W z; see module doc).
   """
-  schedule = lr_schedule(cfg.train)
 
   def loss_fn(params, batch):
     model = nnx.merge(graphdef, params)
@@ -76,20 +68,9 @@ def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation,
       return _dense_loss(model, batch)
     return _model_loss(model, batch, cfg)
 
-  def train_step(state: TrainState, batch: dict[str, jax.Array]):
-    (_, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
-    updates, opt_state = tx.update(grads, state.opt_state, state.params)
-    params = optax.apply_updates(state.params, updates)
-    metrics = dict(metrics)
-    metrics["grad_norm"] = optax.tree.norm(grads)
-    metrics["lr"] = schedule(state.step)
-    # Guards the checkpoint: a finite loss can still produce an overflowing update.
-    metrics["params_finite"] = _all_finite(params).astype(jnp.float32)
-    return TrainState(state.step + 1, params, opt_state), metrics
-
   batch_sh = {k: shard_lib.batch_sharding(mesh) for k in BATCH_KEYS}
-  return jax.jit(train_step, in_shardings=(shardings, batch_sh),
-                 out_shardings=(shardings, None), donate_argnums=0)
+  return trainer.make_step(loss_fn, tx, state_shardings=shardings, batch_shardings=batch_sh,
+                           schedule=lr_schedule(cfg.train))
 
 
 def eval_stats_init(cfg: Config) -> dict[str, Any]:
@@ -127,7 +108,7 @@ def make_eval_step(graphdef, cfg: Config, param_shardings: Any,
 
 def eval_stats_finalize(stats: dict[str, Any]) -> dict[str, float]:
   """Host-side metrics: val loss (CE), perplexity and, for PRISM, the grounding metrics
-  of prism_jax.analysis.grounding (r1_bar, r2_bar, residual_share, dead prototypes)."""
+  of prism_jax.grounding (r1_bar, r2_bar, residual_share, dead prototypes)."""
   s = jax.device_get(stats)
   tokens = max(float(s["tokens"]), 1.0)
   ce = float(s["nll_sum"]) / tokens

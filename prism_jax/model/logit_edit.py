@@ -1,0 +1,62 @@
+"""The control edit of PRISM.md §6 on a PrismLM's logits, for samplers and scorers alike.
+
+    gains_K = suppression_gains(K, ids)           # g = 0 on a set G, 1 elsewhere
+    logits_BxTxV = controlled_logits(model, out, gains_K)   # out = model(tokens_BxT)
+
+The edit scales each active prototype's share of the logits by its gain,
+    ℓ'_t = ℓ_t − Σ_{i∈S_t} (1 − g_i) a_{t,i} W p_i,
+keeping the routing S_t, the activations a_{t,i} and the residual r_t of the unedited pass
+(recomputing the residual would cancel the edit). g = 0 on G is suppression; g_i = 1 + w_i
+is the gain controller ℓ' = ℓ + Σ_i w_i a_{t,i} W p_i. The sampler (generate.py) applies
+it per decoded token; a teacher-forced scorer applies it to a whole (B, T, V) pass.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from prism_jax.model.lm import LMOutput, PrismLM
+
+
+def suppression_gains(num_prototypes: int, proto_ids: Sequence[int]) -> jax.Array:
+  """Gain vector (K,) that is 0 on `proto_ids` and 1 elsewhere: suppression of a set G."""
+  ids = np.asarray(list(proto_ids)).reshape(-1)
+  if ids.size and not np.issubdtype(ids.dtype, np.integer):
+    raise TypeError(f"prototype ids must be integers, got {ids.tolist()}")
+  ids = ids.astype(np.int64)
+  if ids.size and (ids.min() < 0 or ids.max() >= num_prototypes):
+    raise ValueError(f"prototype ids must be in [0, {num_prototypes}), got "
+                     f"{ids[(ids < 0) | (ids >= num_prototypes)].tolist()}")
+  gains = np.ones(num_prototypes, np.float32)
+  gains[ids] = 0.0
+  return jnp.asarray(gains)
+
+
+def controlled_logits(model: PrismLM, out: LMOutput, gains_K: jax.Array) -> jax.Array:
+  """`out.logits_BxTxV` after the gains edit; `out` is the unedited pass of `model`.
+
+  `out.protos` holds the B·T tokens flattened row-major (as PrismLM returns them), so a
+  sampler passes its decoded rows as a (B, 1, V) output.
+  """
+  if not isinstance(model, PrismLM) or out.protos is None:
+    raise ValueError("controlled_logits needs a PrismLM and its output: the dense model "
+                     "has no prototypes")
+  num_protos = model.cfg.num_prototypes
+  gains_K = jnp.asarray(gains_K, jnp.float32)
+  if gains_K.shape != (num_protos,):
+    raise ValueError(f"gains_K must have shape (K,)=({num_protos},), got {gains_K.shape}")
+  logits_BxTxV = out.logits_BxTxV
+  batch, seq, _ = logits_BxTxV.shape
+  protos = out.protos
+  if protos.idx_Nxk.shape[0] != batch * seq:
+    raise ValueError(f"out.protos has {protos.idx_Nxk.shape[0]} tokens, the logits "
+                     f"{batch}x{seq}: pass the output of one forward pass")
+  drop_Nxk = (1.0 - gains_K[protos.idx_Nxk]) * protos.act_Nxk
+  p_NxkxD = model.bank.protos[...][protos.idx_Nxk]
+  delta_NxD = jnp.einsum("nk,nkd->nd", drop_Nxk, p_NxkxD,
+                         precision=jax.lax.Precision.HIGHEST)
+  return logits_BxTxV - model.backbone.lm_head(delta_NxD.reshape(batch, seq, -1))
