@@ -59,6 +59,9 @@ class AttributionCache:
     if not os.path.exists(meta_path):
       raise FileNotFoundError(f"{self.path} is not an attribution cache (no {fmt.METADATA})")
     self.metadata = fmt.read_json(meta_path)
+    if "identity" not in self.metadata:
+      raise FileNotFoundError(f"{self.path} is not an attribution cache ({fmt.METADATA} has "
+                              "no identity)")
     if not self.metadata.get("complete"):
       raise ValueError(f"the cache in {self.path} is unfinished; run build_cache again with "
                        "the same model and config to resume it")

@@ -23,6 +23,7 @@ import time
 import numpy as np
 from absl import logging
 
+from prism_jax import io_guard
 from prism_jax.attribution import cache_format as fmt
 from prism_jax.attribution import curvature as cv
 from prism_jax.attribution import curvature_stats as cs
@@ -63,7 +64,9 @@ def write_cache(model, cfg: Config, packed, out_dir: str,
   """
   if cfg.model.kind != "prism":
     raise ValueError("the attribution cache needs a PrismLM (model.kind='prism')")
-  os.makedirs(out_dir, exist_ok=True)
+  # Claimed before any write: never a run's or the packed data's directory.
+  out_dir = io_guard.claim_output_dir(out_dir, fmt.CACHE_KIND, rebuild=overwrite,
+                                      legacy=fmt.is_cache_dir)
   ident = fmt.identity(model, cfg, cache_cfg, packed)
   meta_path = os.path.join(out_dir, fmt.METADATA)
   prog_path = os.path.join(out_dir, fmt.PROGRESS)

@@ -8,6 +8,7 @@ from typing import Any
 import jax
 from flax import nnx
 
+from prism_jax import io_guard
 from prism_jax.config import Config
 from prism_jax.train import checkpoint as ckpt_lib
 from prism_jax.train import overrides
@@ -22,8 +23,7 @@ def load_config(workdir: str) -> Config:
 def load_tokenizer(workdir: str, cfg: Config):
   """The tokenizer saved beside the run's packed data."""
   from prism_jax import data as data_lib  # pylint: disable=g-import-not-at-top
-  packed_dir = cfg.data.packed_dir or os.path.join(workdir, "data")
-  return data_lib.load_tokenizer(packed_dir)
+  return data_lib.load_tokenizer(io_guard.find_packed_dir(workdir, cfg.data.packed_dir))
 
 
 def load_params(workdir: str, cfg: Config | None = None, step: int | None = None,
