@@ -5,7 +5,9 @@
   model, cfg, tokenizer = load_for_inference("runs/x")
 """
 
-from prism_jax.train.checkpoint import Checkpointer, ConfigMismatchError
+from prism_jax.train.checkpoint import (Checkpointer, ConfigMismatchError,
+                                        NoReadableCheckpointError)
+from prism_jax.train.integrity import CheckpointCorruptError
 from prism_jax.train.evaluation import Evaluator, evaluate
 from prism_jax.train.inference import load_config, load_for_inference, load_params
 from prism_jax.train.loop import TrainingDivergedError, init_prototypes, prepare, train
@@ -18,10 +20,10 @@ from prism_jax.train.state import (TrainState, abstract_state, create_train_stat
 from prism_jax.train.step import make_eval_step, make_train_step
 
 __all__ = [
-    "Checkpointer", "ConfigMismatchError", "Evaluator", "TrainState",
+    "CheckpointCorruptError", "Checkpointer", "ConfigMismatchError", "Evaluator", "TrainState",
     "TrainingDivergedError", "abstract_state", "apply_overrides", "config_diff",
     "config_from_dict", "create_train_state", "decay_mask", "default_mesh", "evaluate",
     "init_prototypes", "load_config", "load_for_inference", "load_params", "lr_schedule",
-    "make_eval_step", "make_optimizer", "make_train_step", "prepare", "read_metrics",
-    "reset_moments", "state_shardings", "train", "valid_keys",
+    "make_eval_step", "make_optimizer", "make_train_step", "NoReadableCheckpointError",
+    "prepare", "read_metrics", "reset_moments", "state_shardings", "train", "valid_keys",
 ]
