@@ -367,6 +367,9 @@ def test_relative_packed_dir_works_from_any_cwd(tmp_path, monkeypatch):
 def test_non_parquet_file_named_parquet_names_the_file(tmp_path):
   bad = tmp_path / "texts.parquet"
   bad.write_bytes(os.urandom(256))
-  with pytest.raises(ValueError) as e:
-    load_documents([str(bad)])
-  assert str(bad) in str(e.value) and "not a readable parquet file" in str(e.value)
+  for read in (lambda: load_documents([str(bad)]),
+               lambda: train(_cfg(str(bad)), str(tmp_path / "run"))):
+    with pytest.raises(ValueError) as e:
+      read()
+    assert str(bad) in str(e.value) and "not a readable parquet file" in str(e.value)
+  assert not os.path.exists(tmp_path / "run" / "checkpoints" / "1")
