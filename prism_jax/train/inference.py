@@ -11,7 +11,7 @@ from flax import nnx
 from prism_jax import io_guard
 from prism_jax.config import Config
 from prism_jax.train import checkpoint as ckpt_lib
-from prism_jax.train import overrides
+from prism_jax.train import integrity, overrides
 from prism_jax.train.state import abstract_state, default_mesh, model_template
 
 
@@ -54,7 +54,13 @@ def load_params(workdir: str, cfg: Config | None = None, step: int | None = None
     graphdef, _ = model_template(cfg.model)
     target = abstract_state(cfg, mesh).params
     with jax.set_mesh(mesh):
-      params = ckpt.restore_params(step, target)
+      try:
+        params = ckpt.restore_params(step, target)
+      except integrity.CheckpointCorruptError as e:
+        older = [s for s in steps if s < step]
+        raise integrity.CheckpointCorruptError(
+            f"{e}. Checkpoint {step} is corrupt: load an older one (step= one of {older}) "
+            "or resume training there, which quarantines it and falls back") from e
   finally:
     ckpt.manager.close()
   return graphdef, params, cfg, step
