@@ -29,6 +29,7 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   del argv
+  from prism_jax import io_guard  # pylint: disable=g-import-not-at-top
   from prism_jax.attribution import cache as cache_lib  # pylint: disable=g-import-not-at-top
   from prism_jax.attribution import influence  # pylint: disable=g-import-not-at-top
   from prism_jax.data import prepare_data  # pylint: disable=g-import-not-at-top
@@ -45,6 +46,8 @@ def main(argv):
                                   overwrite=FLAGS.rebuild)
   except cache_lib.CacheMismatchError as e:
     sys.exit(f"error: {e}\n(rerun with --rebuild to replace it)")
+  except io_guard.OutputDirError as e:
+    sys.exit(f"error: {e}")
   prompt = tokenizer.encode(FLAGS.prompt)
   if not prompt:
     sys.exit("error: the prompt encodes to no tokens")

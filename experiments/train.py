@@ -18,6 +18,8 @@ flags.DEFINE_string("data", None, "comma-separated .txt/.jsonl/.parquet files or
 flags.DEFINE_string("workdir", None, "run directory (checkpoints, metrics, config.json)")
 flags.DEFINE_enum("model", None, ["prism", "dense"], "shorthand for --set model.kind=...")
 flags.DEFINE_multi_string("set", [], "dotted config override KEY=VALUE (repeatable)")
+flags.DEFINE_bool("start_over", False, "train from step 0 when every checkpoint of --workdir "
+                  "was quarantined as corrupt (refused otherwise)")
 flags.mark_flag_as_required("workdir")
 FLAGS = flags.FLAGS
 
@@ -45,10 +47,15 @@ def main(argv):
     cfg = build_config(FLAGS.config, FLAGS.data, FLAGS.model, FLAGS.set)
   except ValueError as e:
     sys.exit(f"error: {e}")
-  from prism_jax.train import train  # pylint: disable=g-import-not-at-top
+  from prism_jax.train import (  # pylint: disable=g-import-not-at-top
+      NoReadableCheckpointError, train)
   from prism_jax.train.metrics import quiet_library_logs  # pylint: disable=g-import-not-at-top
   quiet_library_logs()
-  printable = train(cfg, FLAGS.workdir).summary()
+  try:
+    result = train(cfg, FLAGS.workdir, start_over=FLAGS.start_over)
+  except NoReadableCheckpointError as e:
+    sys.exit(f"error: {e}")
+  printable = result.summary()
   logging.info("done: %s", json.dumps(printable, default=str))
   if distributed.is_main_process():
     print(json.dumps(printable, default=str, indent=1))

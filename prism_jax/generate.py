@@ -45,6 +45,7 @@ from flax import nnx
 from prism_jax.model.lm import DenseLM, LMOutput, PrismLM, decompose
 from prism_jax.model.logit_edit import controlled_logits
 from prism_jax.model.prototypes import PrototypeOutput
+from prism_jax.model.token_ids import check_token_ids
 
 LogitHook = Callable[[jax.Array, PrototypeOutput | None], jax.Array]
 
@@ -242,11 +243,7 @@ def _as_prompt(prompt, vocab_size: int) -> jax.Array:
   if arr.ndim != 2 or arr.shape[1] == 0 or arr.shape[0] == 0:
     raise ValueError(f"prompt must be a non-empty (B, P) batch of token ids, got shape "
                      f"{arr.shape}")
-  if not np.issubdtype(arr.dtype, np.integer):
-    raise TypeError(f"prompt token ids must be integers, got dtype {arr.dtype}")
-  if arr.min() < 0 or arr.max() >= vocab_size:
-    raise ValueError(f"prompt token ids must be in [0, vocab_size={vocab_size}), got range "
-                     f"[{arr.min()}, {arr.max()}]")
+  arr = check_token_ids(arr, vocab_size, "prompt token ids")
   return jnp.asarray(arr, jnp.int32)
 
 

@@ -106,9 +106,16 @@ def topk_reconstruct(z_NxD, protos_KxD, k, *, mixture="raw", distance="cosine", 
                           token_axes=token_axes)
 
 
+def _no_f64(x):
+  """float64 (under x64) computed in float32, as the XLA path does: the kernels and the
+  float32 accumulators of `_mix` have no float64 variant (gradients flow back as float64)."""
+  return x.astype(jnp.float32) if x.dtype == jnp.float64 else x
+
+
 def run_with_options(z_NxD, protos_KxD, k, opts: KernelOptions, *, mixture="raw",
                      mask_N=None, token_axes=()):
   """`topk_reconstruct` with explicit kernel options (e.g. the GPU kernel interpreted)."""
+  z_NxD, protos_KxD = _no_f64(z_NxD), _no_f64(protos_KxD)
   distance = opts.distance
   n = z_NxD.shape[0]
   valid_N = (jnp.ones((n,), jnp.float32) if mask_N is None

@@ -53,6 +53,9 @@ class AttributionCache:
     if not os.path.exists(meta_path):
       raise FileNotFoundError(f"{self.path} is not an attribution cache (no {fmt.METADATA})")
     self.metadata = fmt.read_json(meta_path)
+    if "identity" not in self.metadata:
+      raise FileNotFoundError(f"{self.path} is not an attribution cache ({fmt.METADATA} has "
+                              "no identity)")
     if self.metadata.get("records_only"):
       raise ValueError(f"{self.path} holds a records-only build (no curvature, no index); "
                        "read its arrays with cache_format.store, or build_cache elsewhere")

@@ -26,6 +26,7 @@ import time
 import numpy as np
 from absl import logging
 
+from prism_jax import io_guard
 from prism_jax.attribution import cache_format as fmt
 from prism_jax.attribution import curvature as cv
 from prism_jax.attribution import curvature_stats as cs
@@ -78,7 +79,9 @@ def _check(model, cfg: Config, packed, cache_cfg: fmt.CacheConfig, rank: int | N
 def _open_dir(out_dir: str, ident: dict, overwrite: bool, records_only: bool):
   """(metadata, progress) of out_dir; clears it when new or `overwrite`, refuses another
   identity or the other kind of build."""
-  os.makedirs(out_dir, exist_ok=True)
+  # Claimed before any write: never a run's or the packed data's directory.
+  io_guard.claim_output_dir(out_dir, fmt.CACHE_KIND, rebuild=overwrite,
+                            legacy=fmt.is_cache_dir)
   meta_path = os.path.join(out_dir, fmt.METADATA)
   prog_path = os.path.join(out_dir, fmt.PROGRESS)
   if os.path.exists(meta_path) and not overwrite:

@@ -26,6 +26,7 @@ METADATA = "metadata.json"
 PROGRESS = "progress.json"
 PASS1_STATE = "pass1_state.npz"
 FORMAT_VERSION = 2  # 2: proto_acts beside proto_tokens
+CACHE_KIND = "attribution cache"  # io_guard marker kind
 
 
 class CacheMismatchError(ValueError):
@@ -88,6 +89,15 @@ def diff(a: Any, b: Any, prefix: str = "") -> list[str]:
   a = list(a) if isinstance(a, tuple) else a
   b = list(b) if isinstance(b, tuple) else b
   return [] if a == b else [f"{prefix[:-1]}: cache has {a!r}, wanted {b!r}"]
+
+
+def is_cache_dir(path: str) -> bool:
+  """A cache directory written before io_guard markers: its metadata.json has an identity."""
+  meta = os.path.join(path, METADATA)
+  try:
+    return os.path.isfile(meta) and "identity" in read_json(meta)
+  except (OSError, ValueError):
+    return False
 
 
 def read_json(path):

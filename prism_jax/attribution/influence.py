@@ -41,6 +41,7 @@ from prism_jax.attribution import cache as cache_lib
 from prism_jax.attribution import curvature as cv
 from prism_jax.config import LossConfig
 from prism_jax.data import batch as batch_lib
+from prism_jax.model.token_ids import check_token_ids
 
 
 @dataclasses.dataclass(frozen=True)
@@ -77,9 +78,9 @@ class QuerySide(NamedTuple):
   g_QxD: np.ndarray
 
 
-def _query_row(tokens, target_positions, max_len):
+def _query_row(tokens, target_positions, max_len, vocab_size):
   """(tokens padded to max_len + 1, prediction columns) of one query, validated."""
-  tokens = np.asarray(tokens, np.int32).reshape(-1)
+  tokens = check_token_ids(tokens, vocab_size, "query token ids").astype(np.int32).reshape(-1)
   pos = np.asarray(target_positions, np.int64).reshape(-1)
   if len(pos) == 0:
     raise ValueError("target_positions is empty: give at least one position to attribute")
@@ -95,9 +96,9 @@ def _query_row(tokens, target_positions, max_len):
   return padded, pos - 1
 
 
-def query_batch(tokens, target_positions, max_len):
+def query_batch(tokens, target_positions, max_len, vocab_size):
   """The (1, max_len) batch of one query (mask on its target positions) and its columns."""
-  padded, cols = _query_row(tokens, target_positions, max_len)
+  padded, cols = _query_row(tokens, target_positions, max_len, vocab_size)
   return batch_lib.next_token(padded[None], np.isin(np.arange(max_len), cols)[None]), cols
 
 
@@ -134,7 +135,7 @@ def query_sides(model, queries, loss_cfg: LossConfig, split=None,
   if batch_size <= 0:
     raise ValueError(f"batch_size must be positive, got {batch_size}")
   max_len = model.cfg.max_len
-  prepared = [_query_row(t, p, max_len) for t, p in queries]
+  prepared = [_query_row(t, p, max_len, model.cfg.vocab_size) for t, p in queries]
   graphdef, state = nnx.split(model) if split is None else split
   spec = cv.HeadSpec.from_model(model)
   out = []
@@ -314,7 +315,8 @@ def attribute_generation(model, cache: cache_lib.AttributionCache, prompt_tokens
                          packed=None, **generate_kwargs) -> Iterator[tuple[int, Attribution]]:
   """Generates with prism_jax.generate and yields (token, its Attribution) one at a time."""
   from prism_jax import generate as gen  # pylint: disable=import-outside-toplevel
-  prompt = np.asarray(prompt_tokens, np.int32).reshape(-1)
+  prompt = check_token_ids(prompt_tokens, model.cfg.vocab_size,
+                           "prompt token ids").astype(np.int32).reshape(-1)
   out = gen.generate(model, prompt[None], max_new_tokens=max_new_tokens, **generate_kwargs)
   new = out.tokens_BxL[0, :int(out.lengths_B[0])]
   seq = np.concatenate([prompt, new]).astype(np.int32)

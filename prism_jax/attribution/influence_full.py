@@ -65,7 +65,7 @@ def full_scores(model, cache: cache_lib.AttributionCache, packed, queries, *,
   protos = jnp.asarray(model.bank.protos[...], jnp.float32)
   xs = []
   for tokens, positions in queries:
-    batch, _ = query_batch(tokens, positions, model.cfg.max_len)
+    batch, _ = query_batch(tokens, positions, model.cfg.max_len, model.cfg.vocab_size)
     g_KxD = np.asarray(_query_grad(protos, cv.head_inputs(model, batch), spec, loss_cfg,
                                    path), np.float64)
     rows = np.flatnonzero(np.any(g_KxD != 0, 1))

@@ -8,6 +8,7 @@ import os
 
 import numpy as np
 
+from prism_jax import io_guard
 from prism_jax.data import packing
 from prism_jax.data import tokenizers as tok_lib
 
@@ -123,5 +124,5 @@ def prepare_data(data_cfg, vocab_size: int, workdir: str) -> PackedData:
   The trainer's single entry point: reuses a finished pack of the same config, refuses
   one of another config, and returns the handle (tokenizer, metadata, rows, snippets).
   """
-  out_dir = data_cfg.packed_dir or os.path.join(workdir, "data")
+  out_dir = io_guard.find_packed_dir(workdir, data_cfg.packed_dir, must_exist=False)
   return PackedData(packing.pack(data_cfg, vocab_size, out_dir))

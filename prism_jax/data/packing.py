@@ -74,6 +74,10 @@ def check_existing(out_dir: str, config: dict, source_hash: str) -> bool:
                      f"{METADATA}); remove it or choose another data.packed_dir")
   with open(meta_path) as f:
     meta = json.load(f)
+  if not isinstance(meta, dict) or not {"config", "source_hash"} <= set(meta):
+    raise ValueError(f"{meta_path} is not the metadata of a packed dataset (no config / "
+                     "source_hash); something else wrote into data.packed_dir. Remove "
+                     f"{out_dir} to repack, or choose another data.packed_dir")
   stored = dict(meta["config"], source_hash=meta["source_hash"])
   diff = _differences(stored, dict(config, source_hash=source_hash))
   if diff:

@@ -216,7 +216,10 @@ def _read_jsonl(path, text_field, on_decode_error, warn):
 def _read_parquet(path, text_field, on_decode_error, warn):
   import pyarrow as pa  # pylint: disable=g-import-not-at-top
   import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
-  pf = pq.ParquetFile(path)
+  try:
+    pf = pq.ParquetFile(path)
+  except (pa.ArrowException, OSError) as e:  # pyarrow's message lacks the file name
+    raise ValueError(f"{path}: not a readable parquet file ({e})") from e
   names = pf.schema_arrow.names
   if text_field not in names:
     raise ValueError(f"{path}: no column {text_field!r} (columns: {names}); set "
@@ -228,7 +231,11 @@ def _read_parquet(path, text_field, on_decode_error, warn):
   decoder = Utf8Decoder(path, on_decode_error)
   row = 0
   for g in range(pf.num_row_groups):
-    for value in pf.read_row_group(g, columns=[text_field]).column(0).to_pylist():
+    try:
+      values = pf.read_row_group(g, columns=[text_field]).column(0).to_pylist()
+    except (pa.ArrowException, OSError) as e:
+      raise ValueError(f"{path}: row group {g} is unreadable ({e})") from e
+    for value in values:
       where = f"{path}:{row}"
       row += 1
       if value is None:

@@ -17,6 +17,7 @@ from flax import nnx
 from prism_jax.config import ModelConfig
 from prism_jax.model.prototypes import PrototypeBank, PrototypeOutput
 from prism_jax.model.tap import Tap, linear
+from prism_jax.model.token_ids import check_token_ids
 from prism_jax.model.transformer import Backbone, KVCache
 
 
@@ -107,6 +108,7 @@ class Decomposition(NamedTuple):
 
 def decompose(model: PrismLM, protos: PrototypeOutput, target_N: jax.Array) -> Decomposition:
   """Per-prototype logit contributions and the residual slice for target tokens, in fp32."""
+  target_N = check_token_ids(target_N, model.cfg.vocab_size, "decompose target ids")
   hi = jax.lax.Precision.HIGHEST
   w_NxD = model.backbone.wte[...][target_N].astype(jnp.float32)
   p_NxkxD = model.bank.protos[...][protos.idx_Nxk].astype(jnp.float32)

@@ -7,7 +7,9 @@
   model, cfg, tokenizer = load_for_inference("runs/x")
 """
 
-from prism_jax.train.checkpoint import Checkpointer, ConfigMismatchError
+from prism_jax.train.checkpoint import (Checkpointer, ConfigMismatchError,
+                                        NoReadableCheckpointError)
+from prism_jax.train.integrity import CheckpointCorruptError
 from prism_jax.train.evaluation import Evaluator, evaluate
 from prism_jax.train.inference import load_config, load_for_inference, load_params
 from prism_jax.train.loop import TrainResult, init_prototypes, prepare, train
@@ -22,10 +24,11 @@ from prism_jax.train.trainer import (Loop, LoopResult, Trainer, TrainingDiverged
                                      make_step)
 
 __all__ = [
-    "Checkpointer", "ConfigMismatchError", "Evaluator", "Loop", "LoopResult", "TrainResult",
-    "TrainState", "Trainer", "TrainingDivergedError", "abstract_state", "apply_overrides",
-    "config_diff", "config_from_dict", "create_train_state", "decay_mask", "default_mesh",
-    "evaluate", "init_prototypes", "load_config", "load_for_inference", "load_params",
-    "lr_schedule", "make_eval_step", "make_optimizer", "make_step", "make_train_step",
+    "CheckpointCorruptError", "Checkpointer", "ConfigMismatchError", "Evaluator", "Loop",
+    "LoopResult", "NoReadableCheckpointError", "TrainResult", "TrainState", "Trainer",
+    "TrainingDivergedError", "abstract_state", "apply_overrides", "config_diff",
+    "config_from_dict", "create_train_state", "decay_mask", "default_mesh", "evaluate",
+    "init_prototypes", "load_config", "load_for_inference", "load_params", "lr_schedule",
+    "make_eval_step", "make_optimizer", "make_step", "make_train_step",
     "prepare", "read_metrics", "reset_moments", "state_shardings", "train", "valid_keys",
 ]

@@ -6,6 +6,13 @@ current mesh's shardings (so a run may resume on another mesh). A checkpoint who
 differs from the requested one (in fields that change the math) is refused, naming the
 fields; an unreadable checkpoint is reported, moved to <workdir>/corrupt_checkpoints/
 (never deleted) and the previous one is used.
+
+Integrity (train/integrity.py): every checkpoint carries a `digest` item (per-array
+checksums of params and optimizer state, saved in the same atomic orbax finalize). A
+restore that does not match it, or restores a non-finite value, is treated exactly like an
+unreadable checkpoint. Checkpoints written before digests existed load with a warning
+(finiteness is still checked). When no checkpoint is left readable but some were
+quarantined, resuming is refused (NoReadableCheckpointError) unless start_over=True.
 """
 
 from __future__ import annotations
@@ -22,12 +29,13 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from prism_jax.config import Config, to_dict, to_json
-from prism_jax.train import overrides
+from prism_jax.train import integrity, overrides
 from prism_jax.train.state import TrainState
 
 CKPT_DIR = "checkpoints"
 CORRUPT_DIR = "corrupt_checkpoints"
 CONFIG_FILE = "config.json"
+DIGEST_ITEM = "digest"
 
 # Fields that may change between a checkpoint and its resume: bookkeeping, placement and
 # kernel choice, none of which changes what is computed.
@@ -40,6 +48,10 @@ RESUMABLE_CHANGES = (
 
 class ConfigMismatchError(ValueError):
   """The requested config differs from the checkpoint's in fields that matter."""
+
+
+class NoReadableCheckpointError(RuntimeError):
+  """Every checkpoint of a run was quarantined; resuming would silently start over."""
 
 
 def describe_mismatch(diffs: list[tuple[str, Any, Any]], where: str) -> str:
@@ -76,11 +88,14 @@ class Checkpointer:
            cfg: Config | Mapping[str, Any]):
     """Starts an async save (device->host copy happens before this returns). `cfg` is the
     run's Config, or a JSON dict for a trainer that has none (prism_jax.train.trainer)."""
+    opt = {"step": state.step, "opt_state": state.opt_state}
+    digests = {"params": integrity.digest(state.params), "opt": integrity.digest(opt)}
     args = ocp.args.Composite(
         params=ocp.args.StandardSave(state.params),
-        opt=ocp.args.StandardSave({"step": state.step, "opt_state": state.opt_state}),
+        opt=ocp.args.StandardSave(opt),
         data=ocp.args.JsonSave(data_state),
-        config=ocp.args.JsonSave(dict(cfg) if isinstance(cfg, Mapping) else to_dict(cfg)))
+        config=ocp.args.JsonSave(dict(cfg) if isinstance(cfg, Mapping) else to_dict(cfg)),
+        **{DIGEST_ITEM: ocp.args.JsonSave(digests)})
     self.manager.save(int(step), args=args, force=True)
 
   def wait(self) -> None:
@@ -107,18 +122,38 @@ class Checkpointer:
     out = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
     return dict(out["config"])
 
+  def read_digests(self, step: int) -> dict[str, Any] | None:
+    """The saved per-array digests of `step`; None (with a warning) for an older checkpoint
+    written before digests existed."""
+    if not os.path.isdir(os.path.join(self.directory, str(step), DIGEST_ITEM)):
+      logging.warning("checkpoint %d in %s has no checksums (written before they existed); "
+                      "loading it unverified (only finiteness is checked)", step,
+                      self.directory)
+      return None
+    out = self.manager.restore(step, args=ocp.args.Composite(
+        **{DIGEST_ITEM: ocp.args.JsonRestore()}))
+    return dict(out[DIGEST_ITEM])
+
   def restore(self, step: int, target: TrainState) -> tuple[TrainState, dict[str, Any]]:
-    """(state, data_state) of `step`, placed as `target`'s shardings say."""
+    """(state, data_state) of `step`, placed as `target`'s shardings say; verified against
+    its digests (CheckpointCorruptError on a mismatch or a non-finite value)."""
+    digests = self.read_digests(step)
     out = self.manager.restore(step, args=ocp.args.Composite(
         params=ocp.args.StandardRestore(target.params),
         opt=ocp.args.StandardRestore({"step": target.step, "opt_state": target.opt_state}),
         data=ocp.args.JsonRestore()))
     opt = out["opt"]
+    where = os.path.join(self.directory, str(step))
+    integrity.verify(out["params"], digests and digests["params"], f"{where}/params")
+    integrity.verify(opt, digests and digests["opt"], f"{where}/opt")
     return TrainState(opt["step"], out["params"], opt["opt_state"]), dict(out["data"])
 
   def restore_params(self, step: int, target_params: Any) -> Any:
+    digests = self.read_digests(step)
     out = self.manager.restore(step, args=ocp.args.Composite(
         params=ocp.args.StandardRestore(target_params)))
+    integrity.verify(out["params"], digests and digests["params"],
+                     os.path.join(self.directory, str(step), "params"))
     return out["params"]
 
   def check_config(self, step: int, cfg: Config,
@@ -137,13 +172,30 @@ class Checkpointer:
     self.manager.reload()
     return dst
 
+  def quarantined(self) -> list[str]:
+    """Paths of the checkpoints moved aside as corrupt, oldest name first."""
+    root = os.path.join(self.workdir, CORRUPT_DIR)
+    return [os.path.join(root, n) for n in sorted(os.listdir(root))] \
+        if os.path.isdir(root) else []
+
   def restore_latest(self, target: TrainState, cfg: Config,
-                     allow: tuple[str, ...] = RESUMABLE_CHANGES):
+                     allow: tuple[str, ...] = RESUMABLE_CHANGES, start_over: bool = False):
     """(state, data_state, step) of the newest readable checkpoint, or None if none.
 
     A config mismatch raises ConfigMismatchError (nothing is moved or deleted). An
-    unreadable checkpoint is logged, moved aside and the previous one tried.
+    unreadable or corrupt checkpoint is logged, moved aside and the previous one tried.
+    None with quarantined checkpoints raises NoReadableCheckpointError unless start_over.
     """
+    restored = self._restore_newest(target, cfg, allow)
+    if restored is None and self.quarantined() and not start_over:
+      raise NoReadableCheckpointError(
+          f"no readable checkpoint left in {self.directory}; quarantined as corrupt: "
+          + ", ".join(self.quarantined()) + ". Refusing to restart from step 0 silently: "
+          "pass --start_over (train(..., start_over=True)) to train from scratch, or use "
+          "a new --workdir")
+    return restored
+
+  def _restore_newest(self, target, cfg, allow):
     for step in reversed(self.all_steps()):
       try:
         saved_cfg = self.read_config(step)
@@ -164,8 +216,9 @@ class Checkpointer:
 
   def _report_corrupt(self, step: int, err: Exception) -> None:
     dst = self._quarantine(step)
-    logging.error("checkpoint %d in %s is unreadable (%s: %s); moved it to %s and falling "
-                  "back to the previous checkpoint", step, self.directory,
+    kind = "corrupt" if isinstance(err, integrity.CheckpointCorruptError) else "unreadable"
+    logging.error("checkpoint %d in %s is %s (%s: %s); moved it to %s and falling "
+                  "back to the previous checkpoint", step, self.directory, kind,
                   type(err).__name__, str(err).splitlines()[0] if str(err) else "", dst)
 
 

@@ -8,9 +8,10 @@ from typing import Any
 import jax
 from flax import nnx
 
+from prism_jax import io_guard
 from prism_jax.config import Config
 from prism_jax.train import checkpoint as ckpt_lib
-from prism_jax.train import overrides
+from prism_jax.train import integrity, overrides
 from prism_jax.train.state import abstract_state, default_mesh, model_template
 
 
@@ -22,8 +23,7 @@ def load_config(workdir: str) -> Config:
 def load_tokenizer(workdir: str, cfg: Config):
   """The tokenizer saved beside the run's packed data."""
   from prism_jax import data as data_lib  # pylint: disable=g-import-not-at-top
-  packed_dir = cfg.data.packed_dir or os.path.join(workdir, "data")
-  return data_lib.load_tokenizer(packed_dir)
+  return data_lib.load_tokenizer(io_guard.find_packed_dir(workdir, cfg.data.packed_dir))
 
 
 def load_params(workdir: str, cfg: Config | None = None, step: int | None = None,
@@ -54,7 +54,13 @@ def load_params(workdir: str, cfg: Config | None = None, step: int | None = None
     graphdef, _ = model_template(cfg.model)
     target = abstract_state(cfg, mesh).params
     with jax.set_mesh(mesh):
-      params = ckpt.restore_params(step, target)
+      try:
+        params = ckpt.restore_params(step, target)
+      except integrity.CheckpointCorruptError as e:
+        older = [s for s in steps if s < step]
+        raise integrity.CheckpointCorruptError(
+            f"{e}. Checkpoint {step} is corrupt: load an older one (step= one of {older}) "
+            "or resume training there, which quarantines it and falls back") from e
   finally:
     ckpt.manager.close()
   return graphdef, params, cfg, step

@@ -20,6 +20,7 @@ from flax import nnx
 
 from prism_jax import sharding as shard_lib
 from prism_jax.config import Config
+from prism_jax.io_guard import resolve_config_paths
 from prism_jax.model.lm import init_prototypes_from_hidden
 from prism_jax.train import checkpoint as ckpt_lib
 from prism_jax.train import evaluation
@@ -114,14 +115,18 @@ class TrainResult:
 
 def train(cfg: Config, workdir: str, *, mesh: jax.sharding.Mesh | None = None,
           callbacks: Sequence[Callback] = (),
-          allow_config_change: Sequence[str] = ()) -> TrainResult:
+          allow_config_change: Sequence[str] = (),
+          start_over: bool = False) -> TrainResult:
   """Trains (or resumes) `cfg` in `workdir`.
 
   `callbacks(step, state)` run after each dispatched step (and its checkpoint, if any).
   `allow_config_change` adds dotted keys that may differ from the checkpoint's config.
+  `start_over` trains from step 0 when every checkpoint was quarantined as corrupt
+  (otherwise that is refused with ckpt_lib.NoReadableCheckpointError).
   """
   t_start = time.time()
   workdir = os.path.abspath(workdir)
+  cfg = resolve_config_paths(cfg)  # stored absolute: the run works from any cwd
   os.makedirs(workdir, exist_ok=True)
   mesh = default_mesh(cfg) if mesh is None else mesh
   tc = cfg.train
@@ -142,18 +147,18 @@ def train(cfg: Config, workdir: str, *, mesh: jax.sharding.Mesh | None = None,
         pass  # unreadable: restore_latest reports it and falls back
     _, train_loader, val_loader = prepare(cfg, workdir, mesh)
     return _run(cfg, workdir, mesh, ckpt, train_loader, val_loader, callbacks, allow,
-                t_start)
+                t_start, start_over)
   finally:
     ckpt.close()
 
 
 def _run(cfg, workdir, mesh, ckpt, train_loader, val_loader, callbacks, allow,
-         t_start) -> TrainResult:
+         t_start, start_over=False) -> TrainResult:
   tc = cfg.train
   tx = make_optimizer(tc)
   with jax.set_mesh(mesh):
     graphdef, _ = model_template(cfg.model)
-    restored = ckpt.restore_latest(abstract_state(cfg, mesh, tx), cfg, allow)
+    restored = ckpt.restore_latest(abstract_state(cfg, mesh, tx), cfg, allow, start_over)
     if restored is not None:
       state, data_state, start = restored
       shardings = state_shardings(cfg, mesh, tx)

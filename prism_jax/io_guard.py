@@ -1,0 +1,130 @@
+"""Where runs read and write: output directories claimed before use, config paths absolute.
+
+`claim_output_dir(path, kind)` is called before anything is written to an output directory
+(attribution cache, cards, reports). It accepts a missing or empty directory, or one that
+already holds a marker file of the same kind (a resume); `rebuild=True` empties only a
+directory of that kind. A training run directory, a packed-data directory, a directory of
+another kind and any other non-empty directory are refused with a message naming them, so
+a mistyped --cache_dir can never overwrite a run's data or checkpoints.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+from typing import Callable
+
+MARKER = ".prism_output"  # JSON {"kind": ...}, written first into a claimed directory
+
+
+class OutputDirError(ValueError):
+  """An output directory that is not ours to write into (or to delete)."""
+
+
+def read_kind(path: str) -> str | None:
+  """The kind recorded in path's marker, or None if it has none."""
+  marker = os.path.join(path, MARKER)
+  if not os.path.isfile(marker):
+    return None
+  try:
+    with open(marker) as f:
+      return str(json.load(f)["kind"])
+  except (OSError, ValueError, KeyError, TypeError) as e:
+    raise OutputDirError(f"{marker} is unreadable ({e}); inspect {path} by hand") from e
+
+
+def _foreign(path: str) -> str | None:
+  """Why `path` is recognisably someone else's directory (run, packed data), or None."""
+  names = set(os.listdir(path))
+  if "checkpoints" in names or "config.json" in names:
+    return "a training run directory (it holds checkpoints/ or config.json)"
+  meta = os.path.join(path, "metadata.json")
+  if os.path.isfile(meta):
+    try:
+      with open(meta) as f:
+        keys = set(json.load(f))
+    except (OSError, ValueError, TypeError):
+      keys = set()
+    if "source_hash" in keys:
+      return "a packed-data directory (data.packed_dir)"
+  return None
+
+
+def _write_marker(path: str, kind: str) -> None:
+  tmp = os.path.join(path, f"{MARKER}.tmp")
+  with open(tmp, "w") as f:
+    json.dump({"kind": kind}, f)
+  os.replace(tmp, os.path.join(path, MARKER))
+
+
+def _empty(path: str) -> None:
+  for name in os.listdir(path):
+    full = os.path.join(path, name)
+    if os.path.isdir(full) and not os.path.islink(full):
+      shutil.rmtree(full)
+    else:
+      os.remove(full)
+
+
+def claim_output_dir(path: str, kind: str, *, rebuild: bool = False,
+                     legacy: Callable[[str], bool] | None = None) -> str:
+  """Makes `path` a directory of `kind` (absolute path returned) or raises OutputDirError.
+
+  `legacy(path)` recognises a directory of this kind written before markers existed (it
+  is adopted: the marker is added). `rebuild` empties the directory, only if it is ours.
+  """
+  path = os.path.abspath(path)
+  if os.path.exists(path) and not os.path.isdir(path):
+    raise OutputDirError(f"{kind} output {path} exists and is not a directory")
+  if not os.path.isdir(path) or not os.listdir(path):
+    os.makedirs(path, exist_ok=True)
+    _write_marker(path, kind)
+    return path
+  have = read_kind(path)
+  if have is None:
+    why = _foreign(path)
+    if why is not None:
+      raise OutputDirError(f"refusing to write the {kind} into {path}: it is {why}; "
+                           "choose another directory" + (" (--rebuild never deletes it)"
+                                                         if rebuild else ""))
+    if legacy is None or not legacy(path):
+      raise OutputDirError(f"refusing to write the {kind} into {path}: it is not empty and "
+                           f"has no {MARKER} marker of a {kind}; choose an empty or new "
+                           "directory")
+  elif have != kind:
+    raise OutputDirError(f"refusing to write the {kind} into {path}: it holds a {have} "
+                         f"(see {os.path.join(path, MARKER)}); choose another directory")
+  if rebuild:
+    _empty(path)
+  _write_marker(path, kind)
+  return path
+
+
+def resolve_config_paths(cfg):
+  """cfg with data.packed_dir made absolute (against the cwd the user typed it in), so the
+  run's stored config works from any directory."""
+  packed = cfg.data.packed_dir
+  if not packed or os.path.isabs(packed):
+    return cfg
+  data = dataclasses.replace(cfg.data, packed_dir=os.path.abspath(packed))
+  return dataclasses.replace(cfg, data=data)
+
+
+def find_packed_dir(workdir: str, packed_dir: str, must_exist: bool = True) -> str:
+  """The absolute packed-data directory of a run. A relative packed_dir (runs from before
+  paths were stored absolute) is tried against the cwd, then the workdir; with must_exist
+  an error names both, otherwise the cwd one is returned (to be packed)."""
+  if not packed_dir:
+    return os.path.join(os.path.abspath(workdir), "data")
+  if os.path.isabs(packed_dir):
+    return packed_dir
+  tries = [os.path.abspath(packed_dir), os.path.join(os.path.abspath(workdir), packed_dir)]
+  for t in tries:
+    if os.path.isdir(t):
+      return t
+  if not must_exist:
+    return tries[0]
+  raise FileNotFoundError(f"the run's relative data.packed_dir {packed_dir!r} is neither "
+                          f"{tries[0]} nor {tries[1]}; pass the right directory")
