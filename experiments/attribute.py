@@ -10,7 +10,9 @@ calls reuse it, and refuse it if the checkpoint or config changed.
 import os
 import sys
 
-from absl import app, flags
+from absl import flags
+
+from experiments import cli
 
 flags.DEFINE_string("workdir", None, "trained run directory (see experiments.train)")
 flags.DEFINE_string("prompt", None, "prompt text")
@@ -63,4 +65,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -26,7 +26,9 @@ os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-16")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 os.environ.setdefault("TPU_WORKER_ID", "0")
 
-from absl import app, flags  # noqa: E402
+from absl import flags  # noqa: E402
+
+from experiments import cli
 
 FLAGS = flags.FLAGS
 
@@ -188,4 +190,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
   define_flags()
-  app.run(main)
+  cli.run(main)

@@ -10,7 +10,9 @@ contributions of all k active prototypes plus the residual slice sum to the logi
 
 import sys
 
-from absl import app, flags
+from absl import flags
+
+from experiments import cli
 
 flags.DEFINE_string("workdir", "runs/demo", "run directory (resumed if present)")
 flags.DEFINE_string("prompt", "The for statement", "text to continue")
@@ -71,4 +73,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

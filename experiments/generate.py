@@ -9,7 +9,9 @@ Temperature 0 is greedy. Generation stops at the tokenizer's EOS.
 
 import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
+
+from experiments import cli
 
 flags.DEFINE_string("workdir", None, "a run directory written by experiments.train")
 flags.DEFINE_string("prompt", "The ", "text to continue")
@@ -58,4 +60,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

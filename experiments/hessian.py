@@ -4,7 +4,9 @@ r"""λ sweep of curvature localisation and conditioning of the prototype bank (P
   python -m experiments.hessian --lambdas=0,1 --steps=50 --distance=sqeuclidean
 """
 
-from absl import app, flags
+from absl import flags
+
+from experiments import cli
 
 from prism_jax.attribution import hessian_sweep as sweep
 
@@ -31,4 +33,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

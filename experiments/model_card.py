@@ -10,8 +10,9 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 
-from absl import app
 from absl import flags
+
+from experiments import cli
 
 from prism_jax import config
 from prism_jax import flops
@@ -56,4 +57,4 @@ if __name__ == "__main__":
                                "Presets to describe, comma-separated.")
   _SEQ_LEN = flags.DEFINE_integer(
       "seq_len", None, "Sequence length for the attention FLOPs (default: max_len).")
-  app.run(lambda argv: main(argv, _PRESETS.value, _SEQ_LEN.value))
+  cli.run(lambda argv: main(argv, _PRESETS.value, _SEQ_LEN.value))

@@ -10,7 +10,9 @@ No --data: the embedded corpus (CPython's pydoc topics). Re-running with the sam
 import json
 import sys
 
-from absl import app, flags, logging
+from absl import flags, logging
+
+from experiments import cli
 
 flags.DEFINE_string("config", "tiny", "preset name (prism_jax.config.MODEL_PRESETS)")
 flags.DEFINE_string("data", None, "comma-separated .txt/.jsonl/.parquet files or globs; "
@@ -62,4 +64,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -101,22 +101,39 @@ class LossConfig:
 
 @dataclasses.dataclass(frozen=True)
 class DataConfig:
-  """Where text comes from and how it is tokenised and packed (prism_jax.data)."""
+  """Where text comes from and how it is tokenised, split and packed (prism_jax.data).
+
+  Validation: `val_sources` (files/globs read only for validation) when given, else a
+  seeded `val_fraction` of the documents, drawn with `split_seed` (the shuffle's `seed`
+  does not move the split). `.txt` files become documents by `txt_documents`: "file" (one
+  document per file), "paragraphs" (blank-line chunks of ~2 KB) or a number of characters
+  (blank-line chunks of about that size). Tokenizers: "byte", "char" (the training text's
+  characters), "bpe" (trained here to model.vocab_size), "gpt2" / "neox" (pretrained, offline).
+  """
 
   sources: tuple[str, ...] = ()  # files/globs (.txt, .jsonl, .parquet); () = embedded corpus
+  val_sources: tuple[str, ...] = ()  # validation-only files/globs; () = val_fraction split
   text_field: str = "text"  # jsonl field / parquet column holding the text
-  tokenizer: Literal["byte", "bpe"] = "bpe"  # BPE is trained offline to model.vocab_size
+  tokenizer: Literal["byte", "char", "bpe", "gpt2", "neox"] = "bpe"
   seq_len: int = 128  # tokens per packed row fed to the model (row holds seq_len + 1)
-  val_fraction: float = 0.05  # split by document
+  val_fraction: float = 0.05  # split by document; ignored when val_sources are given
+  txt_documents: str = "paragraphs"  # "file" | "paragraphs" | max characters, e.g. "4096"
   on_decode_error: Literal["replace", "strict"] = "replace"  # non-UTF-8 bytes
   packed_dir: str = ""  # default: <workdir>/data
-  seed: int = 0
+  seed: int = 0  # shuffle of the training rows
+  split_seed: int = 0  # which documents go to validation (val_fraction)
 
   def __post_init__(self):
     _check(self.seq_len > 0, "data.seq_len must be positive")
     _check(0.0 <= self.val_fraction < 1.0, "data.val_fraction must be in [0, 1)")
-    _check_choice("data.tokenizer", self.tokenizer, ("byte", "bpe"))
+    _check_choice("data.tokenizer", self.tokenizer, ("byte", "char", "bpe", "gpt2", "neox"))
     _check_choice("data.on_decode_error", self.on_decode_error, ("replace", "strict"))
+    _check(self.txt_documents in ("file", "paragraphs")
+           or (self.txt_documents.isdigit() and int(self.txt_documents) > 0),
+           f"data.txt_documents={self.txt_documents!r}: use 'file', 'paragraphs' or a "
+           "positive number of characters")
+    _check(not (self.val_sources and not self.sources),
+           "data.val_sources needs data.sources too (the embedded corpus has no val files)")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,9 +228,14 @@ def model_preset(name: str, **overrides: Any) -> ModelConfig:
 
 
 def preset(name: str) -> Config:
-  """A full run config: the model preset with data/train settings that suit its size."""
+  """A full run config: the model preset with data/train settings that suit its size.
+
+  The GPT-2 presets tokenize with GPT-2's own BPE (installed by `make venv`; packing says
+  what to install when it is missing; `--set data.tokenizer=bpe` trains one instead)."""
   model = model_preset(name)
   if name == "tiny":
     return Config(model=model, data=DataConfig(seq_len=model.max_len))
-  return Config(model=model, data=DataConfig(seq_len=model.max_len),
+  return Config(model=model, data=DataConfig(seq_len=model.max_len,
+                                             tokenizer="gpt2"),
                 train=TrainConfig(batch_size=8, steps=10, lr=6e-4, warmup_steps=2))
+

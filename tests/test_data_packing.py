@@ -90,7 +90,7 @@ def test_split_is_by_document_and_seeded(tmp_path):
   val_sets = []
   for seed in (0, 1):
     cfg = DataConfig(sources=(src,), tokenizer="byte", seq_len=8, val_fraction=0.2,
-                     seed=seed)
+                     split_seed=seed)
     packed = PackedData(pack(cfg, 258, str(tmp_path / f"p{seed}")))
     ids = {s: set(np.unique(packed.rows(s)["example_id"])) - {-1} for s in SPLITS}
     assert not ids["train"] & ids["val"]
@@ -100,7 +100,8 @@ def test_split_is_by_document_and_seeded(tmp_path):
     val_sets.append(ids["val"])
   assert val_sets[0] != val_sets[1]
   # Same seed, another directory: the same split, byte for byte.
-  cfg = DataConfig(sources=(src,), tokenizer="byte", seq_len=8, val_fraction=0.2, seed=0)
+  cfg = DataConfig(sources=(src,), tokenizer="byte", seq_len=8, val_fraction=0.2,
+                   split_seed=0)
   again = PackedData(pack(cfg, 258, str(tmp_path / "again")))
   np.testing.assert_array_equal(again.rows("val")["tokens"],
                                 PackedData(str(tmp_path / "p0")).rows("val")["tokens"])

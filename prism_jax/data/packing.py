@@ -25,7 +25,7 @@ import os
 import shutil
 import socket
 import time
-from typing import Any, Iterator
+from typing import Any, Iterator, NamedTuple
 
 from absl import logging
 import numpy as np
@@ -54,8 +54,21 @@ def pack_config(data_cfg, vocab_size: int) -> dict[str, Any]:
       "seq_len": int(data_cfg.seq_len),
       "val_fraction": float(data_cfg.val_fraction),
       "on_decode_error": data_cfg.on_decode_error,
-      "seed": int(data_cfg.seed),
+      "val_sources": list(data_cfg.val_sources),
+      "txt_documents": data_cfg.txt_documents,
+      "split_seed": int(data_cfg.split_seed),  # data.seed (the shuffle) does not enter
   }
+
+
+def _upgrade(stored: dict) -> dict:
+  """A pack written before val_sources / txt_documents / split_seed existed: its split
+  used data.seed, and it had no val files and paragraph documents."""
+  stored = dict(stored)
+  if "split_seed" not in stored and "seed" in stored:
+    stored["split_seed"] = stored.pop("seed")
+  stored.setdefault("val_sources", [])
+  stored.setdefault("txt_documents", "paragraphs")
+  return stored
 
 
 def _differences(stored: dict, wanted: dict) -> list[str]:
@@ -78,7 +91,7 @@ def check_existing(out_dir: str, config: dict, source_hash: str) -> bool:
     raise ValueError(f"{meta_path} is not the metadata of a packed dataset (no config / "
                      "source_hash); something else wrote into data.packed_dir. Remove "
                      f"{out_dir} to repack, or choose another data.packed_dir")
-  stored = dict(meta["config"], source_hash=meta["source_hash"])
+  stored = dict(_upgrade(meta["config"]), source_hash=meta["source_hash"])
   diff = _differences(stored, dict(config, source_hash=source_hash))
   if diff:
     raise ValueError(f"packed data in {out_dir} was built with a different config: "
@@ -162,6 +175,26 @@ def _split_documents(n_docs: int, val_fraction: float, seed: int) -> np.ndarray:
   return is_val
 
 
+class _SourcedDocument(NamedTuple):
+  example_id: int
+  name: str
+  text: str
+  from_val_sources: bool
+
+
+def _documents(data_cfg, warn: bool) -> Iterator[_SourcedDocument]:
+  """Every document of the training sources, then of the validation sources (ids go on)."""
+  kw = dict(text_field=data_cfg.text_field, on_decode_error=data_cfg.on_decode_error,
+            txt_documents=data_cfg.txt_documents, warn=warn)
+  next_id = 0
+  for d in sources_lib.iter_documents(tuple(data_cfg.sources), **kw):
+    next_id = d.example_id + 1
+    yield _SourcedDocument(d.example_id, d.name, d.text, False)
+  if data_cfg.val_sources:
+    for d in sources_lib.iter_documents(tuple(data_cfg.val_sources), first_id=next_id, **kw):
+      yield _SourcedDocument(d.example_id, d.name, d.text, True)
+
+
 def _texts_for_bpe(docs: Iterator, is_val: np.ndarray) -> Iterator[str]:
   budget = BPE_MAX_TRAIN_CHARS
   for d in docs:
@@ -184,21 +217,25 @@ def _chunks(it, n):
 
 
 def _write_pack(tmp: str, data_cfg, vocab_size: int, config: dict, src_hash: str) -> None:
-  srcs, field, mode = tuple(data_cfg.sources), data_cfg.text_field, data_cfg.on_decode_error
+  srcs = tuple(data_cfg.sources)
   t0 = time.time()
   # Pass 1: names and the document count (this pass logs the non-UTF-8 warnings).
-  n_docs = 0
+  n_docs, n_train_docs = 0, 0
   with open(os.path.join(tmp, "names.txt"), "w", encoding="utf-8") as f:
-    for d in sources_lib.iter_documents(srcs, field, mode, warn=True):
+    for d in _documents(data_cfg, warn=True):
       f.write(d.name.replace("\n", " ") + "\n")
       n_docs += 1
+      n_train_docs += not d.from_val_sources
   if n_docs == 0:
     raise ValueError(f"no documents in data sources {list(srcs) or sources_lib.DEFAULT_CORPUS}")
-  is_val = _split_documents(n_docs, data_cfg.val_fraction, data_cfg.seed)
-  # Pass 2: the tokenizer (BPE trains on the train split only).
+  if data_cfg.val_sources:  # the split is the files: val_fraction does not apply
+    is_val = np.arange(n_docs) >= n_train_docs
+  else:
+    is_val = _split_documents(n_docs, data_cfg.val_fraction, data_cfg.split_seed)
+  # Pass 2: the tokenizer (BPE and char learn from the train split only).
   texts = None
-  if data_cfg.tokenizer == "bpe":
-    texts = _texts_for_bpe(sources_lib.iter_documents(srcs, field, mode, warn=False), is_val)
+  if data_cfg.tokenizer in ("bpe", "char"):
+    texts = _texts_for_bpe(_documents(data_cfg, warn=False), is_val)
   tok = tok_lib.make_tokenizer(data_cfg.tokenizer, vocab_size, texts)
   tok.save(tmp)
   logging.info("packing: %d documents, %s tokenizer (vocab %d) ready in %.1f s", n_docs,
@@ -208,8 +245,7 @@ def _write_pack(tmp: str, data_cfg, vocab_size: int, config: dict, src_hash: str
   writers = {s: _SplitWriter(tmp, s, T, tok.eos_id, tok.pad_id) for s in SPLITS}
   docs_Nx3 = np.zeros((n_docs, 3), np.int64)
   n_tokens, done, last_log = 0, 0, time.time()
-  docs = sources_lib.iter_documents(srcs, field, mode, warn=False)
-  for chunk in _chunks(docs, _ENCODE_CHUNK):
+  for chunk in _chunks(_documents(data_cfg, warn=False), _ENCODE_CHUNK):
     for d, ids in zip(chunk, tok.encode_batch([d.text for d in chunk])):
       tokens_L = np.asarray(ids + [tok.eos_id], np.int32)
       split = int(is_val[d.example_id])
@@ -265,7 +301,10 @@ def pack(data_cfg, vocab_size: int, out_dir: str) -> str:
   """
   out_dir = os.path.abspath(out_dir)
   config = pack_config(data_cfg, vocab_size)
-  src_hash = sources_lib.source_hash(data_cfg.sources, data_cfg.text_field)
+  if data_cfg.val_sources:
+    sources_lib.check_disjoint(data_cfg.sources, data_cfg.val_sources)
+  src_hash = sources_lib.source_hash(data_cfg.sources, data_cfg.text_field,
+                                     data_cfg.val_sources)
   if check_existing(out_dir, config, src_hash):
     logging.info("packing: reusing %s", out_dir)
     return out_dir

@@ -177,10 +177,25 @@ def split_paragraphs(text: str, max_chars: int = DOC_MAX_CHARS) -> list[tuple[in
 # --- readers -------------------------------------------------------------------------
 
 
-def _read_txt(path, on_decode_error, warn):
+def txt_max_chars(txt_documents: str) -> int | None:
+  """DataConfig.txt_documents -> the chunk size for .txt files (None: the whole file)."""
+  if txt_documents == "file":
+    return None
+  if txt_documents == "paragraphs":
+    return DOC_MAX_CHARS
+  if str(txt_documents).isdigit() and int(txt_documents) > 0:
+    return int(txt_documents)
+  raise ValueError(f"txt_documents={txt_documents!r}: use 'file', 'paragraphs' or a "
+                   "positive number of characters")
+
+
+def _read_txt(path, on_decode_error, warn, max_chars=DOC_MAX_CHARS):
   with open(path, "rb") as f:
     text = decode_bytes(f.read(), path, on_decode_error, warn)
-  for line, chunk in split_paragraphs(text):
+  if max_chars is None:
+    yield f"{path}:1", text
+    return
+  for line, chunk in split_paragraphs(text, max_chars):
     yield f"{path}:{line + 1}", chunk
 
 
@@ -256,30 +271,33 @@ def _read_default_corpus():
 
 
 def iter_documents(sources: Sequence[str] = (), text_field: str = "text",
-                   on_decode_error: str = "replace", warn: bool = True
+                   on_decode_error: str = "replace", warn: bool = True,
+                   txt_documents: str = "paragraphs", first_id: int = 0
                    ) -> Iterator[Document]:
   """Yields every non-blank document of the sources; () means the embedded corpus.
 
-  Ids count documents in order, so the same sources always give the same ids.
-  `warn=False` silences the non-UTF-8 warnings (for a second pass over the same files).
+  Ids count documents in order from `first_id`, so the same sources always give the same
+  ids. `warn=False` silences the non-UTF-8 warnings (for a second pass over the same
+  files); `txt_documents` as in DataConfig.
   """
   if not sources:
     records = _read_default_corpus()
   else:
-    records = _iter_files(resolve_paths(sources), text_field, on_decode_error, warn)
-  example_id = 0
+    records = _iter_files(resolve_paths(sources), text_field, on_decode_error, warn,
+                          txt_max_chars(txt_documents))
+  example_id = first_id
   for name, text in records:
     if text.strip():
       yield Document(example_id, name, text)
       example_id += 1
 
 
-def _iter_files(paths, text_field, on_decode_error, warn):
+def _iter_files(paths, text_field, on_decode_error, warn, txt_max=DOC_MAX_CHARS):
   for path in paths:
     kind = _kind(path)
     n = 0
     if kind == "txt":
-      gen = _read_txt(path, on_decode_error, warn)
+      gen = _read_txt(path, on_decode_error, warn, txt_max)
     elif kind == "jsonl":
       gen = _read_jsonl(path, text_field, on_decode_error, warn)
     else:
@@ -300,8 +318,23 @@ def load_documents(sources: Sequence[str] = (), text_field: str = "text",
   return docs
 
 
-def source_hash(sources: Sequence[str] = (), text_field: str = "text") -> str:
-  """sha256 of the sources' bytes (in order) and the text field: identifies the corpus."""
+def check_disjoint(sources: Sequence[str], val_sources: Sequence[str]) -> None:
+  """Validation files must not also be training files (the split would leak)."""
+  train = {os.path.realpath(p) for p in resolve_paths(sources)}
+  shared = sorted(p for p in resolve_paths(val_sources) if os.path.realpath(p) in train)
+  if shared:
+    raise ValueError(f"data.val_sources {shared} are also in data.sources: validation "
+                     "text must not be training text")
+
+
+def source_hash(sources: Sequence[str] = (), text_field: str = "text",
+                val_sources: Sequence[str] = ()) -> str:
+  """sha256 of the sources' bytes (in order) and the text field: identifies the corpus.
+  Validation sources, when given, follow the training ones behind a marker."""
+  if val_sources:
+    h = hashlib.sha256(source_hash(sources, text_field).encode())
+    h.update(b"\nval_sources\n" + source_hash(val_sources, text_field).encode())
+    return h.hexdigest()
   h = hashlib.sha256()
   h.update(f"text_field={text_field}\n".encode())
   if not sources:

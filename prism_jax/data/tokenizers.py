@@ -1,8 +1,11 @@
-"""Tokenizers with one small interface: byte-level (no files) and byte-level BPE.
+"""Tokenizers with one small interface: byte-level (no files), character-level, byte-level
+BPE trained on the corpus, and the pretrained GPT-2 / GPT-NeoX-20B BPEs (pretrained.py).
 
-Both are saved as `tokenizer.json` beside the packed data and reloaded by
-`load_tokenizer(path_or_dir)`. BPE is trained offline with HuggingFace `tokenizers` to
-exactly the model's vocab size, special tokens included, so any text round-trips.
+All are saved as `tokenizer.json` beside the packed data and reloaded by
+`load_tokenizer(path_or_dir)`, so a run never needs the original files again. BPE is trained
+offline with HuggingFace `tokenizers` to exactly the model's vocab size, special tokens
+included, so any text round-trips. `char` maps every distinct character of the training
+text to an id; a character it never saw maps to `<unk>` (id 2).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Iterable, Protocol, Sequence
 import numpy as np
 
 TOKENIZER_FILE = "tokenizer.json"
-EOS, PAD = "<eos>", "<pad>"
+EOS, PAD, UNK = "<eos>", "<pad>", "<unk>"
 _MIN_VOCAB = 258  # 256 bytes + EOS + PAD
 
 
@@ -74,20 +77,76 @@ class ByteTokenizer:
     return path
 
 
+class CharTokenizer:
+  """Character-level: <eos>=0, <pad>=1, <unk>=2, then the corpus's characters in code-point
+  order. Ids >= 3 + len(chars) up to vocab_size are unused model rows."""
+
+  kind = "char"
+  eos_id, pad_id, unk_id = 0, 1, 2
+  _SPECIALS = 3
+
+  def __init__(self, chars: Sequence[str], vocab_size: int | None = None):
+    self.chars = sorted(set(chars))
+    if any(len(c) != 1 for c in self.chars):
+      raise ValueError("char tokenizer: every vocabulary entry must be one character")
+    needed = self._SPECIALS + len(self.chars)
+    self.vocab_size = needed if vocab_size is None else int(vocab_size)
+    if self.vocab_size < needed:
+      raise ValueError(f"char tokenizer: the training text has {len(self.chars)} distinct "
+                       f"characters, which need vocab_size >= {needed} (3 specials + "
+                       f"characters); model.vocab_size={self.vocab_size}: set "
+                       f"--set model.vocab_size={needed}")
+    self._ids = {c: i + self._SPECIALS for i, c in enumerate(self.chars)}
+
+  @classmethod
+  def from_texts(cls, texts: Iterable[str], vocab_size: int | None = None) -> "CharTokenizer":
+    seen: set[str] = set()
+    for t in texts:
+      seen.update(t)
+    if not seen:
+      raise ValueError("char tokenizer: the training text is empty")
+    return cls(sorted(seen), vocab_size)
+
+  def encode(self, text: str) -> list[int]:
+    get, unk = self._ids.get, self.unk_id
+    return [get(c, unk) for c in text]
+
+  def encode_batch(self, texts: Sequence[str]) -> list[list[int]]:
+    return [self.encode(t) for t in texts]
+
+  def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
+    names = {self.eos_id: EOS, self.pad_id: PAD, self.unk_id: UNK}
+    out = []
+    for i in np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids).tolist():
+      if self._SPECIALS <= i < self._SPECIALS + len(self.chars):
+        out.append(self.chars[i - self._SPECIALS])
+      elif not skip_special:
+        out.append(names.get(i, f"<{i}>"))
+    return "".join(out)
+
+  def save(self, directory: str) -> str:
+    os.makedirs(directory, exist_ok=True)
+    path = os.path.join(directory, TOKENIZER_FILE)
+    with open(path, "w", encoding="utf-8") as f:
+      json.dump({"prism_tokenizer": "char", "vocab_size": self.vocab_size,
+                 "chars": "".join(self.chars)}, f, indent=2, ensure_ascii=False)
+    return path
+
+
 class BpeTokenizer:
-  """A HuggingFace byte-level BPE `tokenizers.Tokenizer` behind the common interface."""
+  """A HuggingFace byte-level BPE `tokenizers.Tokenizer` behind the common interface.
 
-  kind = "bpe"
+  The end-of-document / padding specials are ours (`<eos>`, `<pad>`) for a BPE trained here,
+  `<|endoftext|>` (GPT-2: also the padding id) or `<|endoftext|>` / `<|padding|>` (NeoX).
+  """
 
-  def __init__(self, tok):
+  def __init__(self, tok, kind: str = "bpe"):
     self._tok = tok
+    self.kind = kind
     # "<eos>" typed in a document is text, not the special token.
     self._tok.encode_special_tokens = True
     self.vocab_size = tok.get_vocab_size()
-    self.eos_id = tok.token_to_id(EOS)
-    self.pad_id = tok.token_to_id(PAD)
-    if self.eos_id is None or self.pad_id is None:
-      raise ValueError(f"BPE tokenizer lacks the special tokens {EOS} and {PAD}")
+    self.eos_id, self.pad_id = _special_ids(tok)
 
   @property
   def hf_tokenizer(self):
@@ -135,15 +194,40 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> BpeTokenizer:
   return BpeTokenizer(tok)
 
 
+def _special_ids(tok) -> tuple[int, int]:
+  """(eos, pad) ids of a HuggingFace tokenizer by the names our kinds use."""
+  eos, pad = tok.token_to_id(EOS), tok.token_to_id(PAD)
+  if eos is None:
+    eos = tok.token_to_id("<|endoftext|>")
+    pad = tok.token_to_id("<|padding|>")
+    pad = eos if pad is None else pad  # GPT-2 has no padding token; padding is masked
+  if eos is None or pad is None:
+    raise ValueError(f"BPE tokenizer lacks an end-of-document token ({EOS} or "
+                     "<|endoftext|>)")
+  return eos, pad
+
+
+KINDS = ("byte", "char", "bpe", "gpt2", "neox")
+
+
 def make_tokenizer(kind: str, vocab_size: int, texts: Iterable[str] | None = None):
-  """The tokenizer a DataConfig asks for; BPE trains on `texts`."""
+  """The tokenizer a DataConfig asks for; BPE and char learn from `texts` (train split)."""
   if kind == "byte":
     return ByteTokenizer(vocab_size)
+  if kind in ("bpe", "char") and texts is None:
+    raise ValueError(f"building a {kind} tokenizer needs the training texts")
   if kind == "bpe":
-    if texts is None:
-      raise ValueError("training a BPE tokenizer needs texts")
     return train_bpe(texts, vocab_size)
-  raise ValueError(f"unknown tokenizer kind {kind!r}; choose 'byte' or 'bpe'")
+  if kind == "char":
+    return CharTokenizer.from_texts(texts, vocab_size)
+  if kind in ("gpt2", "neox"):
+    from prism_jax.data import pretrained  # pylint: disable=g-import-not-at-top
+    tok = BpeTokenizer(pretrained.load_hf(kind), kind)
+    if tok.vocab_size > int(vocab_size):
+      raise ValueError(f"the {kind} tokenizer has {tok.vocab_size} ids but model.vocab_size="
+                       f"{vocab_size}; set --set model.vocab_size={tok.vocab_size} (or more)")
+    return tok
+  raise ValueError(f"unknown tokenizer kind {kind!r}; choose one of {KINDS}")
 
 
 def load_tokenizer(path_or_dir: str):
@@ -157,7 +241,12 @@ def load_tokenizer(path_or_dir: str):
     spec = json.load(f)
   if spec.get("prism_tokenizer") == "byte":
     return ByteTokenizer(spec["vocab_size"])
+  if spec.get("prism_tokenizer") == "char":
+    return CharTokenizer(list(spec["chars"]), spec["vocab_size"])
   if "model" in spec:
     from tokenizers import Tokenizer as HfTokenizer  # pylint: disable=g-import-not-at-top
-    return BpeTokenizer(HfTokenizer.from_file(path))
+    hf = HfTokenizer.from_file(path)
+    kind = "bpe" if hf.token_to_id(EOS) is not None else (
+        "neox" if hf.token_to_id("<|padding|>") is not None else "gpt2")
+    return BpeTokenizer(hf, kind)
   raise ValueError(f"{path}: not a tokenizer file written by prism_jax")

@@ -180,7 +180,11 @@ def config_from_dict(d: Mapping[str, Any]) -> Config:
 
 def config_diff(a: Config | Mapping[str, Any], b: Config | Mapping[str, Any],
                 ignore: Iterable[str] = ()) -> list[tuple[str, Any, Any]]:
-  """[(key, a_value, b_value)] for every dotted key whose values differ."""
+  """[(key, a_value, b_value)] for every dotted key whose values differ.
+
+  A mapping (a stored config.json) is read with `config_from_dict` first, so a field added
+  since it was written compares as its default, not as missing."""
+  a, b = (config_from_dict(x) if isinstance(x, Mapping) else x for x in (a, b))
   fa, fb, skip = flatten(a), flatten(b), set(ignore)
   return [(k, fa.get(k), fb.get(k)) for k in sorted(set(fa) | set(fb))
           if k not in skip and fa.get(k) != fb.get(k)]

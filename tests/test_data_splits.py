@@ -1,0 +1,116 @@
+"""Held-out splits: validation files, a split seed apart from the shuffle, .txt documents."""
+
+import json
+
+import numpy as np
+import pytest
+
+from prism_jax.config import DataConfig
+from prism_jax.data import PackedData, make_loader, pack
+from prism_jax.data.packing import METADATA, SPLITS
+
+
+def random_text(rng, n_paragraphs, words=("alpha", "beta", "γάμμα", "日本", "x", "the")):
+  paras = [" ".join(rng.choice(words, size=int(rng.integers(5, 60))))
+           for _ in range(n_paragraphs)]
+  return "\n\n".join(paras) + "\n"
+
+
+def split_ids(packed):
+  return {s: set(np.unique(packed.rows(s)["example_id"]).tolist()) - {-1} for s in SPLITS}
+
+
+def test_val_sources_are_exactly_the_val_split(tmp_path):
+  rng = np.random.default_rng(5)
+  train_txt = [random_text(rng, int(rng.integers(3, 20))) for _ in range(3)]
+  val_txt = [random_text(rng, int(rng.integers(3, 20))) for _ in range(2)]
+  train = [tmp_path / f"train{i}.txt" for i in range(3)]
+  val = [tmp_path / f"val{i}.txt" for i in range(2)]
+  for p, t in zip(train + val, train_txt + val_txt):
+    p.write_text(t, encoding="utf-8")
+  cfg = DataConfig(sources=tuple(map(str, train)), val_sources=tuple(map(str, val)),
+                   tokenizer="byte", seq_len=16, val_fraction=0.3, txt_documents="file")
+  packed = PackedData(pack(cfg, 258, str(tmp_path / "packed")))
+  ids = split_ids(packed)
+  assert ids == {"train": {0, 1, 2}, "val": {3, 4}}  # one document per file, val last
+  for e, text in zip(range(5), train_txt + val_txt):
+    assert packed.document_text(e) == text
+  assert [packed.document_name(e).rsplit(":", 1)[0] for e in (3, 4)] == list(map(str, val))
+  # No training text in the val rows: every val token comes from a val file.
+  rows = packed.rows("val")  # every stream token after the first is one row's target once
+  targets = rows["tokens"][:, 1:][rows["example_id"][:, 1:] >= 0]
+  assert targets.size == sum(len(t.encode()) + 1 for t in val_txt)
+  assert set(rows["example_id"][:, 1:][rows["example_id"][:, 1:] >= 0].tolist()) == {3, 4}
+
+
+def test_split_seed_fixes_the_split_while_the_shuffle_seed_moves(tmp_path):
+  rng = np.random.default_rng(9)
+  src = tmp_path / "c.txt"
+  src.write_text(random_text(rng, 200), encoding="utf-8")
+  base = dict(sources=(str(src),), tokenizer="byte", seq_len=16, val_fraction=0.2,
+              txt_documents="300")
+  packs = {}
+  for seed, split_seed in ((0, 0), (1, 0), (0, 1)):
+    packs[seed, split_seed] = PackedData(pack(DataConfig(seed=seed, split_seed=split_seed,
+                                                         **base), 258,
+                                              str(tmp_path / f"p{seed}{split_seed}")))
+  a, b, c = (split_ids(packs[k]) for k in ((0, 0), (1, 0), (0, 1)))
+  assert a == b and a != c
+  np.testing.assert_array_equal(packs[0, 0].rows("val")["tokens"],
+                                packs[1, 0].rows("val")["tokens"])
+  # The shuffle seed still moves the training order.
+  order = [make_loader(packs[0, 0], "train", 4, s).batch_at(0)["row_id"] for s in (0, 1)]
+  assert not np.array_equal(order[0], order[1])
+
+
+def test_txt_documents_modes(tmp_path):
+  rng = np.random.default_rng(2)
+  text = random_text(rng, 60)
+  src = tmp_path / "t.txt"
+  src.write_text(text, encoding="utf-8")
+  counts = {}
+  for mode in ("file", "paragraphs", "500"):
+    cfg = DataConfig(sources=(str(src),), tokenizer="byte", seq_len=16, val_fraction=0.0,
+                     txt_documents=mode)
+    packed = PackedData(pack(cfg, 258, str(tmp_path / mode)))
+    docs = [packed.document_text(e) for e in range(packed.num_documents)]
+    assert "".join(docs).replace("\n", "") == text.replace("\n", "")
+    counts[mode] = len(docs)
+    if mode == "500":
+      assert max(len(d) for d in docs) <= 1000  # chunks close near 500 chars (2x cap)
+  assert counts["file"] == 1 < counts["paragraphs"] < counts["500"]
+
+
+def test_bad_split_configs_are_clear_errors(tmp_path):
+  src = tmp_path / "a.txt"
+  src.write_text("some text here\n")
+  with pytest.raises(ValueError, match="also in data.sources"):
+    pack(DataConfig(sources=(str(src),), val_sources=(str(src),), tokenizer="byte",
+                    seq_len=4), 258, str(tmp_path / "p"))
+  with pytest.raises(ValueError, match="txt_documents"):
+    DataConfig(txt_documents="chapters")
+  with pytest.raises(ValueError, match="needs data.sources"):
+    DataConfig(val_sources=(str(src),))
+  with pytest.raises(FileNotFoundError, match="missing.txt"):
+    pack(DataConfig(sources=(str(src),), val_sources=(str(tmp_path / "missing.txt"),),
+                    tokenizer="byte", seq_len=4), 258, str(tmp_path / "q"))
+
+
+def test_pack_from_before_split_seed_is_reused(tmp_path):
+  """A pack written before val_sources/txt_documents/split_seed (its split used data.seed)
+  is still recognised as the same config."""
+  rng = np.random.default_rng(4)
+  src = tmp_path / "c.txt"
+  src.write_text(random_text(rng, 40), encoding="utf-8")
+  cfg = DataConfig(sources=(str(src),), tokenizer="byte", seq_len=16, split_seed=3, seed=3)
+  out = pack(cfg, 258, str(tmp_path / "p"))
+  meta_path = tmp_path / "p" / METADATA
+  meta = json.loads(meta_path.read_text())
+  for key in ("val_sources", "txt_documents"):
+    del meta["config"][key]
+  meta["config"]["seed"] = meta["config"].pop("split_seed")
+  meta_path.write_text(json.dumps(meta))
+  assert pack(cfg, 258, str(tmp_path / "p")) == out
+  with pytest.raises(ValueError, match="split_seed"):
+    pack(DataConfig(sources=(str(src),), tokenizer="byte", seq_len=16, split_seed=4), 258,
+         str(tmp_path / "p"))
