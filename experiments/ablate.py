@@ -73,7 +73,7 @@ def run_variant(name: str) -> dict:
   result = {"variant": name, "overrides": list(VARIANTS[name]) + list(FLAGS.set), **ev,
             "val_tokens": ev.get("tokens"),
             "train_tokens": FLAGS.steps * cfg.train.batch_size * cfg.data.seq_len,
-            "tokens_per_s": result.tokens_per_s, "wall_s": result.wall_s}
+            "tokens_per_s": result.steady_tokens_per_s, "wall_s": result.wall_s}
   with open(cached, "w") as f:
     json.dump(result, f, indent=1)
   return result

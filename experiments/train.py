@@ -4,11 +4,12 @@
       --set model.k=8 --set train.steps=100 [--model=dense]
 
 No --data: the embedded corpus (CPython's pydoc topics). Re-running with the same
---workdir resumes from its newest checkpoint; a different config is refused.
+--workdir resumes from its newest checkpoint; a different config is refused, except a
+larger train.steps (train a finished run longer) and the fields named by --allow_change.
+User errors print one `error: ...` line (experiments/cli.py; --debug for the traceback).
 """
 
 import json
-import sys
 
 from absl import flags, logging
 
@@ -20,6 +21,9 @@ flags.DEFINE_string("data", None, "comma-separated .txt/.jsonl/.parquet files or
 flags.DEFINE_string("workdir", None, "run directory (checkpoints, metrics, config.json)")
 flags.DEFINE_enum("model", None, ["prism", "dense"], "shorthand for --set model.kind=...")
 flags.DEFINE_multi_string("set", [], "dotted config override KEY=VALUE (repeatable)")
+flags.DEFINE_multi_string("allow_change", [], "a config field that may differ from the "
+                          "checkpoint's on resume (repeatable), e.g. train.lr after a "
+                          "divergence; see prism_jax.train.checkpoint.CHANGES_ON_REQUEST")
 flags.DEFINE_bool("start_over", False, "train from step 0 when every checkpoint of --workdir "
                   "was quarantined as corrupt (refused otherwise)")
 flags.mark_flag_as_required("workdir")
@@ -45,18 +49,12 @@ def main(argv):
   del argv
   distributed.initialize_from_flags()  # no-op for a single process
   distributed.configure_logging()
-  try:
-    cfg = build_config(FLAGS.config, FLAGS.data, FLAGS.model, FLAGS.set)
-  except ValueError as e:
-    sys.exit(f"error: {e}")
-  from prism_jax.train import (  # pylint: disable=g-import-not-at-top
-      NoReadableCheckpointError, train)
+  cfg = build_config(FLAGS.config, FLAGS.data, FLAGS.model, FLAGS.set)
+  from prism_jax.train import train  # pylint: disable=g-import-not-at-top
   from prism_jax.train.metrics import quiet_library_logs  # pylint: disable=g-import-not-at-top
   quiet_library_logs()
-  try:
-    result = train(cfg, FLAGS.workdir, start_over=FLAGS.start_over)
-  except NoReadableCheckpointError as e:
-    sys.exit(f"error: {e}")
+  result = train(cfg, FLAGS.workdir, start_over=FLAGS.start_over,
+                 allow_config_change=FLAGS.allow_change)
   printable = result.summary()
   logging.info("done: %s", json.dumps(printable, default=str))
   if distributed.is_main_process():

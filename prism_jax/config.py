@@ -152,15 +152,17 @@ class TrainConfig:
   seed: int = 0
   proto_init_step: int = 50  # dense warm-up steps before prototypes are set from data
   eval_every: int = 200
-  eval_batches: int = 8
+  eval_batches: int = 8  # val batches per eval; 0 = the whole val split
+  eval_at_start: bool = True  # also evaluate the untrained model (step 0) of a new run
   ckpt_every: int = 200
   keep_checkpoints: int = 3
   log_every: int = 20
 
   def __post_init__(self):
-    for name in ("steps", "batch_size", "eval_batches", "ckpt_every", "keep_checkpoints",
-                 "log_every", "eval_every"):
+    for name in ("steps", "batch_size", "ckpt_every", "keep_checkpoints", "log_every",
+                 "eval_every"):
       _check(int(getattr(self, name)) > 0, f"train.{name} must be positive")
+    _check(int(self.eval_batches) >= 0, "train.eval_batches must be >= 0 (0: the whole split)")
     _check(self.lr > 0, "train.lr must be positive")
     _check(0 <= self.warmup_steps, "train.warmup_steps must be >= 0")
 

@@ -124,7 +124,7 @@ def test_flipped_bytes_quarantined_and_fall_back(trained, tmp_path, caplog, item
   flipped = _tree_hash(os.path.join(run, "checkpoints", "4"))
   with caplog.at_level(logging.ERROR):
     summary = train(cfg, run)
-  assert summary["start_step"] == 2 and summary["final_step"] == 4
+  assert summary.start_step == 2 and summary.final_step == 4
   msgs = _errors(caplog)
   assert any("checkpoint 4" in m and "is corrupt" in m and "checksum mismatch in" in m
              and f"/{item}:" in m and "falling back" in m for m in msgs), msgs
@@ -146,7 +146,7 @@ def test_truncated_metadata_falls_back(trained, tmp_path, caplog, name):
     f.truncate(os.path.getsize(meta) // 2)
   with caplog.at_level(logging.ERROR):
     summary = train(cfg, run)
-  assert summary["start_step"] == 2
+  assert summary.start_step == 2
   assert any("checkpoint 4" in m and "unreadable" in m for m in _errors(caplog))
   assert os.listdir(os.path.join(run, "corrupt_checkpoints"))[0].startswith("4-")
 
@@ -184,7 +184,7 @@ def test_non_finite_restored_state_is_corruption_not_divergence(trained, tmp_pat
   longer = _cfg(data, "train.steps=6")
   with caplog.at_level(logging.ERROR):
     summary = train(longer, run, allow_config_change=("train.steps",))
-  assert summary["start_step"] == 4 and summary["final_step"] == 6
+  assert summary.start_step == 4 and summary.final_step == 6
   assert any("checkpoint 6" in m and "is corrupt" in m and "non-finite values restored"
              in m and "['backbone']['wte']" in m for m in _errors(caplog))
 
@@ -204,7 +204,7 @@ def test_every_checkpoint_corrupt_is_refused_until_start_over(trained, tmp_path,
   with pytest.raises(NoReadableCheckpointError):  # still refused on a second attempt
     train(cfg, run)
   summary = train(cfg, run, start_over=True)
-  assert summary["start_step"] == 0 and summary["final_step"] == 4
+  assert summary.start_step == 0 and summary.final_step == 4
   assert sorted(os.listdir(os.path.join(run, "corrupt_checkpoints"))) == moved  # kept
   assert _same_losses(workdir, run)
 

@@ -76,7 +76,7 @@ def test_probe_trains_only_the_subset_like_a_plain_optax_loop():
                                                        err_msg=f"seed {seed}"),
                out.state.params["probe"], want)
   assert not np.allclose(out.state.params["probe"]["w"], params["probe"]["w"])
-  assert set(out.train) >= {"loss", "mse", "grad_norm", "tokens_per_s"}
+  assert set(out.train) >= {"loss", "mse", "grad_norm", "steady_tokens_per_s"}
   assert out.train["loss"] == out.train["mse"] and "tflops_per_s" not in out.train
   # The optimiser state covers the probe alone.
   opt_paths = [jax.tree_util.keystr(p) for p, _ in

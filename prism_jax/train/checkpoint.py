@@ -39,10 +39,19 @@ DIGEST_ITEM = "digest"
 
 # Fields that may change between a checkpoint and its resume: bookkeeping, placement and
 # kernel choice, none of which changes what is computed.
+# May differ on every resume: bookkeeping, the mesh, the implementation, and train.steps
+# (a finished run may be trained longer: the LR schedule is the one of the new train.steps,
+# so its cosine end moves; steps already taken and the data order are unchanged).
 RESUMABLE_CHANGES = (
-    "train.eval_every", "train.eval_batches", "train.ckpt_every", "train.keep_checkpoints",
-    "train.log_every", "mesh.data", "mesh.fsdp", "mesh.model", "data.packed_dir",
-    "model.implementation", "model.remat",
+    "train.steps", "train.eval_every", "train.eval_batches", "train.eval_at_start",
+    "train.ckpt_every", "train.keep_checkpoints", "train.log_every", "mesh.data", "mesh.fsdp",
+    "mesh.model", "data.packed_dir", "model.implementation", "model.remat",
+)
+# May differ on a resume only when asked for (`train(allow_config_change=...)`, the CLI's
+# --allow_change), e.g. a lower train.lr after a divergence.
+CHANGES_ON_REQUEST = (
+    "train.lr", "train.min_lr_ratio", "train.warmup_steps", "train.weight_decay",
+    "train.grad_clip", "loss.lambda_rec", "loss.lambda_r1", "loss.lambda_r2",
 )
 
 

@@ -17,7 +17,9 @@ from prism_jax.train import step as step_lib
 
 
 class Evaluator:
-  """Callable `params -> metrics dict` over the first `train.eval_batches` val batches."""
+  """Callable `params -> metrics dict` over the first `train.eval_batches` batches of a
+  loader (0: all of a one-pass loader, i.e. the whole val split). The record's `tokens` is
+  the number of tokens it averaged over."""
 
   def __init__(self, graphdef, cfg: Config, param_shardings: Any, mesh, loader,
                num_batches: int | None = None):
@@ -25,6 +27,10 @@ class Evaluator:
     self._step = step_lib.make_eval_step(graphdef, cfg, param_shardings, mesh)
     n = cfg.train.eval_batches if num_batches is None else num_batches
     total = loader.num_batches if loader is not None else 0
+    if n == 0 and total is None:
+      raise ValueError("eval_batches=0 (the whole split) needs a one-pass loader; the "
+                       f"{loader.split} loader is infinite: give a number of batches")
+    n = total if n == 0 else n
     self.num_batches = n if total is None else min(n, total)
 
   def __call__(self, params) -> dict[str, float]:

@@ -103,7 +103,8 @@ class TrainResult:
   train: Mapping[str, float]  # the last train metrics (and rates) of this call
   eval: Mapping[str, float]  # the last val metrics ({} without a val split)
   wall_s: float
-  tokens_per_s: float | None  # median over logged windows, compilation excluded
+  steady_tokens_per_s: float | None  # training steps only: eval, saves, compilation and
+  # the prototype init are left out (metrics.Throughput)
   state: TrainState
   graphdef: Any
 
@@ -120,7 +121,9 @@ def train(cfg: Config, workdir: str, *, mesh: jax.sharding.Mesh | None = None,
   """Trains (or resumes) `cfg` in `workdir`.
 
   `callbacks(step, state)` run after each dispatched step (and its checkpoint, if any).
-  `allow_config_change` adds dotted keys that may differ from the checkpoint's config.
+  `allow_config_change` names fields of ckpt_lib.CHANGES_ON_REQUEST that may differ from
+  the checkpoint's config (train.steps may always grow); a resume that changed fields
+  records them in metrics.jsonl (split "config_change").
   `start_over` trains from step 0 when every checkpoint was quarantined as corrupt
   (otherwise that is refused with ckpt_lib.NoReadableCheckpointError).
   """
@@ -134,10 +137,19 @@ def train(cfg: Config, workdir: str, *, mesh: jax.sharding.Mesh | None = None,
   if tc.batch_size % dp:
     raise ValueError(f"train.batch_size={tc.batch_size} must be divisible by the data-"
                      f"parallel size data*fsdp={dp} of the mesh {dict(mesh.shape)}")
+  unknown = sorted(set(allow_config_change) - set(ckpt_lib.CHANGES_ON_REQUEST)
+                   - set(ckpt_lib.RESUMABLE_CHANGES))
+  if unknown:
+    raise ValueError(f"--allow_change {', '.join(unknown)}: only these fields may change "
+                     f"on resume: {', '.join(ckpt_lib.CHANGES_ON_REQUEST)}")
   allow = ckpt_lib.RESUMABLE_CHANGES + tuple(allow_config_change)
   ckpt = ckpt_lib.Checkpointer(workdir, keep=tc.keep_checkpoints)
   try:
     latest = ckpt.latest_step()
+    if latest is not None and latest > tc.steps:
+      raise ckpt_lib.ConfigMismatchError(
+          f"the newest checkpoint in {ckpt.directory} is at step {latest}, past "
+          f"train.steps={tc.steps}: train.steps may grow on resume, not shrink")
     if latest is not None:  # refuse a mismatch before any slow data preparation
       try:
         ckpt.check_config(latest, cfg, allow)
@@ -145,14 +157,23 @@ def train(cfg: Config, workdir: str, *, mesh: jax.sharding.Mesh | None = None,
         raise
       except Exception:  # pylint: disable=broad-except
         pass  # unreadable: restore_latest reports it and falls back
-    _, train_loader, val_loader = prepare(cfg, workdir, mesh)
-    return _run(cfg, workdir, mesh, ckpt, train_loader, val_loader, callbacks, allow,
+    packed, train_loader, val_loader = prepare(cfg, workdir, mesh)
+    return _run(cfg, workdir, mesh, ckpt, packed, train_loader, val_loader, callbacks, allow,
                 t_start, start_over)
   finally:
     ckpt.close()
 
 
-def _run(cfg, workdir, mesh, ckpt, train_loader, val_loader, callbacks, allow,
+def _train_sample_loader(packed, cfg: Config, mesh):
+  """Training rows for the train-split loss at each eval: a fixed shuffled sample, drawn
+  with another seed than the training order."""
+  from prism_jax import data as data_lib  # pylint: disable=g-import-not-at-top
+  index, count = shard_lib.process_batch_slice(mesh, cfg.train.batch_size)
+  return data_lib.make_loader(packed, "train", cfg.train.batch_size,
+                              (cfg.data.seed + 1) % 2**32, index, count)
+
+
+def _run(cfg, workdir, mesh, ckpt, packed, train_loader, val_loader, callbacks, allow,
          t_start, start_over=False) -> TrainResult:
   tc = cfg.train
   tx = make_optimizer(tc)
@@ -179,6 +200,11 @@ def _run(cfg, workdir, mesh, ckpt, train_loader, val_loader, callbacks, allow,
       return fns[dense]
 
     eval_fn = evaluation.Evaluator(graphdef, cfg, shardings.params, mesh, val_loader)
+    train_eval_fn = None
+    if val_loader is not None:  # the train-split loss on as many batches as val uses
+      train_eval_fn = evaluation.Evaluator(graphdef, cfg, shardings.params, mesh,
+                                           _train_sample_loader(packed, cfg, mesh),
+                                           num_batches=eval_fn.num_batches)
     thr = metrics_lib.Throughput(cfg.model, cfg.data.seq_len,
                                  tc.batch_size * cfg.data.seq_len, mesh.devices.size)
     saving = trainer.Checkpointing(ckpt, tc.ckpt_every, train_loader.state, cfg)
@@ -191,18 +217,30 @@ def _run(cfg, workdir, mesh, ckpt, train_loader, val_loader, callbacks, allow,
       if not proto_init_due(cfg, s):
         return state
       loop.flush()
-      toks, mask = _proto_init_tokens(train_loader, cfg, s)
-      state = init_prototypes(graphdef, state, shardings, cfg, toks, mask)
+      with loop.paused():
+        toks, mask = _proto_init_tokens(train_loader, cfg, s)
+        state = init_prototypes(graphdef, state, shardings, cfg, toks, mask)
       loop.note(f"step {s}: prototypes set from {int(mask.sum())} hidden states (k-means++)")
       return state
 
-    def after_step(done: int, state: TrainState) -> None:
+    def run_eval(done: int, state: TrainState) -> None:
       nonlocal last_eval
+      with loop.paused():
+        last_eval = eval_fn(state.params)
+        train_part = train_eval_fn(state.params)
+        last_eval.update(train_loss=train_part["loss"], train_tokens=train_part["tokens"])
+      loop.write(done, "val", last_eval)
+      loop.note(format_metrics(last_eval, lead=f"eval step {done}:"))
+
+    def after_step(done: int, state: TrainState) -> None:
       if val_loader is not None and (done % tc.eval_every == 0 or done == tc.steps):
         loop.flush()
-        last_eval = eval_fn(state.params)
-        loop.write(done, "val", last_eval)
-        loop.note(f"eval step {done}: {format_metrics(last_eval)}")
+        run_eval(done, state)
+
+    if restored is not None:
+      _record_config_changes(loop, ckpt, start, cfg)
+    elif val_loader is not None and tc.eval_at_start and start < tc.steps:
+      run_eval(0, state)  # the untrained model: where the curves start
 
     batches = iter(())
     if start < tc.steps:
@@ -215,5 +253,16 @@ def _run(cfg, workdir, mesh, ckpt, train_loader, val_loader, callbacks, allow,
             if r["step"] == out.final_step]
     last_eval = {k: v for k, v in vals[-1].items() if k not in ("step", "split")} if vals else {}
   return TrainResult(workdir, out.start_step, out.final_step, out.checkpoint_step,
-                     dict(out.train), last_eval, time.time() - t_start, out.tokens_per_s,
-                     out.state, graphdef)
+                     dict(out.train), last_eval, time.time() - t_start,
+                     out.steady_tokens_per_s, out.state, graphdef)
+
+
+def _record_config_changes(loop: trainer.Loop, ckpt, step: int, cfg: Config) -> None:
+  """A resume that changed allowed fields (a longer train.steps, --allow_change) writes
+  one metrics.jsonl record {"split": "config_change", "step": step, field: [old, new]}."""
+  from prism_jax.train import overrides  # pylint: disable=g-import-not-at-top
+  diffs = overrides.config_diff(ckpt.read_config(step), cfg)
+  if diffs:
+    loop.write(step, "config_change", {k: [a, b] for k, a, b in diffs})
+    loop.note(f"resumed at step {step} with "
+              + ", ".join(f"{k} {a!r} -> {b!r}" for k, a, b in diffs))

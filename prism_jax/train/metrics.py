@@ -97,7 +97,12 @@ def read_metrics(workdir: str, split: str | None = "train") -> list[dict[str, An
 
 
 class Throughput:
-  """Tokens/s, TFLOP/s and MFU over windows between `mark` calls."""
+  """Steady tokens/s, TFLOP/s and MFU over windows between `read` calls.
+
+  Steady: time spent in work that is not a training step (evaluation, checkpoint saves,
+  compilation, the prototype init) is reported by the loop through `exclude` and left out
+  of both the window rates and the run's overall rate (`overall`).
+  """
 
   def __init__(self, model_cfg: ModelConfig | None, seq_len: int, tokens_per_step: int,
                num_devices: int, device=None):
@@ -110,29 +115,49 @@ class Throughput:
     self.peak_total = peak * num_devices if peak else None
     self._t0 = None
     self._steps = 0
+    self._excluded = 0.0
+    self._total_steps, self._total_s = 0, 0.0
 
   def start(self) -> None:
-    self._t0, self._steps = time.perf_counter(), 0
+    self._t0, self._steps, self._excluded = time.perf_counter(), 0, 0.0
 
   def step(self) -> None:
     self._steps += 1
 
-  def read(self) -> dict[str, float]:
-    """Rates since the last start() (then restarts the window)."""
-    if self._t0 is None or self._steps == 0:
-      self.start()
-      return {}
-    dt = max(time.perf_counter() - self._t0, 1e-9)
-    tok_s = self._steps * self.tokens_per_step / dt
-    out = {"tokens_per_s": tok_s, "tokens_per_s_per_device": tok_s / self.num_devices,
-           "steps_per_s": self._steps / dt}
+  def exclude(self, seconds: float) -> None:
+    """Leaves `seconds` of non-step work out of the current window."""
+    self._excluded += seconds
+
+  def _rates(self, steps: int, seconds: float) -> dict[str, float]:
+    dt = max(seconds, 1e-9)
+    tok_s = steps * self.tokens_per_step / dt
+    out = {"steady_tokens_per_s": tok_s, "steady_tokens_per_s_per_device":
+           tok_s / self.num_devices, "steady_steps_per_s": steps / dt}
     if self.flops_per_token:
       flops_s = tok_s * self.flops_per_token
       out["tflops_per_s"] = flops_s / 1e12
       if self.peak_total:
         out["mfu"] = flops_s / self.peak_total
+    return out
+
+  def read(self) -> dict[str, float]:
+    """Steady rates since the last start() (then restarts the window)."""
+    if self._t0 is None or self._steps == 0:
+      self.start()
+      return {}
+    seconds = time.perf_counter() - self._t0 - self._excluded
+    self._total_steps += self._steps
+    self._total_s += seconds
+    out = self._rates(self._steps, seconds)
+    out["excluded_s"] = self._excluded
     self.start()
     return out
+
+  def overall(self) -> float | None:
+    """Steady tokens/s over every window read so far (None before the first)."""
+    if not self._total_steps:
+      return None
+    return self._rates(self._total_steps, self._total_s)["steady_tokens_per_s"]
 
 
 class _DropLibraryLogs:

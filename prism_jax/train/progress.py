@@ -18,14 +18,31 @@ def _terminal_width() -> int:
     return 0
 
 
-def format_metrics(m: dict[str, Any]) -> str:
+# absl's prefix ("I1201 09:01:18.648751 140119656225664 loop.py:123] ") takes ~45 columns:
+# metric text wraps so that every log line fits 120.
+LINE_WIDTH = 75
+_SHORT = {"steady_tokens_per_s": "steady tok/s", "steady_tokens_per_s_per_device":
+          "steady tok/s/dev", "steady_steps_per_s": "steps/s", "tflops_per_s": "TFLOP/s"}
+
+
+def format_metrics(m: dict[str, Any], width: int = LINE_WIDTH, lead: str = "") -> str:
+  """`lead name value | name value ...`, wrapped to lines of at most `width` characters."""
   parts = []
   for k, v in m.items():
+    k = _SHORT.get(k, k)
     if isinstance(v, float):
       parts.append(f"{k} {v:,.4g}" if abs(v) < 1e4 else f"{k} {v:,.0f}")
     else:
       parts.append(f"{k} {v}")
-  return " | ".join(parts)
+  lines, cur, fresh = [], lead, True  # fresh: nothing but the lead on the current line
+  for part in parts:
+    if not fresh and len(cur) + 3 + len(part) > width:
+      lines.append(cur)
+      cur = "  " + part
+    else:
+      cur = (f"{cur} {part}" if cur else part) if fresh else f"{cur} | {part}"
+    fresh = False
+  return "\n".join(lines + [cur])
 
 
 class Progress:
@@ -43,11 +60,11 @@ class Progress:
     if self.bar is not None:
       self.bar.update(1)
       post = {"loss": f"{m['loss']:.4f}"}
-      if rates.get("tokens_per_s"):
-        post["tok/s"] = f"{rates['tokens_per_s']:,.0f}"
+      if rates.get("steady_tokens_per_s"):
+        post["steady tok/s"] = f"{rates['steady_tokens_per_s']:,.0f}"
       self.bar.set_postfix(post, refresh=False)
     elif log_due:
-      logging.info("step %d/%d %s", step, self.total, format_metrics({**m, **rates}))
+      logging.info("%s", format_metrics({**m, **rates}, lead=f"step {step}/{self.total}"))
 
   def write(self, text: str) -> None:
     if self.bar is not None:

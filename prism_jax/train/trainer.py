@@ -16,8 +16,10 @@ the step being saved is fetched and checked, so a non-finite state is never save
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import itertools
+import time
 from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from typing import Any
 
@@ -135,7 +137,7 @@ class LoopResult:
   final_step: int
   checkpoint_step: int | None  # the newest step saved (or restored), None if none
   train: Mapping[str, float]  # the last step's metrics (and rates, if logged)
-  tokens_per_s: float | None  # median over logged windows, the first (compiling) excluded
+  steady_tokens_per_s: float | None  # steps' tokens / their time (see metrics.Throughput)
 
 
 class Loop:
@@ -153,7 +155,7 @@ class Loop:
     self.progress = Progress(start, steps)
     self._pending = None  # (step, device metrics) not yet fetched
     self._last: dict[str, float] = {}
-    self._rates: list[float] = []
+    self._compiled: set[int] = set()  # ids of step functions already called once
 
   def write(self, step: int, split: str, metrics: dict[str, Any]) -> None:
     if self.writer is not None:
@@ -161,6 +163,17 @@ class Loop:
 
   def note(self, text: str) -> None:
     self.progress.write(text)
+
+  @contextlib.contextmanager
+  def paused(self):
+    """Leaves the enclosed work (eval, saves, compilation, init) out of the steady rate.
+    Callers flush first where they need the pending step done: that wait is step time."""
+    t0 = time.perf_counter()
+    try:
+      yield
+    finally:
+      if self.thr is not None:
+        self.thr.exclude(time.perf_counter() - t0)
 
   def flush(self) -> None:
     """Fetches and checks the step not yet fetched (a sync point)."""
@@ -192,8 +205,6 @@ class Loop:
     if self.thr is not None:
       self.thr.step()
       rates = self.thr.read() if log_due else {}
-      if rates and step - self.start > self.log_every:  # skip the window with compilation
-        self._rates.append(rates["tokens_per_s"])
     self.write(step, "train", {**m, **rates})
     self.progress.update(step, m, rates, log_due)
     self._last = {**m, **rates}
@@ -215,14 +226,23 @@ class Loop:
         batch = next(batches, None)
         if batch is None:
           raise ValueError(f"the batches ran out after {s} of {self.steps} steps")
-        state, m_dev = step_for(s)(state, batch)
+        fn = step_for(s)
+        if id(fn) in self._compiled:
+          state, m_dev = fn(state, batch)
+        else:  # the first call compiles (synchronously): not step time
+          self.flush()
+          with self.paused():
+            state, m_dev = fn(state, batch)
+            jax.block_until_ready(m_dev)
+          self._compiled.add(id(fn))
         self.flush()
         self._pending = (s + 1, m_dev)
         done = s + 1
         if self.ckpt is not None and (done % self.ckpt.every == 0 or done == self.steps):
           self.flush()  # never save a state that is not known to be finite
-          self.ckpt.checkpointer.save(done, state, self.ckpt.data_state(done),
-                                      self.ckpt.config)
+          with self.paused():
+            self.ckpt.checkpointer.save(done, state, self.ckpt.data_state(done),
+                                        self.ckpt.config)
           ckpt_step = done
         if after_step is not None:
           after_step(done, state)
@@ -236,7 +256,7 @@ class Loop:
       if self.writer is not None:
         self.writer.close()
     return LoopResult(state, self.start, done, ckpt_step, self._last,
-                      float(np.median(self._rates)) if self._rates else None)
+                      None if self.thr is None else self.thr.overall())
 
 
 def _batches_from(batches: Iterable | Callable[[int], Iterator], start: int) -> Iterator:
