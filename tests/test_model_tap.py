@@ -83,8 +83,10 @@ def test_probe_gradients_give_every_linear_maps_weight_gradient_float64():
 
     grads = nnx.grad(loss)(model)
     d = CFG.d_model
-    for i, blk in enumerate(grads.backbone.blocks):
-      ref = {"qkv": (blk.attn.qkv_kernel[...].reshape(d, -1), blk.attn.qkv_bias[...].reshape(-1)),
+    for i in range(CFG.n_layers):
+      blk = grads.backbone.blocks[i]
+      ref = {"qkv": (blk.attn.qkv_kernel[...].reshape(d, -1),
+                     blk.attn.qkv_bias[...].reshape(-1)),
              "attn_out": (blk.attn.out_kernel[...].reshape(-1, d), blk.attn.out_bias[...]),
              "mlp_fc": (blk.mlp.fc_kernel[...], blk.mlp.fc_bias[...]),
              "mlp_proj": (blk.mlp.proj_kernel[...], blk.mlp.proj_bias[...])}
