@@ -8,8 +8,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
+from prism_jax import sharding
 from prism_jax.config import ModelConfig
 from prism_jax.losses import token_nll
 from prism_jax.model.lm import build_model
@@ -60,6 +62,18 @@ def test_zero_probes_change_nothing_and_streams_are_block_outputs():
   np.testing.assert_array_equal(np.asarray(tap.inputs["block0"]), np.asarray(after0))
   assert tap.inputs["block1.mlp_fc"].shape == inputs.shape + (CFG.d_model + 1,)
   assert tap.inputs["bank"].shape == inputs.shape + (CFG.num_prototypes,)
+
+
+def test_bad_probe_shape_and_unknown_axis_are_named():
+  model = _model(6)
+  inputs, _, _ = _batch(7)
+  probes = _probes(_names(), *inputs.shape, jnp.float32)
+  probes["block1.mlp_fc"] = jnp.zeros(inputs.shape + (CFG.d_model,))  # out is d_mlp
+  with pytest.raises(ValueError, match="probe 'block1.mlp_fc' has shape"):
+    model(inputs, tap=Tap(probes))
+  assert sharding.mesh_axes("tokens") == ("data", "fsdp") and sharding.mesh_axes("kv") == ()
+  with pytest.raises(ValueError, match="unknown logical axis 'protos'"):
+    sharding.mesh_axes("protos")
 
 
 def test_probe_gradients_give_every_linear_maps_weight_gradient_float64():
