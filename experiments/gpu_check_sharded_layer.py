@@ -19,7 +19,10 @@ def f(fn, z, p, **kw):
 g = jax.value_and_grad(f, argnums=(1, 2), has_aux=True)
 (v0, o0), g0 = g(topk_reconstruct_xla, z, p)
 with jax.set_mesh(sharding.make_mesh(MeshConfig(1, 1, 1), jax.devices()[:1])):
-  (v1, o1), g1 = jax.jit(lambda z, p: g(lambda *a, **k: sharded.topk_reconstruct_sharded(*a, model_axis="model", token_axes=sharding.mesh_axes("tokens"), opts=api.kernel_options(impl, "sqeuclidean"), **k), z, p))(z, p)
+  layer = lambda *a, **k: sharded.topk_reconstruct_sharded(
+      *a, model_axis="model", token_axes=sharding.mesh_axes("tokens"),
+      opts=api.kernel_options(impl, "sqeuclidean"), **k)
+  (v1, o1), g1 = jax.jit(lambda z, p: g(layer, z, p))(z, p)
 rel = lambda a, b: float(jnp.max(jnp.abs(a - b)) / jnp.max(jnp.abs(a)))
 print(impl, "ids equal frac", float(jnp.mean(o0[0] == o1[0])), "z_hat rel", rel(o0[3], o1[3]),
       "dz rel", rel(g0[0], g1[0]), "dp rel", rel(g0[1], g1[1]))

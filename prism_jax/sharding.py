@@ -51,7 +51,10 @@ LOGICAL_RULES: tuple[tuple[str, str | tuple[str, ...] | None], ...] = (
 def mesh_axes(logical: str) -> tuple[str, ...]:
   """The mesh axes LOGICAL_RULES maps a logical axis to (() = replicated): what the
   prototype op is told to split its tokens ("tokens") and its bank ("proto") over."""
-  entry = dict(LOGICAL_RULES)[logical]
+  rules = dict(LOGICAL_RULES)
+  if logical not in rules:
+    raise ValueError(f"unknown logical axis {logical!r}; LOGICAL_RULES has {sorted(rules)}")
+  entry = rules[logical]
   return () if entry is None else (entry,) if isinstance(entry, str) else tuple(entry)
 
 

@@ -8,8 +8,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 import numpy as np
+import pytest
 from flax import nnx
 
+from prism_jax import sharding
 from prism_jax.config import ModelConfig
 from prism_jax.losses import token_nll
 from prism_jax.model.lm import build_model
@@ -62,6 +64,18 @@ def test_zero_probes_change_nothing_and_streams_are_block_outputs():
   assert tap.inputs["bank"].shape == inputs.shape + (CFG.num_prototypes,)
 
 
+def test_bad_probe_shape_and_unknown_axis_are_named():
+  model = _model(6)
+  inputs, _, _ = _batch(7)
+  probes = _probes(_names(), *inputs.shape, jnp.float32)
+  probes["block1.mlp_fc"] = jnp.zeros(inputs.shape + (CFG.d_model,))  # out is d_mlp
+  with pytest.raises(ValueError, match="probe 'block1.mlp_fc' has shape"):
+    model(inputs, tap=Tap(probes))
+  assert sharding.mesh_axes("tokens") == ("data", "fsdp") and sharding.mesh_axes("kv") == ()
+  with pytest.raises(ValueError, match="unknown logical axis 'protos'"):
+    sharding.mesh_axes("protos")
+
+
 def test_probe_gradients_give_every_linear_maps_weight_gradient_float64():
   with jax.enable_x64(True):
     model = _model(2, jnp.float64)
@@ -83,8 +97,10 @@ def test_probe_gradients_give_every_linear_maps_weight_gradient_float64():
 
     grads = nnx.grad(loss)(model)
     d = CFG.d_model
-    for i, blk in enumerate(grads.backbone.blocks):
-      ref = {"qkv": (blk.attn.qkv_kernel[...].reshape(d, -1), blk.attn.qkv_bias[...].reshape(-1)),
+    for i in range(CFG.n_layers):
+      blk = grads.backbone.blocks[i]
+      ref = {"qkv": (blk.attn.qkv_kernel[...].reshape(d, -1),
+                     blk.attn.qkv_bias[...].reshape(-1)),
              "attn_out": (blk.attn.out_kernel[...].reshape(-1, d), blk.attn.out_bias[...]),
              "mlp_fc": (blk.mlp.fc_kernel[...], blk.mlp.fc_bias[...]),
              "mlp_proj": (blk.mlp.proj_kernel[...], blk.mlp.proj_bias[...])}

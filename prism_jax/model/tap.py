@@ -49,6 +49,9 @@ class Tap:
     probe = self.probes.get(key)
     if probe is None:
       return y_out
+    if probe.size != y_out.size:
+      raise ValueError(f"probe {key!r} has shape {probe.shape}; the layer's output is "
+                       f"{y_out.shape} (probes are (B, T, out))")
     x = x_in.reshape(probe.shape[:2] + (-1,))
     if bias:
       x = jnp.concatenate([x, jnp.ones(x.shape[:-1] + (1,), x.dtype)], -1)
