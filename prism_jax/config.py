@@ -49,6 +49,11 @@ class ModelConfig:
   distance: Distance = "cosine"  # for the clustering terms R1/R2
   proto_init: Literal["data", "normal"] = "data"
   implementation: Implementation = None  # prototype-layer kernel; None = best available
+  # GPT-2 has biases in every linear map and LayerNorm; False drops them all (nanoGPT's
+  # bias=False). Dropout (training only, from the step's key; off at eval and generation) on
+  # the embeddings, the attention probabilities and each block's two residual branches.
+  bias: bool = True
+  dropout: float = 0.0
   # Numerics.
   dtype: Literal["float32", "bfloat16"] = "float32"  # compute dtype; params stay fp32
   remat: bool = False
@@ -71,6 +76,8 @@ class ModelConfig:
     _check_choice("model.distance", self.distance, ("cosine", "sqeuclidean"))
     _check_choice("model.proto_init", self.proto_init, ("data", "normal"))
     _check_choice("model.dtype", self.dtype, ("float32", "bfloat16"))
+    _check(isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0,
+           f"model.dropout must be in [0, 1), got {self.dropout!r}")
     _check_choice("model.implementation", self.implementation, IMPLEMENTATIONS)
 
   @property

@@ -4,7 +4,8 @@ Parameters (D d_model, F = mlp_ratio·D, L layers, V vocab, P max_len, K prototy
 
   per layer   = 2 LayerNorms (4D) + qkv (3D² + 3D) + attn out (D² + D)
                 + MLP (D·F + F + F·D + D)                  = 4D² + 2DF + 9D + F
-  dense       = V·D (tied wte / LM head) + P·D (wpe) + L·per_layer + 2D (ln_f)
+                (model.bias=False: no biases, LayerNorm scales only = 4D² + 2DF + 2D)
+  dense       = V·D (tied wte / LM head) + P·D (wpe) + L·per_layer + 2D (ln_f; D unbiased)
   prototypes  = K·D;   prism = dense + K·D;   overhead % = 100·K·D / dense
 
 FLOPs per token of a forward pass at sequence length T (one multiply-add = 2 FLOPs; the
@@ -79,9 +80,10 @@ def device_peak_flops(device: Any) -> float | None:
 def param_counts(cfg: ModelConfig) -> dict[str, float]:
   """Analytic parameter counts of `DenseLM` / `PrismLM` for `cfg` (see module docstring)."""
   d, f, layers = cfg.d_model, cfg.d_mlp, cfg.n_layers
-  per_layer = 4 * d * d + 2 * d * f + 9 * d + f
+  biases = 7 * d + f if cfg.bias else 0  # 2 LayerNorm biases, qkv, attn out, MLP fc, proj
+  per_layer = 4 * d * d + 2 * d * f + 2 * d + biases
   embeddings = cfg.vocab_size * d + cfg.max_len * d
-  dense = embeddings + layers * per_layer + 2 * d
+  dense = embeddings + layers * per_layer + (2 * d if cfg.bias else d)
   prototypes = cfg.num_prototypes * d
   return {
       "dense": dense,

@@ -36,8 +36,9 @@ class DenseLM(nnx.Module):
     self.backbone = Backbone(cfg, rngs=rngs)
 
   def __call__(self, tokens_BxT, positions_BxT=None, *, mask_BxT=None, caches=None,
-               tap: Tap | None = None):
-    z_BxTxD, caches = self.backbone(tokens_BxT, positions_BxT, caches, tap)
+               tap: Tap | None = None, dropout_key: jax.Array | None = None):
+    """`dropout_key` (training only) turns on model.dropout in the backbone."""
+    z_BxTxD, caches = self.backbone(tokens_BxT, positions_BxT, caches, tap, dropout_key)
     return self.head(z_BxTxD, mask_BxT, tap)._replace(caches=caches)
 
   def head(self, z_BxTxD, mask_BxT=None, tap: Tap | None = None) -> LMOutput:
@@ -60,9 +61,10 @@ class PrismLM(nnx.Module):
                               distance=cfg.distance, implementation=cfg.implementation)
 
   def __call__(self, tokens_BxT, positions_BxT=None, *, mask_BxT=None, caches=None,
-               tap: Tap | None = None):
-    """`mask_BxT` marks valid (non-padding) tokens for the prototype statistics."""
-    z_BxTxD, caches = self.backbone(tokens_BxT, positions_BxT, caches, tap)
+               tap: Tap | None = None, dropout_key: jax.Array | None = None):
+    """`mask_BxT` marks valid (non-padding) tokens for the prototype statistics;
+    `dropout_key` (training only) turns on model.dropout in the backbone."""
+    z_BxTxD, caches = self.backbone(tokens_BxT, positions_BxT, caches, tap, dropout_key)
     return self.head(z_BxTxD, mask_BxT, tap)._replace(caches=caches)
 
   def head(self, z_BxTxD, mask_BxT=None, tap: Tap | None = None) -> LMOutput:

@@ -36,17 +36,33 @@ def compute_dtype(cfg: ModelConfig, param: jax.Array) -> jnp.dtype:
   return jnp.dtype(jnp.float64) if param.dtype == jnp.float64 else jnp.dtype(cfg.dtype)
 
 
+def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
+  """Inverted dropout; the identity without a key (evaluation, generation) or at rate 0."""
+  if key is None or rate == 0.0:
+    return x
+  keep = jax.random.bernoulli(key, 1.0 - rate, x.shape)
+  return jnp.where(keep, x / (1.0 - rate), 0.0).astype(x.dtype)
+
+
+def _keys(key: jax.Array | None, n: int) -> tuple:
+  return (None,) * n if key is None else tuple(jax.random.split(key, n))
+
+
+def _bias(param, dtype):
+  return 0.0 if param is None else param[...].astype(dtype)
+
+
 class LayerNorm(nnx.Module):
 
-  def __init__(self, d_model: int):
+  def __init__(self, d_model: int, bias: bool = True):
     self.scale = _const((d_model,), 1.0, ("norm",))
-    self.bias = _const((d_model,), 0.0, ("norm",))
+    self.bias = _const((d_model,), 0.0, ("norm",)) if bias else None
 
   def __call__(self, x_BxTxD: jax.Array) -> jax.Array:
     x = x_BxTxD.astype(wide(x_BxTxD.dtype))  # statistics in fp32 whatever the compute dtype
     mean = x.mean(-1, keepdims=True)
     var = jnp.square(x - mean).mean(-1, keepdims=True)
-    y = (x - mean) * jax.lax.rsqrt(var + 1e-5) * self.scale[...] + self.bias[...]
+    y = (x - mean) * jax.lax.rsqrt(var + 1e-5) * self.scale[...] + _bias(self.bias, x.dtype)
     return y.astype(x_BxTxD.dtype)
 
 
@@ -63,17 +79,17 @@ class Attention(nnx.Module):
     d, h, dh = cfg.d_model, cfg.n_heads, cfg.head_dim
     self.cfg = cfg
     self.qkv_kernel = _param(rngs, (d, 3, h, dh), cfg.init_std, ("embed", None, "heads", "kv"))
-    self.qkv_bias = _const((3, h, dh), 0.0, (None, "heads", "kv"))
+    self.qkv_bias = _const((3, h, dh), 0.0, (None, "heads", "kv")) if cfg.bias else None
     proj_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5  # GPT-2 residual scaling
     self.out_kernel = _param(rngs, (h, dh, d), proj_std, ("heads", "kv", "embed"))
-    self.out_bias = _const((d,), 0.0, ("embed",))
+    self.out_bias = _const((d,), 0.0, ("embed",)) if cfg.bias else None
 
   def __call__(self, x_BxTxD: jax.Array, positions_BxT: jax.Array,
-               cache: KVCache | None = None,
-               tap: Tap | None = None) -> tuple[jax.Array, KVCache | None]:
-    dtype = x_BxTxD.dtype
+               cache: KVCache | None = None, tap: Tap | None = None,
+               dropout_key: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
+    dtype, bias = x_BxTxD.dtype, self.cfg.bias
     qkv = jnp.einsum("btd,dchk->btchk", x_BxTxD, self.qkv_kernel[...].astype(dtype))
-    qkv = linear(tap, "qkv", x_BxTxD, qkv + self.qkv_bias[...].astype(dtype))
+    qkv = linear(tap, "qkv", x_BxTxD, qkv + _bias(self.qkv_bias, dtype), bias=bias)
     q_BxTxHxDh, k_BxTxHxDh, v_BxTxHxDh = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     if cache is None:
       keys, values = k_BxTxHxDh, v_BxTxHxDh
@@ -94,9 +110,11 @@ class Attention(nnx.Module):
     causal_BxTxS = positions_BxT[:, :, None] >= key_pos_BxS[:, None, :]
     scores = jnp.where(causal_BxTxS[:, None], scores, jnp.finfo(sdt).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
+    probs = dropout(probs, self.cfg.dropout, dropout_key)
     ctx_BxTxHxDh = jnp.einsum("bhts,bshk->bthk", probs, values)
     out = jnp.einsum("bthk,hkd->btd", ctx_BxTxHxDh, self.out_kernel[...].astype(dtype))
-    return linear(tap, "attn_out", ctx_BxTxHxDh, out + self.out_bias[...].astype(dtype)), cache
+    out = linear(tap, "attn_out", ctx_BxTxHxDh, out + _bias(self.out_bias, dtype), bias=bias)
+    return out, cache
 
 
 class MLP(nnx.Module):
@@ -104,31 +122,35 @@ class MLP(nnx.Module):
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     d, f = cfg.d_model, cfg.d_mlp
     self.fc_kernel = _param(rngs, (d, f), cfg.init_std, ("embed", "mlp"))
-    self.fc_bias = _const((f,), 0.0, ("mlp",))
+    self.fc_bias = _const((f,), 0.0, ("mlp",)) if cfg.bias else None
     proj_std = cfg.init_std / (2 * cfg.n_layers) ** 0.5
     self.proj_kernel = _param(rngs, (f, d), proj_std, ("mlp", "embed"))
-    self.proj_bias = _const((d,), 0.0, ("embed",))
+    self.proj_bias = _const((d,), 0.0, ("embed",)) if cfg.bias else None
+    self.bias = cfg.bias
 
   def __call__(self, x_BxTxD: jax.Array, tap: Tap | None = None) -> jax.Array:
     dtype = x_BxTxD.dtype
-    h = x_BxTxD @ self.fc_kernel[...].astype(dtype) + self.fc_bias[...].astype(dtype)
-    h = jax.nn.gelu(linear(tap, "mlp_fc", x_BxTxD, h), approximate=True)
-    out = h @ self.proj_kernel[...].astype(dtype) + self.proj_bias[...].astype(dtype)
-    return linear(tap, "mlp_proj", h, out)
+    h = x_BxTxD @ self.fc_kernel[...].astype(dtype) + _bias(self.fc_bias, dtype)
+    h = jax.nn.gelu(linear(tap, "mlp_fc", x_BxTxD, h, bias=self.bias), approximate=True)
+    out = h @ self.proj_kernel[...].astype(dtype) + _bias(self.proj_bias, dtype)
+    return linear(tap, "mlp_proj", h, out, bias=self.bias)
 
 
 class Block(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
-    self.ln1 = LayerNorm(cfg.d_model)
+    self.ln1 = LayerNorm(cfg.d_model, cfg.bias)
     self.attn = Attention(cfg, rngs=rngs)
-    self.ln2 = LayerNorm(cfg.d_model)
+    self.ln2 = LayerNorm(cfg.d_model, cfg.bias)
     self.mlp = MLP(cfg, rngs=rngs)
+    self.rate = cfg.dropout
 
-  def __call__(self, x_BxTxD, positions_BxT, cache=None, tap: Tap | None = None):
-    attn_out, cache = self.attn(self.ln1(x_BxTxD), positions_BxT, cache, tap)
-    x_BxTxD = x_BxTxD + attn_out
-    x_BxTxD = x_BxTxD + self.mlp(self.ln2(x_BxTxD), tap)
+  def __call__(self, x_BxTxD, positions_BxT, cache=None, tap: Tap | None = None,
+               dropout_key: jax.Array | None = None):
+    k_attn, k_res1, k_res2 = _keys(dropout_key, 3)
+    attn_out, cache = self.attn(self.ln1(x_BxTxD), positions_BxT, cache, tap, k_attn)
+    x_BxTxD = x_BxTxD + dropout(attn_out, self.rate, k_res1)
+    x_BxTxD = x_BxTxD + dropout(self.mlp(self.ln2(x_BxTxD), tap), self.rate, k_res2)
     return x_BxTxD, cache
 
 
@@ -140,20 +162,24 @@ class Backbone(nnx.Module):
     self.wte = _param(rngs, (cfg.vocab_size, cfg.d_model), cfg.init_std, ("vocab", "embed"))
     self.wpe = _param(rngs, (cfg.max_len, cfg.d_model), cfg.init_std / 2, (None, "embed"))
     self.blocks = nnx.List([Block(cfg, rngs=rngs) for _ in range(cfg.n_layers)])
-    self.ln_f = LayerNorm(cfg.d_model)
+    self.ln_f = LayerNorm(cfg.d_model, cfg.bias)
 
   def __call__(self, tokens_BxT: jax.Array, positions_BxT: jax.Array | None = None,
-               caches: list[KVCache] | None = None, tap: Tap | None = None):
-    """z (B, T, D) after the final norm, and the updated caches (None without caches)."""
+               caches: list[KVCache] | None = None, tap: Tap | None = None,
+               dropout_key: jax.Array | None = None):
+    """z (B, T, D) after the final norm, and the updated caches (None without caches).
+    `dropout_key` (training only) turns on model.dropout."""
     positions_BxT = self.positions(tokens_BxT, positions_BxT, caches)
-    x = self.embed(tokens_BxT, positions_BxT)
+    keys = _keys(dropout_key, self.cfg.n_layers + 1)
+    x = dropout(self.embed(tokens_BxT, positions_BxT), self.cfg.dropout, keys[0])
     new_caches = []
     for i, block in enumerate(self.blocks):
       cache = None if caches is None else caches[i]
       if self.cfg.remat and caches is None and tap is None:
-        x, cache = nnx.remat(lambda blk, h, pos: blk(h, pos))(block, x, positions_BxT)
+        x, cache = nnx.remat(lambda blk, h, pos, key: blk(h, pos, dropout_key=key))(
+            block, x, positions_BxT, keys[i + 1])
       else:
-        x, cache = block(x, positions_BxT, cache, scoped(tap, f"block{i}"))
+        x, cache = block(x, positions_BxT, cache, scoped(tap, f"block{i}"), keys[i + 1])
         if tap is not None:
           tap.stream(f"block{i}", x)
       new_caches.append(cache)

@@ -39,8 +39,18 @@ def uses_dense_warmup(cfg: Config) -> bool:
           and cfg.train.proto_init_step > 0)
 
 
-def _dense_loss(model, batch) -> tuple[jax.Array, dict[str, jax.Array]]:
-  z_BxTxD, _ = model.backbone(batch["inputs"])
+def step_key(cfg: Config, step: jax.Array, stream: int) -> jax.Array:
+  """The randomness of training step `step` (dropout: stream 0), a pure function of
+  (train.seed, step, stream): a resumed run draws the same masks."""
+  return jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.train.seed), step), stream)
+
+
+def _dropout_key(cfg: Config, step) -> jax.Array | None:
+  return None if cfg.model.dropout == 0.0 or step is None else step_key(cfg, step, 0)
+
+
+def _dense_loss(model, batch, dropout_key=None) -> tuple[jax.Array, dict[str, jax.Array]]:
+  z_BxTxD, _ = model.backbone(batch["inputs"], dropout_key=dropout_key)
   logits = model.backbone.lm_head(z_BxTxD)
   vocab = logits.shape[-1]
   ce = losses.cross_entropy(logits.reshape(-1, vocab), batch["targets"].reshape(-1),
@@ -48,8 +58,8 @@ def _dense_loss(model, batch) -> tuple[jax.Array, dict[str, jax.Array]]:
   return ce, {"ce": ce, "loss": ce}
 
 
-def _model_loss(model, batch, cfg: Config) -> tuple[jax.Array, dict[str, jax.Array]]:
-  out = model(batch["inputs"], mask_BxT=batch["mask"])
+def _model_loss(model, batch, cfg: Config, step=None) -> tuple[jax.Array, dict[str, jax.Array]]:
+  out = model(batch["inputs"], mask_BxT=batch["mask"], dropout_key=_dropout_key(cfg, step))
   return losses.total_loss(out, batch["targets"], batch["mask"], cfg.loss)
 
 
@@ -62,15 +72,15 @@ def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation,
   `dense_phase=True` builds the warm-up variant (dense CE through W z; see module doc).
   """
 
-  def loss_fn(params, batch):
+  def loss_fn(params, batch, step):
     model = nnx.merge(graphdef, params)
     if dense_phase:
-      return _dense_loss(model, batch)
-    return _model_loss(model, batch, cfg)
+      return _dense_loss(model, batch, _dropout_key(cfg, step))
+    return _model_loss(model, batch, cfg, step)
 
   batch_sh = {k: shard_lib.batch_sharding(mesh) for k in BATCH_KEYS}
   return trainer.make_step(loss_fn, tx, state_shardings=shardings, batch_shardings=batch_sh,
-                           schedule=lr_schedule(cfg.train))
+                           schedule=lr_schedule(cfg.train), pass_step=True)
 
 
 def eval_stats_init(cfg: Config) -> dict[str, Any]:

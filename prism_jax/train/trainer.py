@@ -85,9 +85,12 @@ def _all_finite(tree) -> jax.Array:
 
 def make_step(loss_fn: LossFn, tx: optax.GradientTransformation, *,
               trainable: Trainable | None = None, state_shardings: Any = None,
-              batch_shardings: Any = None,
-              schedule: optax.Schedule | None = None) -> StepFn:
+              batch_shardings: Any = None, schedule: optax.Schedule | None = None,
+              pass_step: bool = False) -> StepFn:
   """Jitted `step(state, batch) -> (state, metrics)` with the state donated.
+
+  `pass_step`: the loss is `loss_fn(params, batch, step)` (step: the int32 step being
+  taken), e.g. to derive dropout keys that a resume reproduces.
 
   Metrics are `loss_fn`'s (plus `loss` if it has none), `grad_norm`, `lr` when a
   `schedule` is given, and `params_finite` (1.0 when the updated parameters are finite:
@@ -95,13 +98,15 @@ def make_step(loss_fn: LossFn, tx: optax.GradientTransformation, *,
   """
 
   def step(state: TrainState, batch):
+    extra = (state.step,) if pass_step else ()
     if trainable is None:
-      (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch)
+      (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch,
+                                                                         *extra)
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       params = checked = optax.apply_updates(state.params, updates)
     else:
       sub = select(state.params, trainable)
-      loss_of_sub = lambda s, b: loss_fn(merge(state.params, s), b)
+      loss_of_sub = lambda s, b: loss_fn(merge(state.params, s), b, *extra)
       (loss, metrics), grads = jax.value_and_grad(loss_of_sub, has_aux=True)(sub, batch)
       updates, opt_state = tx.update(grads, state.opt_state, sub)
       checked = optax.apply_updates(sub, updates)
