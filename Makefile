@@ -26,7 +26,10 @@ venv: $(STAMP)
 demo: $(STAMP)
 	$(PY) -m experiments.demo
 
+# The architecture contracts first (.importlinter: DESIGN.md's layers, the kernel op
+# standing alone, data beside model), then the suite.
 test: $(STAMP)
+	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -m "not tpu_aot" $(PYTEST_ARGS)
 
 # Optional job: ahead-of-time TPU compiles (train step, Pallas kernel) with libtpu, no TPU.

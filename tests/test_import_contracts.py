@@ -1,0 +1,45 @@
+"""The architecture contracts (.importlinter, run by `make test` before pytest) hold, and a
+deliberate violation makes lint-imports fail (so the check is not vacuous)."""
+
+import os
+import shutil
+import subprocess
+import sys
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+LINT = os.path.join(os.path.dirname(sys.executable), "lint-imports")
+
+
+def _lint(cwd):
+  return subprocess.run([LINT, "--no-cache"], cwd=cwd, capture_output=True, text=True,
+                        timeout=300, env=dict(os.environ, PYTHONPATH=cwd))
+
+
+def _copy_tree(dst):
+  for name in ("prism_jax", "pallas_kernels", "experiments"):
+    shutil.copytree(os.path.join(REPO, name), os.path.join(dst, name),
+                    ignore=shutil.ignore_patterns("__pycache__"))
+  shutil.copy(os.path.join(REPO, ".importlinter"), dst)
+
+
+def test_contracts_hold():
+  res = _lint(REPO)
+  assert res.returncode == 0, res.stdout[-3000:]
+  assert "3 kept, 0 broken" in res.stdout, res.stdout[-3000:]
+
+
+def test_each_kind_of_violation_breaks_a_contract(tmp_path):
+  violations = {  # file -> an import that breaks one contract
+      "pallas_kernels/topk_reconstruct/common.py": "import prism_jax.config",
+      "prism_jax/model/params.py": "import prism_jax.train.metrics",
+      "prism_jax/data/batch.py": "import prism_jax.model.lm",
+      "prism_jax/losses.py": "import experiments.cli",
+  }
+  for path, line in violations.items():
+    root = tmp_path / path.replace("/", "_")
+    _copy_tree(root)
+    with open(root / path, "a") as f:
+      f.write(f"\n{line}  # deliberate violation\n")
+    res = _lint(str(root))
+    assert res.returncode != 0, (path, res.stdout[-2000:])
+    assert "BROKEN" in res.stdout and line.split()[-1] in res.stdout, res.stdout[-2000:]
