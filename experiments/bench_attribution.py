@@ -23,7 +23,9 @@ import sys
 import time
 
 import numpy as np
-from absl import app, flags
+from absl import flags
+
+from experiments import cli
 
 flags.DEFINE_string("workdir", "/tmp/prism_attr_bench", "trained tiny run (trained if absent)")
 flags.DEFINE_string("out_dir", None, "scratch + results (default <workdir>/bench_attribution)")
@@ -289,4 +291,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

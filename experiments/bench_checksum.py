@@ -11,7 +11,9 @@ arrays: the floor of any pass that reads every byte. Prints a markdown table.
 
 import time
 
-from absl import app, flags
+from absl import flags
+
+from experiments import cli
 
 _MB = flags.DEFINE_integer("mb", 256, "MB of array data per row")
 _DEVICES = flags.DEFINE_integer("devices", 8, "CPU devices for the sharded rows")
@@ -71,4 +73,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

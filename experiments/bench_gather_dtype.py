@@ -8,7 +8,9 @@ gather, which is exact. Prints XLA's cost-model bytes and the time of both forms
 and forward+backward, side by side, and checks that outputs and gradients are bitwise equal.
 """
 
-from absl import app, flags
+from absl import flags
+
+from experiments import cli
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -58,4 +60,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

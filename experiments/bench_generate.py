@@ -12,7 +12,9 @@ import dataclasses
 import time
 
 import numpy as np
-from absl import app, flags
+from absl import flags
+
+from experiments import cli
 
 flags.DEFINE_string("preset", "tiny", "model preset")
 flags.DEFINE_integer("batch", 1, "prompts per call")
@@ -60,4 +62,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

@@ -6,7 +6,9 @@ On a GPU/TPU it times the compiled kernel; on CPU it runs the Pallas interpreter
 shapes (timings then only show the interpreter works, not kernel speed) and says so.
 """
 
-from absl import app, flags
+from absl import flags
+
+from experiments import cli
 import jax
 import numpy as np
 
@@ -90,4 +92,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

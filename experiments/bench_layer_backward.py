@@ -15,7 +15,9 @@ whole layer (interpreted kernel forward, identical in both) under jax.value_and_
 Both report max |g_new - g_old| / max |g_old| for dz and dprotos.
 """
 
-from absl import app, flags
+from absl import flags
+
+from experiments import cli
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -169,4 +171,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)

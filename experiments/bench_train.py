@@ -18,7 +18,9 @@ import time
 
 import jax
 import numpy as np
-from absl import app, flags
+from absl import flags
+
+from experiments import cli
 
 flags.DEFINE_list("presets", ["tiny", "small"], "presets to benchmark")
 flags.DEFINE_integer("tiny_steps", 120, "timed steps per model at `tiny`")
@@ -143,4 +145,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)
