@@ -107,8 +107,9 @@ def topk_reconstruct(z_NxD, protos_KxD, k, *, mixture="raw", distance="cosine", 
 
 
 def _no_f64(x):
-  """float64 (under x64) computed in float32, as the XLA path does: the kernels and the
-  float32 accumulators of `_mix` have no float64 variant (gradients flow back as float64)."""
+  """float64 (under x64) computed in float32: the kernels and the float32 accumulators of
+  the sparse mixture have no float64 variant (gradients flow back as float64). The XLA
+  reference (`implementation="xla"`) is dtype-generic and stays in float64."""
   return x.astype(jnp.float32) if x.dtype == jnp.float64 else x
 
 
