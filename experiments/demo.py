@@ -50,7 +50,12 @@ def main(argv):
     print(f"\ntrained steps {summary['start_step']}..{summary['final_step']} in "
           f"{summary['wall_s']:.0f} s; workdir {summary['workdir']}")
   if ev:
-    print("validation: " + ", ".join(f"{k} {v:.4g}" for k, v in ev.items()))
+    from prism_jax import faithfulness  # pylint: disable=g-import-not-at-top
+    print("validation: " + ", ".join(f"{k} {v:.4g}" for k, v in ev.items()
+                                     if k not in faithfulness.KEYS))
+    if "agreement" in ev:
+      print("faithfulness: " + faithfulness.format_line(ev))
+      print(f"  ({faithfulness.LEGEND})")
 
   from prism_jax.generate import generate  # pylint: disable=g-import-not-at-top
   from prism_jax.analysis.token_report import token_report  # pylint: disable=g-import-not-at-top

@@ -31,6 +31,13 @@ import jax
 import jax.numpy as jnp
 
 
+KEYS = ("full_ce", "proto_ce", "proto_ce_ratio", "agreement", "centred_logit",
+        "centred_proto_share", "centred_resid_share", "acc_full", "acc_proto", "acc_resid")
+LEGEND = ("legend: proto_ce = CE of W z_hat alone (x its ratio to the full CE of W z), "
+          "agreement = share of tokens with argmax W z_hat = argmax W z, centred_proto_share "
+          "= prototype part of l_y - mean_v l_v, top-1 = accuracy of W z, W z_hat, W r alone")
+
+
 class FaithfulnessState(NamedTuple):
   num_tokens: jax.Array  # int32 (), valid tokens seen
   nll_full: jax.Array  # float32 (), Σ_t −log softmax(W z_t)[y_t]
@@ -100,22 +107,15 @@ def faithfulness_finalize(state: FaithfulnessState) -> dict[str, float]:
   centred_resid_share, acc_full, acc_proto, acc_resid. With no valid token, all are nan."""
   s = jax.device_get(state)
   n = int(s.num_tokens)
-  keys = ("full_ce", "proto_ce", "proto_ce_ratio", "agreement", "centred_logit",
-          "centred_proto_share", "centred_resid_share", "acc_full", "acc_proto", "acc_resid")
   if n == 0:
-    return dict.fromkeys(keys, float("nan"))
+    return dict.fromkeys(KEYS, float("nan"))
   full_ce, proto_ce = float(s.nll_full) / n, float(s.nll_proto) / n
   c_full, c_proto = float(s.centred_full), float(s.centred_proto)
   share = c_proto / c_full if c_full != 0 else float("nan")
-  return dict(zip(keys, (
+  return dict(zip(KEYS, (
       full_ce, proto_ce, proto_ce / full_ce if full_ce > 0 else float("nan"),
       int(s.agree) / n, c_full / n, share, 1.0 - share, int(s.correct_full) / n,
       int(s.correct_proto) / n, int(s.correct_resid) / n)))
-
-
-LEGEND = ("faithfulness: proto_ce = CE of W z_hat alone (ratio to full CE), agreement = "
-          "argmax W z_hat == argmax W z, centred_proto_share = prototype part of "
-          "l_y - mean_v l_v, acc_full/proto/resid = top-1 accuracy of W z, W z_hat, W r")
 
 
 def format_line(metrics: dict[str, float]) -> str:
