@@ -2,14 +2,18 @@
 
   python -m experiments.ablate --workdir=/tmp/prism_ablate --steps=200 \
       [--variants=dense,prism,normalized,plain,lam0.01,lam0.2] [--out=docs/results/x.md]
+  python -m experiments.ablate --workdir=/tmp/f11/byte --base=byte --steps=2000 \
+      --variants=dense,before,before+proto1+scale,before+proto1@s1
 
 Every variant trains the same preset for the same steps x batch x seq_len tokens with the
-same seed and data (prism_jax.train.train), then is evaluated on the val split: loss (CE),
-R̄1, R̄2, residual share, dead prototypes, and the run's median tokens/s. Runs are
-sequential; a finished variant's result is cached in <workdir>/<variant>/ablation.json, so
-re-running only trains what is missing. Prints a markdown table (and writes it to --out).
+same seed and data (prism_jax.train.train), then is evaluated on the val split: full CE,
+the faithfulness metrics (prototype-path CE ratio, argmax agreement, centred-logit share),
+R̄1, R̄2, residual share, dead prototypes, and the process's CPU seconds for the run. A
+variant is a VARIANTS name or LEVERS joined by "+" (issue 11's levers), with an optional
+seed suffix "@s1". Runs are sequential; a finished variant's result is cached in
+<workdir>/<variant>/ablation.json, so re-running only trains what is missing. Prints a
+markdown table (and writes it to --out).
 """
-
 import json
 import os
 import resource
