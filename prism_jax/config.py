@@ -47,7 +47,7 @@ class ModelConfig:
   mixture: Mixture = "normalized"
   distance: Distance = "cosine"  # for the clustering terms R1/R2
   # Faithfulness levers (issue 11; beyond the paper, which has neither). "learned": one
-  # learned scalar s (init 1) multiplies the mixture weights, so
+  # learned scalar s = exp(mix_log_scale) (init 1) multiplies the mixture weights, so
   # z_hat = s * sum_i a_i p_i can match |z| where a convex mixture of k spread prototypes
   # falls short (the residual then carries less). Prototype-space attribution
   # (prism_jax.attribution) does not model s: keep "none" for cached attribution.

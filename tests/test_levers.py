@@ -42,7 +42,8 @@ def np_head(model, toks, scale=1.0):
 
 def test_learned_mixture_scale_keeps_the_decomposition_exact():
   model, toks, rng = setup(1, mixture_scale="learned")
-  model.mix_scale[...] = jnp.asarray(1.7, jnp.float32)  # away from its init 1
+  model.mix_log_scale[...] = jnp.asarray(np.log(1.7), jnp.float32)  # away from s = 1
+  assert float(model.mixture_scale()) == pytest.approx(1.7)
   out = nnx.jit(lambda m, t: m(t))(model, toks)
   z, z_hat, w = np_head(model, toks, scale=1.7)
   np.testing.assert_allclose(out.protos.z_hat_NxD, z_hat, rtol=1e-4, atol=1e-5)
@@ -69,8 +70,8 @@ def test_mixture_scale_learns_from_the_prototype_path_and_is_not_decayed():
                                 jnp.ones(B * T, bool))
 
   grads = jax.grad(proto_ce)(params)
-  assert abs(float(grads["mix_scale"][...])) > 1e-6
-  assert not decays((jax.tree_util.DictKey("mix_scale"),))
+  assert abs(float(grads["mix_log_scale"][...])) > 1e-6
+  assert not decays((jax.tree_util.DictKey("mix_log_scale"),))
 
 
 def test_residual_dropout_gives_the_prototype_logits_where_dropped():

@@ -53,7 +53,7 @@ class PrismLM(nnx.Module):
                               residual_routing=cfg.residual_routing, mixture=cfg.mixture,
                               distance=cfg.distance, implementation=cfg.implementation)
     if cfg.mixture_scale == "learned":
-      self.mix_scale = const_param((), 1.0, ())
+      self.mix_log_scale = const_param((), 0.0, ())  # s = exp(.) > 0 keeps a >= 0
 
   def __call__(self, tokens_BxT, positions_BxT=None, *, mask_BxT=None, caches=None,
                residual_keep_BxT=None):
@@ -67,13 +67,19 @@ class PrismLM(nnx.Module):
     mask_N = None if mask_BxT is None else mask_BxT.reshape(batch * seq)
     protos = self.bank(z_BxTxD.reshape(batch * seq, d), mask_N)
     if self.cfg.mixture_scale == "learned":
-      protos = _scale_mixture(protos, self.mix_scale[...], self.cfg.residual_routing)
+      protos = _scale_mixture(protos, self.mixture_scale(), self.cfg.residual_routing)
     residual_NxD = protos.residual_NxD
     if residual_keep_BxT is not None:
       residual_NxD = residual_NxD * residual_keep_BxT.reshape(-1, 1).astype(residual_NxD.dtype)
     head_in_NxD = residual_NxD + protos.z_hat_NxD  # = z in value; routes gradients
     logits = self.backbone.lm_head(head_in_NxD.reshape(batch, seq, d))
     return LMOutput(logits, z_BxTxD, protos, caches)
+
+  def mixture_scale(self) -> jax.Array:
+    """The learned mixture scale s (1.0 without `mixture_scale="learned"`)."""
+    if self.cfg.mixture_scale != "learned":
+      return jnp.ones((), jnp.float32)
+    return jnp.exp(self.mix_log_scale[...])
 
   def proto_path_logits(self, protos: PrototypeOutput, batch: int, seq: int) -> jax.Array:
     """W z_hat, (B, T, V): the logits of the prototype path alone (faithfulness, aux CE)."""
