@@ -234,6 +234,10 @@ def preset(name: str) -> Config:
   """A full run config: the model preset with data/train settings that suit its size."""
   model = model_preset(name)
   if name == "tiny":
-    return Config(model=model, data=DataConfig(seq_len=model.max_len))
+    # λ_proto = 1 (issue 11's faithfulness sweep, docs/RESULTS.md "Faithfulness"): the
+    # prototype path alone then predicts better than the residual alone. It stays 0 in
+    # LossConfig: the attribution code evaluates LossConfig() without W z_hat.
+    return Config(model=model, loss=LossConfig(lambda_proto=1.0),
+                  data=DataConfig(seq_len=model.max_len))
   return Config(model=model, data=DataConfig(seq_len=model.max_len),
                 train=TrainConfig(batch_size=8, steps=10, lr=6e-4, warmup_steps=2))
