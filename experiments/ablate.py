@@ -105,7 +105,7 @@ flags.DEFINE_bool("overrides_column", True, "print each variant's overrides in t
 FLAGS = flags.FLAGS
 
 COLUMNS = ("val CE", "vs dense", "proto CE ratio", "agreement", "centred proto share",
-           "R̄1", "R̄2", "residual share", "dead protos", "CPU s")
+           "R̄1", "R̄2", "residual share", "dead protos", "top-1 W z / W ẑ / W r", "CPU s")
 
 
 def variant_config(name: str, preset_name: str, steps: int, extra: list[str]):
@@ -160,14 +160,37 @@ def format_table(results: list[dict], with_overrides: bool = False) -> str:
     ref = dense.get(r["variant"].partition("@s")[2] or "0", dense.get("0"))
     rel = f"{100 * (r['loss'] / ref - 1):+.2f}%" if ref else "-"
     agree = f"{100 * r['agreement']:.1f}%" if r.get("agreement") is not None else "-"
+    top1 = ("/".join(f"{r[k]:.3f}" for k in ("acc_full", "acc_proto", "acc_resid"))
+            if r.get("acc_full") is not None else "-")
     cells = [r["variant"]] + ([" ".join(r["overrides"]) or "(defaults)"]
                               if with_overrides else [])
     cells += [f"{r['loss']:.4f}", rel, fmt(r, "proto_ce_ratio", ".3f"), agree,
               fmt(r, "centred_proto_share", ".3f"), fmt(r, "r1_bar", ".3f"),
               fmt(r, "r2_bar", ".3f"), fmt(r, "residual_share", ".3f"),
-              fmt(r, "dead_prototypes", ".0f"), fmt(r, "cpu_s", ".0f")]
+              fmt(r, "dead_prototypes", ".0f"), top1, fmt(r, "cpu_s", ".0f")]
     lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
+
+
+def seed_spread(results: list[dict]) -> list[str]:
+  """One line per variant run with several seeds: each metric's values and max - min."""
+  groups: dict[str, list[dict]] = {}
+  for r in results:
+    groups.setdefault(r["variant"].partition("@s")[0], []).append(r)
+  keys = (("loss", "val CE", ".4f"), ("proto_ce_ratio", "proto CE ratio", ".3f"),
+          ("agreement", "agreement", ".3f"), ("r2_bar", "R̄2", ".3f"))
+  lines = []
+  for name, rs in groups.items():
+    if len(rs) < 2:
+      continue
+    parts = []
+    for key, label, spec in keys:
+      vals = [r[key] for r in rs if r.get(key) is not None]
+      if vals:
+        parts.append(f"{label} {' / '.join(format(v, spec) for v in vals)} "
+                     f"(spread {format(max(vals) - min(vals), spec)})")
+    lines.append(f"- {name} over {len(rs)} seeds: " + "; ".join(parts))
+  return lines
 
 
 def main(argv):
@@ -181,7 +204,7 @@ def main(argv):
   for name in FLAGS.variants:
     results.append(run_variant(name))
     print(f"{name}: val loss {results[-1]['loss']:.4f}", flush=True)
-  table = format_table(results, FLAGS.overrides_column)
+  table = "\n".join([format_table(results, FLAGS.overrides_column), ""] + seed_spread(results))
   print(table)
   if FLAGS.out:
     with open(FLAGS.out, "w") as f:
