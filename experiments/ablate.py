@@ -2,16 +2,21 @@
 
   python -m experiments.ablate --workdir=/tmp/prism_ablate --steps=200 \
       [--variants=dense,prism,normalized,plain,lam0.01,lam0.2] [--out=docs/results/x.md]
+  python -m experiments.ablate --workdir=/tmp/f11/byte --base=byte --steps=2000 \
+      --variants=dense,before,before+proto1+scale,before+proto1@s1
 
 Every variant trains the same preset for the same steps x batch x seq_len tokens with the
-same seed and data (prism_jax.train.train), then is evaluated on the val split: loss (CE),
-R̄1, R̄2, residual share, dead prototypes, and the run's median tokens/s. Runs are
-sequential; a finished variant's result is cached in <workdir>/<variant>/ablation.json, so
-re-running only trains what is missing. Prints a markdown table (and writes it to --out).
+same seed and data (prism_jax.train.train), then is evaluated on the val split: full CE,
+the faithfulness metrics (prototype-path CE ratio, argmax agreement, centred-logit share),
+R̄1, R̄2, residual share, dead prototypes, and the process's CPU seconds for the run. A
+variant is a VARIANTS name or LEVERS joined by "+" (issue 11's levers), with an optional
+seed suffix "@s1". Runs are sequential; a finished variant's result is cached in
+<workdir>/<variant>/ablation.json, so re-running only trains what is missing. Prints a
+markdown table (and writes it to --out).
 """
-
 import json
 import os
+import resource
 import sys
 
 from absl import flags
@@ -36,16 +41,73 @@ VARIANTS: dict[str, tuple[str, ...]] = {
                         "loss.lambda_r2=1.0"),
 }
 
+# Issue 11's faithfulness levers, combined with "+" in a variant name (e.g.
+# "before+proto1+scale"); a suffix "@s<N>" sets train.seed=N (init and residual-dropout key;
+# the data order is data.seed, left alone). "before" pins the defaults before issue 11, so
+# names keep their meaning after the defaults change.
+LEVERS: dict[str, tuple[str, ...]] = {
+    "before": ("model.mixture=normalized", "model.mixture_scale=none", "model.k=8",
+               "model.num_prototypes=512", "model.residual_dropout=0.0",
+               "loss.lambda_rec=0.05", "loss.rec_ramp_steps=0", "loss.lambda_r1=0.1",
+               "loss.lambda_r2=1.0", "loss.lambda_proto=0.0"),
+    "scale": ("model.mixture_scale=learned",),
+    "raw": ("model.mixture=raw",),
+    "k4": ("model.k=4",), "k16": ("model.k=16",),
+    "proto0.3": ("loss.lambda_proto=0.3",), "proto1": ("loss.lambda_proto=1.0",),
+    "proto3": ("loss.lambda_proto=3.0",),
+    "rdrop0.25": ("model.residual_dropout=0.25",), "rdrop0.5": ("model.residual_dropout=0.5",),
+    "rdrop0.75": ("model.residual_dropout=0.75",),
+    "rec0.3": ("loss.lambda_rec=0.3",), "rec1": ("loss.lambda_rec=1.0",),
+    "rec3": ("loss.lambda_rec=3.0",),
+    "ramp": ("loss.rec_ramp_steps=300",),  # λ_rec from 0 to its value over 300 steps
+    "r2_2": ("loss.lambda_r2=2.0",),
+}
+
+
+def variant_overrides(name: str) -> tuple[str, ...]:
+  """--set overrides of a variant: a VARIANTS name, or LEVERS joined by "+", then "@s<N>"."""
+  base, _, seed = name.partition("@s")
+  if base in VARIANTS:
+    sets = VARIANTS[base]
+  else:
+    unknown = [lever for lever in base.split("+") if lever not in LEVERS]
+    if unknown:
+      raise ValueError(f"variant {name!r}: unknown {unknown}; variants {sorted(VARIANTS)}, "
+                       f"levers {sorted(LEVERS)}")
+    sets = sum((LEVERS[lever] for lever in base.split("+")), ())
+  if seed:
+    if not seed.isdigit():
+      raise ValueError(f"variant {name!r}: the seed after '@s' must be an integer")
+    sets += (f"train.seed={seed}",)
+  return sets
+
+
+# The runs a variant is measured on: the preset plus these overrides (issue 11's two
+# configs). "byte": 4 layers/4 heads/d 128 on bytes, ctx 64, batch 12, 2000 steps, AdamW
+# 1e-3 -> 1e-4 cosine, 100 warm-up, betas 0.9/0.99, on the 9.4 MB of Vim's help files (the
+# vim-runtime Debian package; the embedded corpus is only 0.5 MB).
+BASES: dict[str, tuple[str, ...]] = {
+    "tiny": (),
+    "byte": ("data.tokenizer=byte", "model.vocab_size=258", "model.max_len=64",
+             "data.seq_len=64", "data.sources=/usr/share/vim/vim90/doc/*.txt",
+             "train.batch_size=12", "train.lr=1e-3", "train.min_lr_ratio=0.1",
+             "train.warmup_steps=100", "train.b2=0.99"),
+}
+
 flags.DEFINE_string("workdir", "/tmp/prism_ablate", "one sub-directory per variant")
 flags.DEFINE_string("preset", "tiny", "model/data preset")
+flags.DEFINE_enum("base", "tiny", list(BASES), "overrides on the preset before the variant's")
 flags.DEFINE_integer("steps", 200, "training steps per variant (equal tokens)")
 flags.DEFINE_list("variants", ["dense", "prism", "normalized", "plain", "lam0.01", "lam0.2"],
-                  f"variants to run, from {sorted(VARIANTS)}")
+                  f"variants to run: {sorted(VARIANTS)} or levers {sorted(LEVERS)} joined "
+                  "by '+', optionally with a seed suffix '@s1'")
 flags.DEFINE_multi_string("set", [], "extra overrides applied to every variant")
 flags.DEFINE_string("out", None, "also write the markdown table to this file")
+flags.DEFINE_bool("overrides_column", True, "print each variant's overrides in the table")
 FLAGS = flags.FLAGS
 
-COLUMNS = ("val loss", "vs dense", "R̄1", "R̄2", "residual share", "dead protos", "tok/s")
+COLUMNS = ("val CE", "vs dense", "proto CE ratio", "agreement", "centred proto share",
+           "R̄1", "R̄2", "residual share", "dead protos", "top-1 W z / W ẑ / W r", "CPU s")
 
 
 def variant_config(name: str, preset_name: str, steps: int, extra: list[str]):
@@ -54,7 +116,14 @@ def variant_config(name: str, preset_name: str, steps: int, extra: list[str]):
   common = [f"train.steps={steps}", f"train.eval_every={steps}", f"train.ckpt_every={steps}",
             f"train.log_every={max(steps // 8, 1)}",
             f"data.packed_dir={os.path.join(os.path.abspath(FLAGS.workdir), 'data')}"]
-  return apply_overrides(preset(preset_name), common + list(extra) + list(VARIANTS[name]))
+  return apply_overrides(preset(preset_name), list(BASES[FLAGS.base]) + common + list(extra)
+                         + list(variant_overrides(name)))
+
+
+def _cpu_seconds() -> float:
+  """User + system CPU time of this process (all threads): the cost measure on a shared box."""
+  usage = resource.getrusage(resource.RUSAGE_SELF)
+  return usage.ru_utime + usage.ru_stime
 
 
 def run_variant(name: str) -> dict:
@@ -66,44 +135,78 @@ def run_variant(name: str) -> dict:
     with open(cached) as f:
       return json.load(f)
   cfg = variant_config(name, FLAGS.preset, FLAGS.steps, FLAGS.set)
+  cpu0 = _cpu_seconds()
   result = train(cfg, workdir)
+  cpu_s = _cpu_seconds() - cpu0
   ev = result.eval
   if not ev:
     raise RuntimeError(f"variant {name}: no evaluation ran (empty val split?)")
-  result = {"variant": name, "overrides": list(VARIANTS[name]) + list(FLAGS.set), **ev,
+  result = {"variant": name, "overrides": list(variant_overrides(name)) + list(FLAGS.set), **ev,
             "val_tokens": ev.get("tokens"),
             "train_tokens": FLAGS.steps * cfg.train.batch_size * cfg.data.seq_len,
-            "tokens_per_s": result.steady_tokens_per_s, "wall_s": result.wall_s}
+            "tokens_per_s": result.steady_tokens_per_s, "wall_s": result.wall_s,
+            "cpu_s": cpu_s, "base": FLAGS.base}
   with open(cached, "w") as f:
     json.dump(result, f, indent=1)
   return result
 
 
-def format_table(results: list[dict]) -> str:
-  dense = next((r["loss"] for r in results if r["variant"] == "dense"), None)
-  lines = ["| variant | overrides | " + " | ".join(COLUMNS) + " |",
-           "|" + "---|" * (len(COLUMNS) + 2)]
+def format_table(results: list[dict], with_overrides: bool = False) -> str:
+  """Markdown table; "vs dense" is against the dense twin of the same seed (or seed 0)."""
+  dense = {r["variant"].partition("@s")[2] or "0": r["loss"] for r in results
+           if r["variant"].partition("@s")[0] == "dense"}
+  head = ["variant"] + (["overrides"] if with_overrides else []) + list(COLUMNS)
+  lines = ["| " + " | ".join(head) + " |", "|" + "---|" * len(head)]
   fmt = lambda r, key, spec: format(r[key], spec) if r.get(key) is not None else "-"
   for r in results:
-    rel = f"{100 * (r['loss'] / dense - 1):+.2f}%" if dense else "-"
-    lines.append(" | ".join([
-        f"| {r['variant']}", " ".join(r["overrides"]) or "(defaults)",
-        f"{r['loss']:.4f}", rel, fmt(r, "r1_bar", ".3f"), fmt(r, "r2_bar", ".3f"),
-        fmt(r, "residual_share", ".3f"), fmt(r, "dead_prototypes", ".0f"),
-        fmt(r, "tokens_per_s", ",.0f")]) + " |")
+    ref = dense.get(r["variant"].partition("@s")[2] or "0", dense.get("0"))
+    rel = f"{100 * (r['loss'] / ref - 1):+.2f}%" if ref else "-"
+    agree = f"{100 * r['agreement']:.1f}%" if r.get("agreement") is not None else "-"
+    top1 = ("/".join(f"{r[k]:.3f}" for k in ("acc_full", "acc_proto", "acc_resid"))
+            if r.get("acc_full") is not None else "-")
+    cells = [r["variant"]] + ([" ".join(r["overrides"]) or "(defaults)"]
+                              if with_overrides else [])
+    cells += [f"{r['loss']:.4f}", rel, fmt(r, "proto_ce_ratio", ".3f"), agree,
+              fmt(r, "centred_proto_share", ".3f"), fmt(r, "r1_bar", ".3f"),
+              fmt(r, "r2_bar", ".3f"), fmt(r, "residual_share", ".3f"),
+              fmt(r, "dead_prototypes", ".0f"), top1, fmt(r, "cpu_s", ".0f")]
+    lines.append("| " + " | ".join(cells) + " |")
   return "\n".join(lines)
+
+
+def seed_spread(results: list[dict]) -> list[str]:
+  """One line per variant run with several seeds: each metric's values and max - min."""
+  groups: dict[str, list[dict]] = {}
+  for r in results:
+    groups.setdefault(r["variant"].partition("@s")[0], []).append(r)
+  keys = (("loss", "val CE", ".4f"), ("proto_ce_ratio", "proto CE ratio", ".3f"),
+          ("agreement", "agreement", ".3f"), ("r2_bar", "R̄2", ".3f"))
+  lines = []
+  for name, rs in groups.items():
+    if len(rs) < 2:
+      continue
+    parts = []
+    for key, label, spec in keys:
+      vals = [r[key] for r in rs if r.get(key) is not None]
+      if vals:
+        parts.append(f"{label} {' / '.join(format(v, spec) for v in vals)} "
+                     f"(spread {format(max(vals) - min(vals), spec)})")
+    lines.append(f"- {name} over {len(rs)} seeds: " + "; ".join(parts))
+  return lines
 
 
 def main(argv):
   del argv
-  unknown = sorted(set(FLAGS.variants) - set(VARIANTS))
-  if unknown:
-    sys.exit(f"error: unknown variants {unknown}; choose from {sorted(VARIANTS)}")
+  for name in FLAGS.variants:
+    try:
+      variant_overrides(name)
+    except ValueError as e:
+      sys.exit(f"error: {e}")
   results = []
   for name in FLAGS.variants:
     results.append(run_variant(name))
     print(f"{name}: val loss {results[-1]['loss']:.4f}", flush=True)
-  table = format_table(results)
+  table = "\n".join([format_table(results, FLAGS.overrides_column), ""] + seed_spread(results))
   print(table)
   if FLAGS.out:
     with open(FLAGS.out, "w") as f:

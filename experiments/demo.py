@@ -52,7 +52,12 @@ def main(argv):
     print(f"\ntrained steps {result.start_step}..{result.final_step} in "
           f"{result.wall_s:.0f} s; workdir {result.workdir}")
   if ev:
-    print("validation: " + ", ".join(f"{k} {v:.4g}" for k, v in ev.items()))
+    from prism_jax import faithfulness  # pylint: disable=g-import-not-at-top
+    print("validation: " + ", ".join(f"{k} {v:.4g}" for k, v in ev.items()
+                                     if k not in faithfulness.KEYS))
+    if "agreement" in ev:
+      print("faithfulness: " + faithfulness.format_line(ev))
+      print(f"  ({faithfulness.LEGEND})")
 
   from prism_jax.generate import generate  # pylint: disable=g-import-not-at-top
   from prism_jax.analysis.token_report import token_report  # pylint: disable=g-import-not-at-top

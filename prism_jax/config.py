@@ -17,6 +17,7 @@ ResidualRouting = Literal["straight_through", "plain"]
 Mixture = Literal["raw", "normalized"]
 Distance = Literal["cosine", "sqeuclidean"]
 RecKind = Literal["relative", "plain"]
+MixtureScale = Literal["none", "learned"]
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -47,6 +48,15 @@ class ModelConfig:
   # which makes the per-prototype logit decomposition hard to read (docs/RESULTS.md).
   mixture: Mixture = "normalized"
   distance: Distance = "cosine"  # for the clustering terms R1/R2
+  # Faithfulness levers (issue 11; beyond the paper, which has neither). "learned": one
+  # learned scalar s = exp(mix_log_scale) (init 1) multiplies the mixture weights, so
+  # z_hat = s * sum_i a_i p_i can match |z| where a convex mixture of k spread prototypes
+  # falls short (the residual then carries less). Prototype-space attribution
+  # (prism_jax.attribution) does not model s: keep "none" for cached attribution.
+  mixture_scale: MixtureScale = "none"
+  # Residual dropout: in training only, r_t is zeroed on this fraction of tokens (drawn from
+  # the step's key), so there the logits are W z_hat and the prototypes must predict alone.
+  residual_dropout: float = 0.0
   proto_init: Literal["data", "normal"] = "data"
   implementation: Implementation = None  # prototype-layer kernel; None = best available
   # GPT-2 has biases in every linear map and LayerNorm; False drops them all (nanoGPT's
@@ -74,6 +84,9 @@ class ModelConfig:
                   ("straight_through", "plain"))
     _check_choice("model.mixture", self.mixture, ("raw", "normalized"))
     _check_choice("model.distance", self.distance, ("cosine", "sqeuclidean"))
+    _check_choice("model.mixture_scale", self.mixture_scale, ("none", "learned"))
+    _check(isinstance(self.residual_dropout, (int, float)) and 0.0 <= self.residual_dropout < 1.0,
+           f"model.residual_dropout must be in [0, 1), got {self.residual_dropout!r}")
     _check_choice("model.proto_init", self.proto_init, ("data", "normal"))
     _check_choice("model.dtype", self.dtype, ("float32", "bfloat16"))
     _check(isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0,
@@ -91,7 +104,13 @@ class ModelConfig:
 
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
-  """Weights of L = CE + λ_rec REC + λ_1 R1 + λ_2 R2 (PRISM.md §2)."""
+  """Weights of L = CE + λ_rec(step) REC + λ_1 R1 + λ_2 R2 [+ λ_proto CE_proto] (PRISM.md §2).
+
+  Beyond the paper's four terms (issue 11, faithfulness): `lambda_proto` weighs an auxiliary
+  cross-entropy of the prototype path alone, CE(W z_hat), so that the part of the logit that
+  prototypes explain also decides the prediction; `rec_ramp_steps` > 0 ramps λ_rec linearly
+  from 0 at step 0 to `lambda_rec` at that step (the paper's λ_rec is constant).
+  """
 
   # Defaults from the tiny-preset sweep (docs/RESULTS.md): R2 (token coverage) needs the
   # strong weight; R1 is easy once prototypes start from data, so a light weight suffices.
@@ -99,10 +118,14 @@ class LossConfig:
   lambda_r1: float = 0.1
   lambda_r2: float = 1.0
   rec_kind: RecKind = "relative"
+  rec_ramp_steps: int = 0  # 0 = constant λ_rec
+  lambda_proto: float = 0.0
 
   def __post_init__(self):
-    for name in ("lambda_rec", "lambda_r1", "lambda_r2"):
+    for name in ("lambda_rec", "lambda_r1", "lambda_r2", "lambda_proto"):
       _check(float(getattr(self, name)) >= 0.0, f"loss.{name} must be >= 0")
+    _check(isinstance(self.rec_ramp_steps, int) and self.rec_ramp_steps >= 0,
+           f"loss.rec_ramp_steps must be an int >= 0, got {self.rec_ramp_steps!r}")
     _check_choice("loss.rec_kind", self.rec_kind, ("relative", "plain"))
 
 
@@ -243,7 +266,11 @@ def preset(name: str) -> Config:
   what to install when it is missing; `--set data.tokenizer=bpe` trains one instead)."""
   model = model_preset(name)
   if name == "tiny":
-    return Config(model=model, data=DataConfig(seq_len=model.max_len))
+    # λ_proto = 1 (issue 11's faithfulness sweep, docs/RESULTS.md "Faithfulness"): the
+    # prototype path alone then predicts better than the residual alone. It stays 0 in
+    # LossConfig: the attribution code evaluates LossConfig() without W z_hat.
+    return Config(model=model, loss=LossConfig(lambda_proto=1.0),
+                  data=DataConfig(seq_len=model.max_len))
   return Config(model=model, data=DataConfig(seq_len=model.max_len,
                                              tokenizer="gpt2"),
                 train=TrainConfig(batch_size=8, steps=10, lr=6e-4, warmup_steps=2))

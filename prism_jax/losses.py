@@ -1,6 +1,6 @@
 """The four-term PRISM objective (PRISM.md §2) as pure functions.
 
-  L = CE + λ_rec REC + λ_1 R1 + λ_2 R2
+  L = CE + λ_rec REC + λ_1 R1 + λ_2 R2  [+ λ_proto CE(W z_hat): issue 11, beyond the paper]
   CE  = mean_t -log softmax(ℓ_t)[y_t]
   REC = mean_t ‖r_t‖² / ‖z_t‖²        (relative; plain ‖r_t‖² as an option)
   R1  = mean_i min_t dist(p_i, z_t)   every prototype near some real token of the batch
@@ -62,9 +62,23 @@ def r2_clustering(row_min_dist_N: jax.Array, mask_N: jax.Array) -> jax.Array:
   return _masked_mean(row_min_dist_N, mask_N)
 
 
+def rec_weight(cfg: LossConfig, step: jax.Array | int | None) -> jax.Array | float:
+  """λ_rec at `step`: constant, or ramped linearly from 0 over `rec_ramp_steps`."""
+  if cfg.rec_ramp_steps == 0 or step is None:
+    return cfg.lambda_rec
+  frac = jnp.minimum(jnp.asarray(step, jnp.float32) / cfg.rec_ramp_steps, 1.0)
+  return cfg.lambda_rec * frac
+
+
 def total_loss(out: LMOutput, targets_BxT: jax.Array, mask_BxT: jax.Array,
-               cfg: LossConfig) -> tuple[jax.Array, dict[str, jax.Array]]:
-  """Weighted objective and a metrics dict (all scalars, fp32). Dense models get CE only."""
+               cfg: LossConfig, *, step: jax.Array | int | None = None,
+               proto_logits_BxTxV: jax.Array | None = None
+               ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  """Weighted objective and a metrics dict (all scalars, fp32). Dense models get CE only.
+
+  `step` sets λ_rec when it is ramped; `proto_logits_BxTxV` (W z_hat, from
+  `PrismLM.proto_path_logits`) is needed when `cfg.lambda_proto` > 0.
+  """
   batch, seq, vocab = out.logits_BxTxV.shape
   mask_N = mask_BxT.reshape(batch * seq)
   ce = cross_entropy(out.logits_BxTxV.reshape(-1, vocab), targets_BxT.reshape(-1), mask_N)
@@ -76,7 +90,14 @@ def total_loss(out: LMOutput, targets_BxT: jax.Array, mask_BxT: jax.Array,
     rec = reconstruction(z_NxD, p.residual_NxD, mask_N, cfg.rec_kind)
     r1 = r1_clustering(p.col_min_dist_K)
     r2 = r2_clustering(p.row_min_dist_N, mask_N)
-    loss = ce + cfg.lambda_rec * rec + cfg.lambda_r1 * r1 + cfg.lambda_r2 * r2
+    loss = ce + rec_weight(cfg, step) * rec + cfg.lambda_r1 * r1 + cfg.lambda_r2 * r2
+    if cfg.lambda_proto > 0:
+      if proto_logits_BxTxV is None:
+        raise ValueError("loss.lambda_proto > 0 needs proto_logits_BxTxV (W z_hat)")
+      ce_proto = cross_entropy(proto_logits_BxTxV.reshape(-1, vocab), targets_BxT.reshape(-1),
+                               mask_N)
+      loss = loss + cfg.lambda_proto * ce_proto
+      metrics["proto_ce"] = ce_proto
     sq_r = _masked_mean(jnp.sum(jnp.square(p.residual_NxD), -1), mask_N)
     sq_z = _masked_mean(jnp.sum(jnp.square(z_NxD), -1), mask_N)
     metrics.update(rec=rec, r1=r1, r2=r2, residual_share=sq_r / jnp.maximum(sq_z, EPS),

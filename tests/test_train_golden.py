@@ -5,6 +5,12 @@ The numbers live in tests/golden/one_step.json. Regenerate them with
 ONLY when a change is MEANT to alter the numerics of training (model init or forward,
 losses, optimiser, schedule, the step itself), and say so in the commit message. A diff
 after a refactor that should not change the maths is a bug, not a reason to regenerate.
+
+History: regenerated for issue 11, whose new tiny-preset default adds the auxiliary
+prototype-path cross-entropy λ_proto · CE(W z_hat) with λ_proto = 1 (docs/RESULTS.md
+"Faithfulness"): the loss, the gradients and so every parameter after the step change, and
+the step reports the new `proto_ce` metric. The other metrics' maths is unchanged (with
+loss.lambda_proto=0 the previous numbers are reproduced).
 """
 
 import json

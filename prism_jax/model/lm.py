@@ -15,6 +15,7 @@ import numpy as np
 from flax import nnx
 
 from prism_jax.config import ModelConfig
+from prism_jax.model.params import const_param
 from prism_jax.model.prototypes import PrototypeBank, PrototypeOutput
 from prism_jax.model.tap import Tap, linear
 from prism_jax.model.token_ids import check_token_ids
@@ -59,20 +60,28 @@ class PrismLM(nnx.Module):
     self.bank = PrototypeBank(cfg.num_prototypes, cfg.d_model, cfg.k, rngs=rngs,
                               residual_routing=cfg.residual_routing, mixture=cfg.mixture,
                               distance=cfg.distance, implementation=cfg.implementation)
+    if cfg.mixture_scale == "learned":
+      self.mix_log_scale = const_param((), 0.0, ())  # s = exp(.) > 0 keeps a >= 0
 
   def __call__(self, tokens_BxT, positions_BxT=None, *, mask_BxT=None, caches=None,
-               tap: Tap | None = None, dropout_key: jax.Array | None = None):
+               tap: Tap | None = None, dropout_key: jax.Array | None = None,
+               residual_keep_BxT=None):
     """`mask_BxT` marks valid (non-padding) tokens for the prototype statistics;
-    `dropout_key` (training only) turns on model.dropout in the backbone."""
+    `dropout_key` (training only) turns on model.dropout in the backbone;
+    `residual_keep_BxT` (training only: residual dropout) drops r_t from the logits where
+    False, so those logits are W z_hat; the returned decomposition keeps the true r_t."""
     z_BxTxD, caches = self.backbone(tokens_BxT, positions_BxT, caches, tap, dropout_key)
-    return self.head(z_BxTxD, mask_BxT, tap)._replace(caches=caches)
+    return self.head(z_BxTxD, mask_BxT, tap, residual_keep_BxT)._replace(caches=caches)
 
-  def head(self, z_BxTxD, mask_BxT=None, tap: Tap | None = None) -> LMOutput:
+  def head(self, z_BxTxD, mask_BxT=None, tap: Tap | None = None,
+           residual_keep_BxT=None) -> LMOutput:
     """The prototype layer on z and the tied LM head on r + ẑ. With a tap probing "bank",
     ẑ = Pᵀ a gets the probe and a (B, T, K), the dense activations, is recorded."""
     batch, seq, d = z_BxTxD.shape
     mask_N = None if mask_BxT is None else mask_BxT.reshape(batch * seq)
     protos = self.bank(z_BxTxD.reshape(batch * seq, d), mask_N)
+    if self.cfg.mixture_scale == "learned":
+      protos = _scale_mixture(protos, self.mixture_scale(), self.cfg.residual_routing)
     residual_NxD, z_hat_NxD = protos.residual_NxD, protos.z_hat_NxD
     if tap is not None and "bank" in tap.probes:
       rows_Nx1 = jnp.arange(batch * seq)[:, None]
@@ -81,9 +90,21 @@ class PrismLM(nnx.Module):
                          z_hat_NxD, bias=False)
       if self.cfg.residual_routing != "straight_through":
         residual_NxD = residual_NxD - (z_hat_NxD - protos.z_hat_NxD)  # r = z - (ẑ + probe)
+    if residual_keep_BxT is not None:
+      residual_NxD = residual_NxD * residual_keep_BxT.reshape(-1, 1).astype(residual_NxD.dtype)
     head_in_NxD = residual_NxD + z_hat_NxD  # = z in value; routes gradients
     logits = self.backbone.lm_head(head_in_NxD.reshape(batch, seq, d))
     return LMOutput(logits, z_BxTxD, protos)
+
+  def mixture_scale(self) -> jax.Array:
+    """The learned mixture scale s (1.0 without `mixture_scale="learned"`)."""
+    if self.cfg.mixture_scale != "learned":
+      return jnp.ones((), jnp.float32)
+    return jnp.exp(self.mix_log_scale[...])
+
+  def proto_path_logits(self, protos: PrototypeOutput, batch: int, seq: int) -> jax.Array:
+    """W z_hat, (B, T, V): the logits of the prototype path alone (faithfulness, aux CE)."""
+    return self.backbone.lm_head(protos.z_hat_NxD.reshape(batch, seq, -1))
 
   def init_cache(self, batch: int):
     return self.backbone.init_cache(batch, jnp.dtype(self.cfg.dtype))
@@ -92,6 +113,17 @@ class PrismLM(nnx.Module):
     """W p_i for every prototype: its fixed token-logit signature, (K, V)."""
     return jnp.einsum("kd,vd->kv", self.bank.protos[...], self.backbone.wte[...],
                       precision=jax.lax.Precision.HIGHEST)
+
+
+def _scale_mixture(protos: PrototypeOutput, scale: jax.Array,
+                   residual_routing: str) -> PrototypeOutput:
+  """z_hat -> s z_hat (and a -> s a, so the decomposition stays exact); r follows the
+  layer's routing: z - sg(s z_hat) straight-through, z - s z_hat plain."""
+  delta_NxD = (1.0 - scale) * protos.z_hat_NxD
+  if residual_routing == "straight_through":
+    delta_NxD = jax.lax.stop_gradient(delta_NxD)
+  return protos._replace(act_Nxk=scale * protos.act_Nxk, z_hat_NxD=scale * protos.z_hat_NxD,
+                         residual_NxD=protos.residual_NxD + delta_NxD)
 
 
 def build_model(cfg: ModelConfig, seed: int = 0) -> DenseLM | PrismLM:

@@ -4,7 +4,7 @@ No weight decay on (PRISM.md §2 and GPT-2 practice):
   * the prototype bank `bank.protos`: prototypes must stay on the data manifold (R1/R2
     pull them to real hidden states); decay would drag them towards the origin;
   * LayerNorm scales/biases and every bias: shrinking them changes the function without
-    reducing capacity.
+    reducing capacity; likewise the learned mixture scale `mix_log_scale` (a scalar gain).
 Embeddings (`wte`, `wpe`) ARE decayed: `wte` is also the tied LM head (a matmul weight
 whose scale sets the logit scale), and nanoGPT/GPT-2 decay both embeddings; the decay
 keeps the logit norm in check without touching the prototypes.
@@ -44,7 +44,7 @@ def decays(path) -> bool:
   last = names[-1]
   parent = names[-2] if len(names) > 1 else ""
   is_norm = parent.startswith("ln") and last in ("scale", "bias")
-  return not (is_norm or last == "bias" or last.endswith("_bias"))
+  return not (is_norm or last == "bias" or last.endswith("_bias") or last == "mix_log_scale")
 
 
 def decay_mask(params: Any) -> Any:

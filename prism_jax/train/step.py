@@ -16,6 +16,7 @@ import numpy as np
 import optax
 from flax import nnx
 
+from prism_jax import faithfulness
 from prism_jax import grounding
 from prism_jax import losses
 from prism_jax import sharding as shard_lib
@@ -40,8 +41,8 @@ def uses_dense_warmup(cfg: Config) -> bool:
 
 
 def step_key(cfg: Config, step: jax.Array, stream: int) -> jax.Array:
-  """The randomness of training step `step` (dropout: stream 0), a pure function of
-  (train.seed, step, stream): a resumed run draws the same masks."""
+  """The randomness of training step `step` (dropout: stream 0, residual dropout: 1), a
+  pure function of (train.seed, step, stream): a resumed run draws the same masks."""
   return jax.random.fold_in(jax.random.fold_in(jax.random.key(cfg.train.seed), step), stream)
 
 
@@ -58,9 +59,24 @@ def _dense_loss(model, batch, dropout_key=None) -> tuple[jax.Array, dict[str, ja
   return ce, {"ce": ce, "loss": ce}
 
 
+def _residual_keep(cfg: Config, step: jax.Array, shape) -> jax.Array | None:
+  """Residual dropout's keep mask (issue 11): deterministic from the seed and the step."""
+  rate = cfg.model.residual_dropout
+  if cfg.model.kind != "prism" or rate == 0.0:
+    return None
+  return jax.random.bernoulli(step_key(cfg, step, 1), 1.0 - rate, shape)
+
+
 def _model_loss(model, batch, cfg: Config, step=None) -> tuple[jax.Array, dict[str, jax.Array]]:
-  out = model(batch["inputs"], mask_BxT=batch["mask"], dropout_key=_dropout_key(cfg, step))
-  return losses.total_loss(out, batch["targets"], batch["mask"], cfg.loss)
+  keep = None if step is None else _residual_keep(cfg, step, batch["inputs"].shape)
+  extra = {} if keep is None else {"residual_keep_BxT": keep}  # DenseLM takes no keep mask
+  out = model(batch["inputs"], mask_BxT=batch["mask"], dropout_key=_dropout_key(cfg, step),
+              **extra)
+  proto_logits = None
+  if out.protos is not None and cfg.loss.lambda_proto > 0:
+    proto_logits = model.proto_path_logits(out.protos, *batch["inputs"].shape)
+  return losses.total_loss(out, batch["targets"], batch["mask"], cfg.loss, step=step,
+                           proto_logits_BxTxV=proto_logits)
 
 
 def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation,
@@ -89,6 +105,7 @@ def eval_stats_init(cfg: Config) -> dict[str, Any]:
                            "tokens": jnp.zeros((), jnp.float32)}
   if cfg.model.kind == "prism":
     stats["grounding"] = grounding.grounding_init(cfg.model.num_prototypes)
+    stats["faithfulness"] = faithfulness.faithfulness_init()
   return stats
 
 
@@ -110,6 +127,10 @@ def make_eval_step(graphdef, cfg: Config, param_shardings: Any,
       z_NxD = out.z_BxTxD.reshape(-1, out.z_BxTxD.shape[-1])
       new["grounding"] = grounding.grounding_update(stats["grounding"], out.protos, z_NxD,
                                                     mask_N)
+      proto_logits = model.proto_path_logits(out.protos, *batch["inputs"].shape)
+      new["faithfulness"] = faithfulness.faithfulness_update(
+          stats["faithfulness"], out.logits_BxTxV.reshape(-1, vocab),
+          proto_logits.reshape(-1, vocab), batch["targets"].reshape(-1), mask_N)
     return new
 
   batch_sh = {k: shard_lib.batch_sharding(mesh) for k in BATCH_KEYS}
@@ -118,7 +139,8 @@ def make_eval_step(graphdef, cfg: Config, param_shardings: Any,
 
 def eval_stats_finalize(stats: dict[str, Any]) -> dict[str, float]:
   """Host-side metrics: val loss (CE), perplexity and, for PRISM, the grounding metrics
-  of prism_jax.grounding (r1_bar, r2_bar, residual_share, dead prototypes)."""
+  of prism_jax.grounding (r1_bar, r2_bar, residual_share, dead prototypes) and the
+  faithfulness metrics of prism_jax.faithfulness (proto_ce, agreement, ...)."""
   s = jax.device_get(stats)
   tokens = max(float(s["tokens"]), 1.0)
   ce = float(s["nll_sum"]) / tokens
@@ -127,4 +149,6 @@ def eval_stats_finalize(stats: dict[str, Any]) -> dict[str, float]:
     g = grounding.grounding_finalize(s["grounding"])
     out.update(r1_bar=g["r1_bar"], r2_bar=g["r2_bar"], residual_share=g["residual_share"],
                dead_prototypes=float(g["dead"]), dead_frac=g["dead_frac"])
+  if "faithfulness" in s:
+    out.update(faithfulness.faithfulness_finalize(s["faithfulness"]))
   return out

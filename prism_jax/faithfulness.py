@@ -1,0 +1,128 @@
+"""Streaming faithfulness metrics: how much of the decision the prototype path makes.
+
+The logits split exactly, ℓ = W z = W z_hat + W r (PRISM.md §1), but only W z_hat is
+explained by prototypes (PRISM.md §3, "Faithfulness"). Over valid tokens t with target y_t:
+
+  proto_ce           CE of W z_hat alone;  proto_ce_ratio = proto_ce / CE of W z
+  agreement          share of tokens with argmax(W z_hat) = argmax(W z)
+  centred target logit  c(ℓ) = ℓ_y − mean_v ℓ_v, linear in ℓ, so c(W z) = c(W z_hat) + c(W r);
+                     centred_proto_share = Σ_t c(W z_hat) / Σ_t c(W z)  (the r share is 1 − it)
+  acc_full / acc_proto / acc_resid   top-1 accuracy of W z, W z_hat, W r alone
+
+Residual logits are W z − W z_hat (exact in value). Argmax ties go to the lower token id.
+The state is a NamedTuple of arrays: `update` is pure and jittable, states of disjoint token
+sets (batches, hosts) combine with `merge`, `finalize` returns Python floats.
+
+Usage:
+  state = faithfulness_init()
+  for batch in D:
+    out = model(tokens, mask_BxT=mask)
+    proto = model.proto_path_logits(out.protos, B, T)
+    state = faithfulness_update(state, out.logits_BxTxV.reshape(-1, V),
+                                proto.reshape(-1, V), targets.reshape(-1), mask.reshape(-1))
+  metrics = faithfulness_finalize(state)
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+
+
+KEYS = ("full_ce", "proto_ce", "proto_ce_ratio", "agreement", "centred_logit",
+        "centred_proto_share", "centred_resid_share", "acc_full", "acc_proto", "acc_resid")
+LEGEND = ("legend: proto_ce = CE of W z_hat alone (x its ratio to the full CE of W z), "
+          "agreement = share of tokens with argmax W z_hat = argmax W z, centred_proto_share "
+          "= prototype part of l_y - mean_v l_v, top-1 = accuracy of W z, W z_hat, W r alone")
+
+
+class FaithfulnessState(NamedTuple):
+  num_tokens: jax.Array  # int32 (), valid tokens seen
+  nll_full: jax.Array  # float32 (), Σ_t −log softmax(W z_t)[y_t]
+  nll_proto: jax.Array  # float32 (), Σ_t −log softmax(W z_hat_t)[y_t]
+  agree: jax.Array  # int32 (), #t with argmax W z_hat_t = argmax W z_t
+  correct_full: jax.Array  # int32 (), #t with argmax W z_t = y_t
+  correct_proto: jax.Array  # int32 ()
+  correct_resid: jax.Array  # int32 ()
+  centred_full: jax.Array  # float32 (), Σ_t c(W z_t)
+  centred_proto: jax.Array  # float32 (), Σ_t c(W z_hat_t)
+
+
+def faithfulness_init() -> FaithfulnessState:
+  zi, zf = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32)
+  return FaithfulnessState(zi, zf, zf, zi, zi, zi, zi, zf, zf)
+
+
+def _nll_N(logits_NxV: jax.Array, targets_N: jax.Array) -> jax.Array:
+  logp = jax.nn.log_softmax(logits_NxV, axis=-1)
+  return -jnp.take_along_axis(logp, targets_N[:, None], axis=-1)[:, 0]
+
+
+def _centred_N(logits_NxV: jax.Array, targets_N: jax.Array) -> jax.Array:
+  target = jnp.take_along_axis(logits_NxV, targets_N[:, None], axis=-1)[:, 0]
+  return target - jnp.mean(logits_NxV, axis=-1)
+
+
+def faithfulness_update(state: FaithfulnessState, logits_NxV: jax.Array,
+                        proto_logits_NxV: jax.Array, targets_N: jax.Array,
+                        mask_N: jax.Array | None = None) -> FaithfulnessState:
+  """Adds one batch: the model's logits W z, the prototype path's W z_hat, targets, mask."""
+  if logits_NxV.ndim != 2 or logits_NxV.shape != proto_logits_NxV.shape:
+    raise ValueError(f"logits and proto logits must both be (N, V); got {logits_NxV.shape} "
+                     f"and {proto_logits_NxV.shape}")
+  n = logits_NxV.shape[0]
+  if targets_N.shape != (n,):
+    raise ValueError(f"targets must have shape (N,)=({n},), got {targets_N.shape}")
+  if mask_N is not None and mask_N.shape != (n,):
+    raise ValueError(f"mask must have shape (N,)=({n},), got {mask_N.shape}")
+  full = logits_NxV.astype(jnp.float32)
+  proto = proto_logits_NxV.astype(jnp.float32)
+  resid = full - proto
+  targets_N = targets_N.astype(jnp.int32)
+  valid_N = jnp.ones(n, bool) if mask_N is None else mask_N.astype(bool)
+  validf_N = valid_N.astype(jnp.float32)
+  count = lambda b_N: jnp.sum((b_N & valid_N).astype(jnp.int32))
+  fsum = lambda x_N: jnp.sum(x_N * validf_N)
+  arg_full, arg_proto = jnp.argmax(full, -1), jnp.argmax(proto, -1)
+  batch = FaithfulnessState(
+      num_tokens=count(jnp.ones(n, bool)),
+      nll_full=fsum(_nll_N(full, targets_N)), nll_proto=fsum(_nll_N(proto, targets_N)),
+      agree=count(arg_proto == arg_full),
+      correct_full=count(arg_full == targets_N), correct_proto=count(arg_proto == targets_N),
+      correct_resid=count(jnp.argmax(resid, -1) == targets_N),
+      centred_full=fsum(_centred_N(full, targets_N)),
+      centred_proto=fsum(_centred_N(proto, targets_N)))
+  return faithfulness_merge(state, batch)
+
+
+def faithfulness_merge(a: FaithfulnessState, b: FaithfulnessState) -> FaithfulnessState:
+  """Combines the states of two disjoint sets of tokens."""
+  return FaithfulnessState(*(x + y for x, y in zip(a, b)))
+
+
+def faithfulness_finalize(state: FaithfulnessState) -> dict[str, float]:
+  """Keys: full_ce, proto_ce, proto_ce_ratio, agreement, centred_logit, centred_proto_share,
+  centred_resid_share, acc_full, acc_proto, acc_resid. With no valid token, all are nan."""
+  s = jax.device_get(state)
+  n = int(s.num_tokens)
+  if n == 0:
+    return dict.fromkeys(KEYS, float("nan"))
+  full_ce, proto_ce = float(s.nll_full) / n, float(s.nll_proto) / n
+  c_full, c_proto = float(s.centred_full), float(s.centred_proto)
+  share = c_proto / c_full if c_full != 0 else float("nan")
+  return dict(zip(KEYS, (
+      full_ce, proto_ce, proto_ce / full_ce if full_ce > 0 else float("nan"),
+      int(s.agree) / n, c_full / n, share, 1.0 - share, int(s.correct_full) / n,
+      int(s.correct_proto) / n, int(s.correct_resid) / n)))
+
+
+def format_line(metrics: dict[str, float]) -> str:
+  """One line for a report, e.g. the demo's."""
+  m = metrics
+  return (f"proto_ce {m['proto_ce']:.4f} (x{m['proto_ce_ratio']:.3f} of full "
+          f"{m['full_ce']:.4f}), agreement {100 * m['agreement']:.1f}%, centred_proto_share "
+          f"{m['centred_proto_share']:.3f}, top-1 full/proto/resid {m['acc_full']:.3f}/"
+          f"{m['acc_proto']:.3f}/{m['acc_resid']:.3f}")
+

@@ -1,0 +1,135 @@
+"""Issue 11's faithfulness levers: learned mixture scale, residual dropout, λ_proto, λ_rec ramp."""
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+from prism_jax import losses
+from prism_jax.config import Config, DataConfig, LossConfig, ModelConfig, TrainConfig
+from prism_jax.model import build_model, decompose, init_prototypes_from_hidden
+from prism_jax.train.optimizer import decays
+from prism_jax.train.step import _residual_keep
+
+CFG = ModelConfig(vocab_size=43, max_len=10, d_model=16, n_layers=1, n_heads=2,
+                  num_prototypes=23, k=3, implementation="xla")
+B, T = 3, 10
+
+
+def setup(seed, **model_overrides):
+  model = build_model(dataclasses.replace(CFG, **model_overrides), seed=seed)
+  rng = np.random.default_rng(seed + 100)
+  toks = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, T)), jnp.int32)
+  init_prototypes_from_hidden(model, toks, seed=seed)
+  return model, toks, rng
+
+
+def np_head(model, toks, scale=1.0):
+  """Float64 z, z_hat (normalised mixture times `scale`) and W."""
+  z, _ = model.backbone(toks)
+  z = np.asarray(z, np.float64).reshape(B * T, -1)
+  p = np.asarray(model.bank.protos[...], np.float64)
+  cos = (z @ p.T) / np.outer(np.linalg.norm(z, axis=1), np.linalg.norm(p, axis=1))
+  idx = np.argsort(-cos, axis=1, kind="stable")[:, :CFG.k]
+  act = np.maximum(np.take_along_axis(cos, idx, 1), 0.0)
+  act /= np.maximum(act.sum(1, keepdims=True), 1e-6)
+  return z, scale * np.einsum("nk,nkd->nd", act, p[idx]), np.asarray(model.backbone.wte[...],
+                                                                     np.float64)
+
+
+def test_learned_mixture_scale_keeps_the_decomposition_exact():
+  model, toks, rng = setup(1, mixture_scale="learned")
+  model.mix_log_scale[...] = jnp.asarray(np.log(1.7), jnp.float32)  # away from s = 1
+  assert float(model.mixture_scale()) == pytest.approx(1.7)
+  out = nnx.jit(lambda m, t: m(t))(model, toks)
+  z, z_hat, w = np_head(model, toks, scale=1.7)
+  np.testing.assert_allclose(out.protos.z_hat_NxD, z_hat, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(out.protos.residual_NxD, z - z_hat, rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(out.logits_BxTxV.reshape(B * T, -1), z @ w.T, rtol=1e-4, atol=1e-4)
+  target = jnp.asarray(rng.integers(0, CFG.vocab_size, B * T), jnp.int32)
+  dec = decompose(model, out.protos, target)
+  np.testing.assert_allclose(dec.contrib_Nxk.sum(1) + dec.residual_N, dec.logit_N, rtol=1e-5,
+                             atol=1e-5)
+  np.testing.assert_allclose(dec.logit_N, (z @ w.T)[np.arange(B * T), target], rtol=1e-4,
+                             atol=1e-4)
+
+
+def test_mixture_scale_learns_from_the_prototype_path_and_is_not_decayed():
+  model, toks, rng = setup(2, mixture_scale="learned")
+  targets = jnp.asarray(rng.integers(0, CFG.vocab_size, (B, T)), jnp.int32)
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  def proto_ce(p):
+    m = nnx.merge(graphdef, p, rest)
+    out = m(toks)
+    logits = m.proto_path_logits(out.protos, B, T)
+    return losses.cross_entropy(logits.reshape(B * T, -1), targets.reshape(-1),
+                                jnp.ones(B * T, bool))
+
+  grads = jax.grad(proto_ce)(params)
+  assert abs(float(grads["mix_log_scale"][...])) > 1e-6
+  assert not decays((jax.tree_util.DictKey("mix_log_scale"),))
+
+
+def test_residual_dropout_gives_the_prototype_logits_where_dropped():
+  model, toks, rng = setup(3)
+  keep = rng.random((B, T)) < 0.5
+  out = nnx.jit(lambda m, t, k: m(t, residual_keep_BxT=k))(model, toks, jnp.asarray(keep))
+  z, z_hat, w = np_head(model, toks)
+  want = np.where(keep.reshape(-1, 1), z, z_hat) @ w.T
+  np.testing.assert_allclose(out.logits_BxTxV.reshape(B * T, -1), want, rtol=1e-4, atol=1e-4)
+  # The decomposition returned keeps the true residual (REC and metrics see r_t).
+  np.testing.assert_allclose(out.protos.residual_NxD, z - z_hat, rtol=1e-4, atol=1e-5)
+
+
+def test_residual_dropout_mask_is_deterministic_from_the_step():
+  cfg = Config(model=dataclasses.replace(CFG, residual_dropout=0.3),
+               data=DataConfig(seq_len=T), train=TrainConfig(seed=4))
+  a = np.asarray(_residual_keep(cfg, jnp.asarray(5), (64, 64)))
+  np.testing.assert_array_equal(a, np.asarray(_residual_keep(cfg, jnp.asarray(5), (64, 64))))
+  assert not np.array_equal(a, np.asarray(_residual_keep(cfg, jnp.asarray(6), (64, 64))))
+  assert abs(1.0 - a.mean() - 0.3) < 0.03  # ~4096 Bernoulli draws: 3 sigma is 0.021
+  assert _residual_keep(Config(model=CFG, data=DataConfig(seq_len=T)), jnp.asarray(5),
+                        (4, 4)) is None
+
+
+def test_lambda_proto_and_rec_ramp_vs_float64():
+  model, toks, rng = setup(5)
+  targets = rng.integers(0, CFG.vocab_size, (B, T))
+  mask = rng.random((B, T)) < 0.8
+  out = model(toks, mask_BxT=jnp.asarray(mask))
+  proto_logits = model.proto_path_logits(out.protos, B, T)
+  base = LossConfig(lambda_rec=0.4, lambda_r1=0.2, lambda_r2=0.6)
+  cfg = dataclasses.replace(base, lambda_proto=0.7, rec_ramp_steps=40)
+  _, ref = losses.total_loss(out, jnp.asarray(targets), jnp.asarray(mask), base)
+  loss, metrics = losses.total_loss(out, jnp.asarray(targets), jnp.asarray(mask), cfg,
+                                    step=10, proto_logits_BxTxV=proto_logits)
+  z, z_hat, w = np_head(model, toks)
+  logits, m, y = z_hat @ w.T, mask.reshape(-1), targets.reshape(-1)
+  lse = logits.max(1) + np.log(np.exp(logits - logits.max(1, keepdims=True)).sum(1))
+  proto_ce = (lse - logits[np.arange(B * T), y])[m].mean()
+  np.testing.assert_allclose(float(metrics["proto_ce"]), proto_ce, rtol=1e-5)
+  # λ_rec at step 10 of a 40-step ramp is a quarter of 0.4.
+  want = (float(ref["ce"]) + 0.1 * float(ref["rec"]) + 0.2 * float(ref["r1"])
+          + 0.6 * float(ref["r2"]) + 0.7 * proto_ce)
+  np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+  assert losses.rec_weight(cfg, 80) == pytest.approx(0.4)
+  assert losses.rec_weight(cfg, None) == 0.4 and losses.rec_weight(base, 3) == 0.4
+  with pytest.raises(ValueError, match="loss.lambda_proto > 0 needs proto_logits_BxTxV"):
+    losses.total_loss(out, jnp.asarray(targets), jnp.asarray(mask), cfg)
+
+
+@pytest.mark.parametrize("cls,overrides,match", [
+    (ModelConfig, dict(residual_dropout=1.0), r"model.residual_dropout must be in \[0, 1\)"),
+    (ModelConfig, dict(residual_dropout=-0.1), r"model.residual_dropout must be in \[0, 1\)"),
+    (ModelConfig, dict(mixture_scale="per_token"), "model.mixture_scale='per_token'"),
+    (LossConfig, dict(lambda_proto=-1.0), "loss.lambda_proto must be >= 0"),
+    (LossConfig, dict(rec_ramp_steps=-5), "loss.rec_ramp_steps must be an int >= 0"),
+    (LossConfig, dict(rec_ramp_steps=2.5), "loss.rec_ramp_steps must be an int >= 0"),
+])
+def test_bad_lever_values_are_named(cls, overrides, match):
+  with pytest.raises(ValueError, match=match):
+    cls(**overrides)
