@@ -8,7 +8,7 @@ contributions of all k active prototypes plus the residual slice sum to the logi
   python -m experiments.demo [--workdir=runs/demo] [--prompt=...] [--set train.steps=...]
 """
 
-import sys
+import textwrap
 
 from absl import flags
 
@@ -21,6 +21,17 @@ flags.DEFINE_integer("top", 3, "prototypes shown per token")
 flags.DEFINE_multi_string("set", [], "config override KEY=VALUE on the tiny preset")
 FLAGS = flags.FLAGS
 
+# What the validation line's abbreviations mean (PRISM.md §3).
+LEGEND = (
+    "loss / train_loss: cross-entropy on the val split / on as many training tokens "
+    "(tokens, train_tokens: how many); r1_bar: mean over prototypes of the best cosine to a "
+    "val token (prototypes sit on real data); r2_bar: mean over val tokens of the best "
+    "cosine to a prototype (tokens are covered); residual_share: E|r|^2 / E|z|^2 (the part "
+    "of z the prototypes leave out); dead_prototypes / dead_frac: never active on the split")
+NEXT = """next:
+  python -m experiments.generate --workdir={w} --prompt="The while statement"
+  python -m experiments.attribute --workdir={w} --prompt="The for statement"
+  tensorboard --logdir={w}     # curves of every metric above, per eval"""
 
 
 def _signature(model, proto_id: int, decode, n: int = 3) -> str:
@@ -37,14 +48,12 @@ def main(argv):
                                load_for_inference, train)
   from prism_jax.train.metrics import quiet_library_logs  # pylint: disable=g-import-not-at-top
   quiet_library_logs(40)  # orbax's read-only notices are noise here
-  try:
-    cfg = apply_overrides(preset("tiny"), list(FLAGS.set))
-  except ValueError as e:
-    sys.exit(f"error: {e}")
+  cfg = apply_overrides(preset("tiny"), list(FLAGS.set))
   try:
     result = train(cfg, FLAGS.workdir)
   except ConfigMismatchError as e:
-    sys.exit(f"error: {e}\n(remove {FLAGS.workdir} to retrain the demo from scratch)")
+    raise ConfigMismatchError(f"{e} (remove {FLAGS.workdir} to retrain the demo from "
+                              "scratch)") from None
   ev = result.eval
   if result.start_step == result.final_step:
     print(f"\nreusing the finished run in {result.workdir} (step {result.final_step})")
@@ -53,11 +62,15 @@ def main(argv):
           f"{result.wall_s:.0f} s; workdir {result.workdir}")
   if ev:
     from prism_jax import faithfulness  # pylint: disable=g-import-not-at-top
-    print("validation: " + ", ".join(f"{k} {v:.4g}" for k, v in ev.items()
-                                     if k not in faithfulness.KEYS))
+    shown = {k: v for k, v in ev.items() if k not in faithfulness.KEYS}
+    print(textwrap.fill("validation: " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()),
+                        100, subsequent_indent="  "))
+    print(textwrap.fill(f"({LEGEND})", 100, initial_indent="  ", subsequent_indent="   "))
     if "agreement" in ev:
-      print("faithfulness: " + faithfulness.format_line(ev))
-      print(f"  ({faithfulness.LEGEND})")
+      print(textwrap.fill("faithfulness: " + faithfulness.format_line(ev), 100,
+                          subsequent_indent="  "))
+      print(textwrap.fill(f"({faithfulness.LEGEND})", 100, initial_indent="  ",
+                          subsequent_indent="   "))
 
   from prism_jax.generate import generate  # pylint: disable=g-import-not-at-top
   from prism_jax.analysis.token_report import token_report  # pylint: disable=g-import-not-at-top
@@ -75,6 +88,7 @@ def main(argv):
     print("\nprototype signatures (tokens each pushes up most, from W p_i):")
     for pid in shown:
       print(f"  #{pid:<4} {_signature(model, pid, tok.decode)}")
+  print("\n" + NEXT.format(w=FLAGS.workdir))
 
 
 if __name__ == "__main__":

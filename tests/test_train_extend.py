@@ -11,6 +11,7 @@ from prism_jax.config import preset
 from prism_jax.data import PackedData, pipeline
 from prism_jax.train import ConfigMismatchError, apply_overrides, read_metrics, train
 from prism_jax.train import metrics as metrics_lib
+from test_checkpoint_bad_inputs import _corpus  # the same small word corpus
 
 SETS = [
     "model.d_model=16", "model.n_layers=1", "model.n_heads=2", "model.num_prototypes=16",
@@ -19,13 +20,6 @@ SETS = [
     "train.warmup_steps=10", "train.min_lr_ratio=0.1", "train.proto_init_step=5",
     "train.log_every=1", "train.eval_every=30", "train.ckpt_every=30", "train.eval_batches=2",
 ]
-
-
-def _corpus(path, seed):
-  rng = np.random.default_rng(seed)
-  words = ["alpha", "beta", "gamma", "delta", "the", "of", "prototype", "token", "mesh"]
-  path.write_text("\n\n".join(" ".join(rng.choice(words, 12)) for _ in range(200)))
-  return str(path)
 
 
 def _cfg(data, *extra):
