@@ -18,9 +18,9 @@ def _terminal_width() -> int:
     return 0
 
 
-# absl's prefix ("I1201 09:01:18.648751 140119656225664 loop.py:123] ") takes ~45 columns:
+# absl's prefix ("I1201 09:01:18.648751 140119656225664 progress.py:73] ") takes 55 columns:
 # metric text wraps so that every log line fits 120.
-LINE_WIDTH = 75
+LINE_WIDTH = 64
 _SHORT = {"steady_tokens_per_s": "steady tok/s", "steady_tokens_per_s_per_device":
           "steady tok/s/dev", "steady_steps_per_s": "steps/s", "tflops_per_s": "TFLOP/s"}
 
