@@ -56,7 +56,11 @@ def main(argv):
   result = train(cfg, FLAGS.workdir, start_over=FLAGS.start_over,
                  allow_config_change=FLAGS.allow_change)
   printable = result.summary()
-  logging.info("done: %s", json.dumps(printable, default=str))
+  ev = printable["eval"]
+  logging.info("done: steps %d..%d in %.0f s, val loss %s, steady tokens/s %s",
+               result.start_step, result.final_step, result.wall_s,
+               f"{ev['loss']:.4f}" if "loss" in ev else "-",
+               f"{result.steady_tokens_per_s:,.0f}" if result.steady_tokens_per_s else "-")
   if distributed.is_main_process():
     print(json.dumps(printable, default=str, indent=1))
 

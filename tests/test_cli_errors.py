@@ -50,3 +50,12 @@ def test_config_mismatch_is_one_line_and_debug_shows_the_traceback(tmp_path):
   assert_one_line_error(again, "model.k: checkpoint 2, requested 3")
   debug = run("train", *base, "--set=model.k=3", "--debug")
   assert debug.returncode != 0 and "Traceback" in debug.stderr
+
+
+def test_demo_config_mismatch_is_one_line(tmp_path):
+  base = [f"--workdir={tmp_path}/demo", "--max_new_tokens=2", "--prompt=The"] + TINY
+  first = run("demo", *base)
+  assert first.returncode == 0, first.stderr[-3000:]
+  again = run("demo", *base, "--set=model.k=3")
+  assert_one_line_error(again, "model.k: checkpoint 2, requested 3")
+  assert "to retrain the demo from scratch" in again.stderr
