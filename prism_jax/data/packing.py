@@ -195,7 +195,8 @@ def _documents(data_cfg, warn: bool) -> Iterator[_SourcedDocument]:
       yield _SourcedDocument(d.example_id, d.name, d.text, True)
 
 
-def _texts_for_bpe(docs: Iterator, is_val: np.ndarray) -> Iterator[str]:
+def _training_texts(docs: Iterator, is_val: np.ndarray) -> Iterator[str]:
+  """The train split's texts, up to BPE_MAX_TRAIN_CHARS: what BPE and char learn from."""
   budget = BPE_MAX_TRAIN_CHARS
   for d in docs:
     if not is_val[d.example_id]:
@@ -235,7 +236,7 @@ def _write_pack(tmp: str, data_cfg, vocab_size: int, config: dict, src_hash: str
   # Pass 2: the tokenizer (BPE and char learn from the train split only).
   texts = None
   if data_cfg.tokenizer in ("bpe", "char"):
-    texts = _texts_for_bpe(_documents(data_cfg, warn=False), is_val)
+    texts = _training_texts(_documents(data_cfg, warn=False), is_val)
   tok = tok_lib.make_tokenizer(data_cfg.tokenizer, vocab_size, texts)
   tok.save(tmp)
   logging.info("packing: %d documents, %s tokenizer (vocab %d) ready in %.1f s", n_docs,

@@ -25,6 +25,7 @@ from prism_jax.model.lm import init_prototypes_from_hidden
 from prism_jax.train import checkpoint as ckpt_lib
 from prism_jax.train import evaluation
 from prism_jax.train import metrics as metrics_lib
+from prism_jax.train import overrides
 from prism_jax.train import step as step_lib
 from prism_jax.train import trainer
 from prism_jax.train.optimizer import PROTO_PATH, make_optimizer, reset_moments
@@ -260,7 +261,6 @@ def _run(cfg, workdir, mesh, ckpt, packed, train_loader, val_loader, callbacks, 
 def _record_config_changes(loop: trainer.Loop, ckpt, step: int, cfg: Config) -> None:
   """A resume that changed allowed fields (a longer train.steps, --allow_change) writes
   one metrics.jsonl record {"split": "config_change", "step": step, field: [old, new]}."""
-  from prism_jax.train import overrides  # pylint: disable=g-import-not-at-top
   diffs = overrides.config_diff(ckpt.read_config(step), cfg)
   if diffs:
     loop.write(step, "config_change", {k: [a, b] for k, a, b in diffs})
