@@ -3,7 +3,6 @@ forward, no cache code), the records-only path equal to the cache path, the on-d
 round trip and identity check, signatures/neighbours/map vs NumPy, and the bad inputs."""
 
 import dataclasses
-import json
 import os
 
 import jax.numpy as jnp
@@ -12,39 +11,20 @@ import pytest
 
 from prism_jax import io_guard
 from prism_jax.analysis import cards as cards_lib
-from prism_jax.attribution import cache as cache_lib
-from prism_jax.config import Config, DataConfig, LossConfig, ModelConfig
-from prism_jax.data import prepare_data
 from prism_jax.model.lm import build_model
 
-WORDS = ("for while if else def return class import with try except yield lambda pass "
-         "break continue global").split()
+import tiny_run
+
 TOP_M, WINDOW = 5, 3
-
-
-def make_config(workdir, kind="prism"):
-  return Config(model=ModelConfig(vocab_size=258, max_len=16, d_model=16, n_layers=1,
-                                  n_heads=2, num_prototypes=24, k=4, kind=kind),
-                data=DataConfig(sources=(os.path.join(workdir, "docs.jsonl"),),
-                                tokenizer="byte", seq_len=16, val_fraction=0.1),
-                loss=LossConfig(lambda_r1=0.2, lambda_r2=0.2))
 
 
 @pytest.fixture(scope="module")
 def setup(tmp_path_factory):
-  workdir = str(tmp_path_factory.mktemp("cards"))
-  rng = np.random.default_rng(1)
-  with open(os.path.join(workdir, "docs.jsonl"), "w") as f:
-    for _ in range(30):
-      f.write(json.dumps({"text": " ".join(rng.choice(WORDS, rng.integers(4, 20)))}) + "\n")
-  cfg = make_config(workdir)
-  packed = prepare_data(cfg.data, cfg.model.vocab_size, workdir)
-  model = build_model(cfg.model, 3)
-  cache = cache_lib.build_cache(model, cfg, packed, os.path.join(workdir, "cache"),
-                                cache_lib.CacheConfig(batch_rows=8), progress=False)
-  cards = cards_lib.build_cards(model, cfg, packed, cache=cache, top_m=TOP_M, window=WINDOW,
-                                progress=False)
-  return workdir, cfg, packed, model, cards
+  run = tiny_run.tiny_run(tmp_path_factory)
+  cfg, packed, model = run["cfg"], run["packed"], run["model"]
+  cards = cards_lib.build_cards(model, cfg, packed, cache=run["cache"], top_m=TOP_M,
+                                window=WINDOW, progress=False)
+  return run["run"], cfg, packed, model, cards
 
 
 def _brute_force(model, packed):
@@ -55,9 +35,8 @@ def _brute_force(model, packed):
   tok, off = np.asarray(rows["tokens"]), np.asarray(rows["offset"][:, 1:])
   valid = off > 0  # a target whose input is in the same document
   out = model(jnp.asarray(tok[:, :-1]), mask_BxT=jnp.asarray(valid))
-  seq = valid.shape[1]
-  idx = np.asarray(out.protos.idx_Nxk).reshape(-1, seq, idx_k := out.protos.idx_Nxk.shape[1])
-  act = np.asarray(out.protos.act_Nxk, np.float64).reshape(-1, seq, idx_k)
+  idx = np.asarray(out.protos.idx_Nxk).reshape(valid.shape + (-1,))
+  act = np.asarray(out.protos.act_Nxk, np.float64).reshape(valid.shape + (-1,))
   per = {}
   for r, c in zip(*np.nonzero(valid)):
     for i, a in zip(idx[r, c], act[r, c]):
@@ -104,7 +83,7 @@ def test_signature_neighbours_map_label(setup):
   unit = p / np.linalg.norm(p, axis=1, keepdims=True)
   cos = unit @ unit.T
   dec = packed.tokenizer.decode
-  for i in (0, 7, 23):
+  for i in (0, 7, tiny_run.K - 1):
     card = cards.card(i)
     order = np.argsort(-sig[i])
     assert [t for t, _ in card.promoted] == [dec([int(t)]) for t in order[:10]]
@@ -121,7 +100,7 @@ def test_signature_neighbours_map_label(setup):
 
 
 def test_records_path_save_load_search(setup, tmp_path):
-  workdir, cfg, packed, model, cards = setup
+  _, cfg, packed, model, cards = setup
   out = str(tmp_path / "cards")
   rec = cards_lib.build_cards(model, cfg, packed, top_m=TOP_M, window=WINDOW, out_dir=out,
                               progress=False)
@@ -152,9 +131,9 @@ def test_records_path_save_load_search(setup, tmp_path):
 
 
 def test_bad_inputs(setup, tmp_path):
-  workdir, cfg, packed, model, cards = setup
-  with pytest.raises(IndexError, match="out of range.*K=24"):
-    cards.card(24)
+  _, cfg, packed, model, cards = setup
+  with pytest.raises(IndexError, match=f"out of range.*K={tiny_run.K}"):
+    cards.card(tiny_run.K)
   with pytest.raises(IndexError, match="out of range"):
     cards.card(-1)
   dense_cfg = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, kind="dense"))

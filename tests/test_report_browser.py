@@ -15,45 +15,25 @@ from prism_jax import io_guard
 from prism_jax.analysis import browser
 from prism_jax.analysis import cards as cards_lib
 from prism_jax.analysis import report
-from prism_jax.attribution import cache as cache_lib
-from prism_jax.config import preset
-from prism_jax.data import prepare_data
 from prism_jax.model.lm import build_model, decompose
-from prism_jax.train import apply_overrides, load_for_inference, train
 
-K = 16
-SETS = [
-    "model.d_model=32", "model.n_layers=1", "model.n_heads=2", f"model.num_prototypes={K}",
-    "model.k=4", "model.vocab_size=258", "model.max_len=32", "data.tokenizer=byte",
-    "data.seq_len=32", "data.val_fraction=0.1", "train.batch_size=8", "train.steps=24",
-    "train.warmup_steps=2", "train.proto_init_step=0", "train.ckpt_every=24",
-    "train.log_every=8", "train.eval_every=8", "train.eval_batches=2",
-]
+import tiny_run
+
 PROMPT = "the prototype of <x> "
 
 
 @pytest.fixture(scope="module")
 def page_setup(tmp_path_factory):
-  root = tmp_path_factory.mktemp("report")
-  rng = np.random.default_rng(2)
-  words = ["alpha", "beta", "the", "of", "prototype", "token", "mesh", "<x>", "&amp;"]
-  (root / "corpus.txt").write_text("\n\n".join(" ".join(rng.choice(words, 12))
-                                               for _ in range(120)))
-  cfg = apply_overrides(preset("tiny"), SETS + [f"data.sources={root / 'corpus.txt'}"])
-  run = str(root / "run")
-  train(cfg, run)
-  model, cfg, tok = load_for_inference(run)
-  packed = prepare_data(cfg.data, cfg.model.vocab_size, run)
-  cache = cache_lib.build_cache(model, cfg, packed, str(root / "cache"),
-                                cache_lib.CacheConfig(batch_rows=8), progress=False)
+  s = dict(tiny_run.tiny_run(tmp_path_factory))
+  model, cfg, tok, packed, cache = (s[n] for n in ("model", "cfg", "tok", "packed", "cache"))
   cards = cards_lib.build_cards(model, cfg, packed, cache=cache, top_m=4, window=4,
                                 decode=tok.decode, progress=False)
   data = report.report_data(model, cfg, tok.decode, tok.encode(PROMPT), cards, cache=cache,
-                            packed=packed, max_new_tokens=6, eos_id=tok.eos_id,
-                            metrics_path=os.path.join(run, "metrics.jsonl"))
-  path = report.write_report(str(root / "report"), data)
-  return dict(root=root, run=run, model=model, cfg=cfg, tok=tok, cards=cards, data=data,
-              path=path, cache=cache, packed=packed)
+                            packed=packed, max_new_tokens=5, eos_id=tok.eos_id,
+                            metrics_path=os.path.join(s["run"], "metrics.jsonl"))
+  path = report.write_report(str(s["root"] / "report"), data)
+  s.update(cards=cards, data=data, path=path)
+  return s
 
 
 def _reference(model, seq):
@@ -96,16 +76,16 @@ def test_report_in_browser(page_setup):
       assert card.label in row.inner_text()
       if card.contexts:
         assert row.locator("mark").first.inner_text() == card.contexts[0].trigger.replace(
-            "\n", "\u21b5\n").replace("\t", "\u2192")
+            "\n", "\u21b5").replace("\t", "\u2192")
     if any(t["attributions"] for t in data["tokens"]):
       gen = next(j for j, t in enumerate(data["tokens"]) if t["attributions"])
       toks.nth(gen).click()
       assert page.locator("#attr li").count() == len(data["tokens"][gen]["attributions"])
     # The map has K points; a point opens its card; the search filters the list.
-    assert page.locator("#map circle.pt").count() == K
+    assert page.locator("#map circle.pt").count() == tiny_run.K
     page.locator('#map circle.pt[data-proto="3"]').click()
     assert "card #3" in page.locator("#card h2").first.inner_text()
-    assert page.locator("#cardlist li").count() == K
+    assert page.locator("#cardlist li").count() == tiny_run.K
     word = next((c.contexts[0].trigger.strip() for c in s["cards"].cards
                  if c.contexts and c.contexts[0].trigger.strip()), "")
     page.fill("#search", word)

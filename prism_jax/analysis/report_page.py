@@ -53,6 +53,7 @@ const $ = s => document.querySelector(s);
 const esc = s => String(s).replace(/[&<>"']/g, c => ({'&':'&amp;','<':'&lt;','>':'&gt;',
   '"':'&quot;',"'":'&#39;'}[c]));
 const vis = s => esc(s).replace(/\n/g, '\u21b5\n').replace(/\t/g, '\u2192');
+const inline = s => esc(s).replace(/\n/g, '\u21b5').replace(/\t/g, '\u2192');  // one line
 const fmt = v => (v >= 0 ? '+' : '') + v.toFixed(3);
 const SVG = 'http://www.w3.org/2000/svg';
 function el(tag, attrs, parent) {
@@ -69,8 +70,8 @@ function ramp(t) {  // usage colour: light blue -> dark red
 }
 const card = i => D.cards[i];
 function snippetHtml(c) {
-  return `<span class="snip">${vis(c.before)}<mark>${vis(c.trigger)}</mark>` +
-         `${vis(c.after)}</span> <span class="muted">a=${c.act.toFixed(3)}</span>`;
+  return `<span class="snip">${inline(c.before)}<mark>${inline(c.trigger)}</mark>` +
+         `${inline(c.after)}</span> <span class="muted">a=${c.act.toFixed(3)}</span>`;
 }
 
 // --- the text, coloured by top prototype or by prototype-path share ---------------------
@@ -160,7 +161,7 @@ function showToken(i) {
   $('#ptable').innerHTML = rows;
   $('#attr').innerHTML = t.attributions.length ? '<h2>top attributed training sequences' +
     '</h2><ol>' + t.attributions.map(a => `<li><span class="muted">doc ${a.example_id}, ` +
-    `score ${a.score.toExponential(2)}</span> <span class="snip">${vis(a.snippet)}</span>` +
+    `score ${a.score.toExponential(2)}</span> <span class="snip">${inline(a.snippet)}</span>` +
     '</li>').join('') + '</ol>' : '<p class="muted">' + esc(D.attribution_note) + '</p>';
   det.querySelectorAll('a[data-card]').forEach(a =>
     a.addEventListener('click', () => showCard(+a.dataset.card)));
@@ -213,7 +214,7 @@ function showCard(i) {
   const c = card(i), box = $('#card');
   box.innerHTML = `<h2 id="card-${i}">card #${i} <span class="label">${esc(c.label)}</span>` +
     `</h2><div class="muted">usage ${(100 * c.usage).toFixed(3)}% of training tokens; ` +
-    `labels are a heuristic (${esc(D.label_method)})</div><h2>top training contexts</h2>` +
+    `automatic label, ${esc(D.label_method)}</div><h2>top training contexts</h2>` +
     c.contexts.map(x => `<div>${snippetHtml(x)} <span class="muted">doc ${x.example_id}` +
     '</span></div>').join('') + '<h2>activation histogram</h2>' +
     '<svg id="hist" width="300" height="60" viewBox="0 0 300 60"></svg>' +
