@@ -35,6 +35,7 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   del argv
+  from prism_jax import io_guard  # pylint: disable=g-import-not-at-top
   from prism_jax.analysis import cards as cards_lib  # pylint: disable=g-import-not-at-top
   from prism_jax.analysis import report  # pylint: disable=g-import-not-at-top
   from prism_jax.attribution import cache as cache_lib  # pylint: disable=g-import-not-at-top
@@ -48,6 +49,9 @@ def main(argv):
     raise ValueError(f"{FLAGS.workdir} is a dense run (model.kind={cfg.model.kind!r}): a "
                      "report needs prototypes; train with --model=prism")
   prompt = tokenizer.encode(FLAGS.prompt)
+  # Claimed before any work: a directory that is not a report's fails here, in seconds.
+  out_dir = io_guard.claim_output_dir(FLAGS.out or os.path.join(FLAGS.workdir, "report"),
+                                      report.REPORT_KIND)
   packed = prepare_data(cfg.data, cfg.model.vocab_size, FLAGS.workdir)
   cache = None
   if FLAGS.attribution:
@@ -70,7 +74,7 @@ def main(argv):
                             metrics_path=os.path.join(FLAGS.workdir, "metrics.jsonl"),
                             eos_id=tokenizer.eos_id,
                             title=f"PRISM report: {os.path.basename(os.path.abspath(FLAGS.workdir))}")
-  path = report.write_report(FLAGS.out or os.path.join(FLAGS.workdir, "report"), data)
+  path = report.write_report(out_dir, data)
   if FLAGS.screenshot:
     from prism_jax.analysis import browser  # pylint: disable=g-import-not-at-top
     with browser.open_page(path) as view:

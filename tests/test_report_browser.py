@@ -6,6 +6,8 @@ screenshot is not blank. Plus the report's bad inputs. A tiny run trained once p
 
 import dataclasses
 import os
+import subprocess
+import sys
 
 import jax.numpy as jnp
 import numpy as np
@@ -134,6 +136,18 @@ def test_report_bad_inputs(page_setup):
     report.report_data(model, cfg, tok.decode, [cfg.model.vocab_size], cards)
   with pytest.raises(ValueError, match="context"):
     report.report_data(model, cfg, tok.decode, [1] * cfg.model.max_len, cards)
+
+
+def test_cli_refuses_a_directory_that_is_not_a_report(page_setup):
+  env = dict(os.environ, JAX_PLATFORMS="cpu")
+  proc = subprocess.run([sys.executable, "-m", "experiments.report",
+                         f"--workdir={page_setup['run']}",
+                         "--prompt=the", f"--out={page_setup['run']}"],
+                        cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        env=env, capture_output=True, text=True, timeout=300)
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+  assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+  assert "training run directory" in errors[0] and "Traceback" not in proc.stderr
 
 
 def test_missing_browser_fails_with_hint(monkeypatch):
