@@ -73,7 +73,8 @@ def main(argv):
                             packed=packed, max_new_tokens=FLAGS.max_new_tokens,
                             metrics_path=os.path.join(FLAGS.workdir, "metrics.jsonl"),
                             eos_id=tokenizer.eos_id,
-                            title=f"PRISM report: {os.path.basename(os.path.abspath(FLAGS.workdir))}")
+                            title="PRISM report: "
+                            + os.path.basename(os.path.abspath(FLAGS.workdir)))
   path = report.write_report(out_dir, data)
   if FLAGS.screenshot:
     from prism_jax.analysis import browser  # pylint: disable=g-import-not-at-top

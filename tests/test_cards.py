@@ -3,7 +3,6 @@ forward, no cache code), the records-only path equal to the cache path, the on-d
 round trip and identity check, signatures/neighbours/map vs NumPy, and the bad inputs."""
 
 import dataclasses
-import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -141,6 +140,9 @@ def test_bad_inputs(setup, tmp_path):
     cards_lib.build_cards(build_model(dense_cfg.model, 0), dense_cfg, packed, progress=False)
   with pytest.raises(ValueError, match="top_m must be a positive int"):
     cards_lib.build_cards(model, cfg, packed, top_m=0, progress=False)
+  with pytest.raises(cards_lib.CardsMismatchError, match="another checkpoint"):
+    cards_lib.build_cards(build_model(cfg.model, 9), cfg, packed,
+                          cache=tiny_run.tiny_run(None)["cache"], progress=False)
   with pytest.raises(ValueError, match="keyword"):
     cards.search(["  "])
   with pytest.raises(FileNotFoundError, match="not a prototype-card directory"):

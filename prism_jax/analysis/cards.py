@@ -40,11 +40,9 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import math
 import os
 import tempfile
 import time
-from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from typing import NamedTuple
 
@@ -52,6 +50,7 @@ import numpy as np
 from absl import logging
 
 from prism_jax import io_guard
+from prism_jax.analysis.card_stats import bank_map, neighbours, signatures, tfidf_labels
 from prism_jax.attribution import cache_build
 from prism_jax.attribution import cache_format as fmt
 from prism_jax.config import Config
@@ -283,75 +282,9 @@ def _position(rows: dict, row: int, example_id: int, offset: int) -> int:
   return int(hit[0]) if hit.size else -1
 
 
-def signatures(sig_KxV: np.ndarray, decode: Callable, n: int):
-  """(promoted, demoted) per prototype: the n largest / smallest entries of W p_i."""
-  part_hi = np.argpartition(-sig_KxV, n - 1, axis=1)[:, :n]
-  part_lo = np.argpartition(sig_KxV, n - 1, axis=1)[:, :n]
-  out = []
-  for i in range(len(sig_KxV)):
-    hi = part_hi[i][np.argsort(-sig_KxV[i, part_hi[i]])]
-    lo = part_lo[i][np.argsort(sig_KxV[i, part_lo[i]])]
-    out.append((tuple((decode([int(t)]), float(sig_KxV[i, t])) for t in hi),
-                tuple((decode([int(t)]), float(sig_KxV[i, t])) for t in lo)))
-  return out
-
-
-def neighbours(protos_KxD: np.ndarray, n: int, chunk: int = 1024):
-  """(ids_Kxn, cosines_Kxn): each prototype's n nearest others by cosine, in row chunks
-  (never a K×K matrix at once)."""
-  unit = protos_KxD / np.maximum(np.linalg.norm(protos_KxD, axis=1, keepdims=True), 1e-12)
-  num = len(unit)
-  n = min(n, num - 1)
-  ids, cos = np.zeros((num, n), np.int64), np.zeros((num, n), np.float64)
-  for lo in range(0, num, chunk):
-    sim = unit[lo:lo + chunk] @ unit.T
-    sim[np.arange(len(sim)), np.arange(lo, lo + len(sim))] = -np.inf  # not itself
-    top = np.argsort(-sim, axis=1, kind="stable")[:, :n]
-    ids[lo:lo + len(sim)] = top
-    cos[lo:lo + len(sim)] = np.take_along_axis(sim, top, axis=1)
-  return ids, cos
-
-
-def bank_map(protos_KxD: np.ndarray, method: str = "auto") -> tuple[np.ndarray, str]:
-  """(xy_Kx2, method used): PCA of the unit prototypes, or UMAP (cosine) when asked for
-  ("umap") or available ("auto") via the optional `umap-learn`."""
-  if method not in ("auto", "pca", "umap"):
-    raise ValueError(f"map_method={method!r}; use 'auto', 'pca' or 'umap'")
-  unit = protos_KxD / np.maximum(np.linalg.norm(protos_KxD, axis=1, keepdims=True), 1e-12)
-  if method in ("auto", "umap"):
-    try:
-      import umap  # pylint: disable=import-outside-toplevel
-      return np.asarray(umap.UMAP(n_components=2, metric="cosine", random_state=0)
-                        .fit_transform(unit), np.float64), "umap"
-    except ImportError:
-      if method == "umap":
-        raise ImportError("map_method='umap' needs the optional extra: pip install "
-                          "-e '.[umap]'") from None
-  centred = unit - unit.mean(0)
-  _, _, vt = np.linalg.svd(centred, full_matrices=False)
-  xy = centred @ vt[:2].T
-  xy = xy * np.sign(xy[np.argmax(np.abs(xy), axis=0), [0, 1]])  # deterministic sign
-  return np.pad(xy, ((0, 0), (0, 2 - xy.shape[1]))), "pca"
-
-
-def tfidf_labels(trigger_ids: Sequence[Sequence[int]], bigrams: Sequence[Sequence[tuple]],
-                 decode: Callable, n_terms: int = 3) -> list[tuple[str, ...]]:
-  """Distinctive terms per prototype: tf (share of its contexts) × idf over prototypes."""
-  docs = [Counter(list(map(lambda t: (t,), trig)) + list(bg))
-          for trig, bg in zip(trigger_ids, bigrams)]
-  df = Counter(term for d in docs for term in d)
-  num = max(len(docs), 1)
-  out = []
-  for d in docs:
-    total = max(sum(d.values()), 1)
-    scored = sorted(d, key=lambda t: (-(d[t] / total) * math.log((1 + num) / (1 + df[t])),
-                                      t))
-    out.append(tuple(repr(decode(list(t))) for t in scored[:n_terms]))
-  return out
-
-
-def _identity(model, cfg: Config, top_m: int, window: int, source: str, num_tokens: int):
-  return {"model_fingerprint": fmt.model_fingerprint(model),
+def _identity(fingerprint: str, cfg: Config, top_m: int, window: int, source: str,
+              num_tokens: int):
+  return {"model_fingerprint": fingerprint,
           "num_prototypes": cfg.model.num_prototypes, "k": cfg.model.k,
           "vocab_size": cfg.model.vocab_size, "top_m": top_m, "window": window,
           "source": source, "num_tokens": int(num_tokens)}
@@ -375,7 +308,13 @@ def build_cards(model, cfg: Config, packed, *, cache=None, top_m: int = 16, wind
   t0 = time.time()
   if out_dir is not None:
     out_dir = io_guard.claim_output_dir(out_dir, CARDS_KIND)
+  fingerprint = fmt.model_fingerprint(model)
   if cache is not None:
+    have = cache.metadata["identity"]["model_fingerprint"]
+    if have != fingerprint:
+      raise CardsMismatchError(f"the attribution cache {cache.path} was built from another "
+                               f"checkpoint (fingerprint {have[:12]}…); pass this model's "
+                               "cache, or cache=None for a records-only pass")
     index, source = _Index(cache=cache), "cache"
   else:
     tmp = None if out_dir is not None else tempfile.TemporaryDirectory(prefix="cards_")
@@ -419,8 +358,8 @@ def build_cards(model, cfg: Config, packed, *, cache=None, top_m: int = 16, wind
                 else "heuristic: (never active on the training split)",
                 map_xy=(float(xy[i, 0]), float(xy[i, 1])), label_terms=terms[i])
            for i in range(num_protos)]
-  card_set = CardSet(cards, _identity(model, cfg, top_m, window, source, index.num_tokens),
-                     used)
+  ident = _identity(fingerprint, cfg, top_m, window, source, index.num_tokens)
+  card_set = CardSet(cards, ident, used)
   if out_dir is not None:
     card_set.save(out_dir)
   if progress:

@@ -1,0 +1,77 @@
+"""The bank-level statistics of the prototype cards (cards.py): logit signatures, nearest
+prototypes, the 2-D map and the TF-IDF labels. Pure NumPy on the bank's arrays."""
+
+from __future__ import annotations
+
+import math
+from collections import Counter
+from collections.abc import Callable, Sequence
+
+import numpy as np
+
+
+def signatures(sig_KxV: np.ndarray, decode: Callable, n: int):
+  """(promoted, demoted) per prototype: the n largest / smallest entries of W p_i."""
+  part_hi = np.argpartition(-sig_KxV, n - 1, axis=1)[:, :n]
+  part_lo = np.argpartition(sig_KxV, n - 1, axis=1)[:, :n]
+  out = []
+  for i in range(len(sig_KxV)):
+    hi = part_hi[i][np.argsort(-sig_KxV[i, part_hi[i]])]
+    lo = part_lo[i][np.argsort(sig_KxV[i, part_lo[i]])]
+    out.append((tuple((decode([int(t)]), float(sig_KxV[i, t])) for t in hi),
+                tuple((decode([int(t)]), float(sig_KxV[i, t])) for t in lo)))
+  return out
+
+
+def neighbours(protos_KxD: np.ndarray, n: int, chunk: int = 1024):
+  """(ids_Kxn, cosines_Kxn): each prototype's n nearest others by cosine, in row chunks
+  (never a K×K matrix at once)."""
+  unit = protos_KxD / np.maximum(np.linalg.norm(protos_KxD, axis=1, keepdims=True), 1e-12)
+  num = len(unit)
+  n = min(n, num - 1)
+  ids, cos = np.zeros((num, n), np.int64), np.zeros((num, n), np.float64)
+  for lo in range(0, num, chunk):
+    sim = unit[lo:lo + chunk] @ unit.T
+    sim[np.arange(len(sim)), np.arange(lo, lo + len(sim))] = -np.inf  # not itself
+    top = np.argsort(-sim, axis=1, kind="stable")[:, :n]
+    ids[lo:lo + len(sim)] = top
+    cos[lo:lo + len(sim)] = np.take_along_axis(sim, top, axis=1)
+  return ids, cos
+
+
+def bank_map(protos_KxD: np.ndarray, method: str = "auto") -> tuple[np.ndarray, str]:
+  """(xy_Kx2, method used): PCA of the unit prototypes, or UMAP (cosine) when asked for
+  ("umap") or available ("auto") via the optional `umap-learn`."""
+  if method not in ("auto", "pca", "umap"):
+    raise ValueError(f"map_method={method!r}; use 'auto', 'pca' or 'umap'")
+  unit = protos_KxD / np.maximum(np.linalg.norm(protos_KxD, axis=1, keepdims=True), 1e-12)
+  if method in ("auto", "umap"):
+    try:
+      import umap  # pylint: disable=import-outside-toplevel
+      return np.asarray(umap.UMAP(n_components=2, metric="cosine", random_state=0)
+                        .fit_transform(unit), np.float64), "umap"
+    except ImportError:
+      if method == "umap":
+        raise ImportError("map_method='umap' needs the optional extra: pip install "
+                          "-e '.[umap]'") from None
+  centred = unit - unit.mean(0)
+  _, _, vt = np.linalg.svd(centred, full_matrices=False)
+  xy = centred @ vt[:2].T
+  xy = xy * np.sign(xy[np.argmax(np.abs(xy), axis=0), [0, 1]])  # deterministic sign
+  return np.pad(xy, ((0, 0), (0, 2 - xy.shape[1]))), "pca"
+
+
+def tfidf_labels(trigger_ids: Sequence[Sequence[int]], bigrams: Sequence[Sequence[tuple]],
+                 decode: Callable, n_terms: int = 3) -> list[tuple[str, ...]]:
+  """Distinctive terms per prototype: tf (share of its contexts) × idf over prototypes."""
+  docs = [Counter(list(map(lambda t: (t,), trig)) + list(bg))
+          for trig, bg in zip(trigger_ids, bigrams)]
+  df = Counter(term for d in docs for term in d)
+  num = max(len(docs), 1)
+  out = []
+  for d in docs:
+    total = max(sum(d.values()), 1)
+    scored = sorted(d, key=lambda t: (-(d[t] / total) * math.log((1 + num) / (1 + df[t])),
+                                      t))
+    out.append(tuple(repr(decode(list(t))) for t in scored[:n_terms]))
+  return out
