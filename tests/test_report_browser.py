@@ -97,6 +97,8 @@ def test_report_in_browser(page_setup):
                    for i, c in enumerate(s["cards"].cards))
     assert 0 < listed == expected
     assert page.locator("#plots polyline").count() >= 3  # metrics over training
+    page.select_option("#mapcolour", "label")
+    assert page.locator("#map circle.pt").count() == tiny_run.K  # redrawn, not appended
     page.select_option("#colour", "share")
     page.screenshot(path=shot, full_page=True)
   assert view.errors == [] and view.requests == []

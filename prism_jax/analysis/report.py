@@ -99,7 +99,7 @@ def read_metrics(path: str | None) -> dict:
 
 
 def _card_json(c) -> dict:
-  return {"label": c.label, "usage": c.usage, "xy": list(c.map_xy),
+  return {"label": c.label, "terms": list(c.label_terms), "usage": c.usage, "xy": list(c.map_xy),
           "promoted": [list(p) for p in c.promoted[:CARD_LOGITS]],
           "demoted": [list(p) for p in c.demoted[:CARD_LOGITS]],
           "contexts": [{"before": x.tokens_before, "trigger": x.trigger,

@@ -64,6 +64,11 @@ function el(tag, attrs, parent) {
 }
 const hue = i => (i * 137.508) % 360;
 const protoColour = (i, a) => `hsla(${hue(i)},70%,55%,${a})`;
+function strHue(s) {  // one colour per label term: prototypes sharing a top term match
+  let h = 0;
+  for (const ch of s) h = (h * 31 + ch.codePointAt(0)) % 3600;
+  return h / 10;
+}
 function ramp(t) {  // usage colour: light blue -> dark red
   t = Math.max(0, Math.min(1, t));
   return `hsl(${220 - 220 * t},75%,${70 - 35 * t}%)`;
@@ -177,7 +182,8 @@ function drawMap() {
   const umax = Math.log10(Math.max(...D.cards.map(c => c.usage), 1e-9) + 1e-6);
   const umin = Math.log10(1e-6);
   D.cards.forEach((c, i) => {
-    const fill = $('#mapcolour').value === 'label' ? protoColour(i, 0.8) :
+    const fill = $('#mapcolour').value === 'label' ? (c.terms.length ?
+      `hsla(${strHue(c.terms[0])},70%,50%,0.85)` : '#ccc') :
       ramp((Math.log10(c.usage + 1e-6) - umin) / ((umax - umin) || 1));
     const pt = el('circle', {cx: sx(c.xy[0]).toFixed(1), cy: sy(c.xy[1]).toFixed(1), r: 3.2,
       class: 'pt', 'data-proto': i, fill, stroke: '#333', 'stroke-width': 0.3}, svg);
@@ -263,8 +269,11 @@ $('#colour').addEventListener('change', colourTokens);
 $('#mapcolour').addEventListener('change', redrawMap);
 $('#search').addEventListener('input', drawList);
 drawText(); drawMap(); drawList(); drawPlots();
-if (D.tokens.length) showToken(D.tokens.findIndex(t => t.generated) >= 0 ?
-    D.tokens.findIndex(t => t.generated) : 0);
+if (D.tokens.length) {  // open on the first generated token and its top prototype's card
+  const first = Math.max(0, D.tokens.findIndex(t => t.generated));
+  showToken(first);
+  if (topProto(D.tokens[first])) showCard(topProto(D.tokens[first]).id);
+}
 """
 
 BODY = """
@@ -282,7 +291,7 @@ BODY = """
 <div>
  <section><h2>prototype map ({method})</h2>
   <div class="muted">colour by <select id="mapcolour"><option value="usage">usage</option>
-  <option value="label">prototype</option></select>; click a point for its card</div>
+  <option value="label">label (top term)</option></select>; click a point for its card</div>
   <svg id="map" width="400" height="300" viewBox="0 0 400 300"></svg></section>
  <section><h2>cards</h2><input id="search" placeholder="search labels and contexts"
   size="34"> <span id="nmatch" class="muted"></span><ul id="cardlist"></ul></section>
