@@ -3,6 +3,7 @@ forward, no cache code), the records-only path equal to the cache path, the on-d
 round trip and identity check, signatures/neighbours/map vs NumPy, and the bad inputs."""
 
 import dataclasses
+import os
 
 import jax.numpy as jnp
 import numpy as np
@@ -10,6 +11,7 @@ import pytest
 
 from prism_jax import io_guard
 from prism_jax.analysis import cards as cards_lib
+from prism_jax.attribution import cache_build, cache_format
 from prism_jax.model.lm import build_model
 
 import tiny_run
@@ -98,11 +100,28 @@ def test_signature_neighbours_map_label(setup):
   np.testing.assert_allclose(np.abs(xy), np.abs(ref), atol=1e-6)
 
 
-def test_records_path_save_load_search(setup, tmp_path):
+def test_records_path_save_load_search(setup, tmp_path, monkeypatch):
   _, cfg, packed, model, cards = setup
   out = str(tmp_path / "cards")
+  # An interrupted records pass (the cards' own, in <out>/records) is resumed, not redone.
+  io_guard.claim_output_dir(out, cards_lib.CARDS_KIND)
+  done = []
+
+  def stop(_, rows):
+    done.append(rows)
+    raise KeyboardInterrupt
+
+  with pytest.raises(KeyboardInterrupt):
+    cache_build.write_records(model, cfg, packed, os.path.join(out, "records"),
+                              cache_format.CacheConfig(rank=None), progress=False,
+                              on_batch=stop)
+  resumed = []
+  orig = cache_build.records_pass
+  monkeypatch.setattr(cache_build, "records_pass",
+                      lambda *a, **kw: (resumed.append(a[6]), orig(*a, **kw))[1])
   rec = cards_lib.build_cards(model, cfg, packed, top_m=TOP_M, window=WINDOW, out_dir=out,
                               progress=False)
+  assert done == [16] and resumed == [16]  # picks up after the first run's 16 rows
   assert rec.identity["source"] == "records"
   for a, b in zip(rec.cards, cards.cards):
     assert [c._replace(activation=0) for c in a.contexts] == \
@@ -114,6 +133,7 @@ def test_records_path_save_load_search(setup, tmp_path):
   # A rerun resumes into the same directory (the records pass is finished: no recompute).
   again = cards_lib.build_cards(model, cfg, packed, top_m=TOP_M, window=WINDOW, out_dir=out,
                                 progress=False)
+  assert resumed == [16]  # no second records pass
   assert again.cards == rec.cards
   other = build_model(cfg.model, 4)
   with pytest.raises(cards_lib.CardsMismatchError, match="another model"):
