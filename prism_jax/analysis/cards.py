@@ -316,12 +316,14 @@ def build_cards(model, cfg: Config, packed, *, cache=None, top_m: int = 16, wind
                                f"checkpoint (fingerprint {have[:12]}…); pass this model's "
                                "cache, or cache=None for a records-only pass")
     index, source = _Index(cache=cache), "cache"
+    split = cache.metadata["identity"]["cache"]["split"]
   else:
     tmp = None if out_dir is not None else tempfile.TemporaryDirectory(prefix="cards_")
     rec_dir = os.path.join(out_dir if tmp is None else tmp.name, "records")
     index, source = _records_index(model, cfg, packed, rec_dir, progress), "records"
+    split = fmt.CacheConfig().split
   num_protos = cfg.model.num_prototypes
-  rows = packed.rows("train")
+  rows = packed.rows(split)  # the rows the index's tokens come from
   docs = _Docs(packed, decode)
   contexts, trig_ids, bigrams, usage, hists = [], [], [], [], []
   for i in range(num_protos):
