@@ -25,7 +25,7 @@ def setup(tmp_path_factory):
   cfg, packed, model = run["cfg"], run["packed"], run["model"]
   cards = cards_lib.build_cards(model, cfg, packed, cache=run["cache"], top_m=TOP_M,
                                 window=WINDOW, progress=False)
-  return run["run"], cfg, packed, model, cards
+  return run["run"], cfg, packed, model, cards, run["cache"]
 
 
 def _brute_force(model, packed):
@@ -48,7 +48,7 @@ def _brute_force(model, packed):
 
 
 def test_top_contexts_equal_brute_force(setup):
-  _, cfg, packed, model, cards = setup
+  _, cfg, packed, model, cards, _ = setup
   brute = _brute_force(model, packed)
   num_tokens = int((packed.rows("train")["offset"][:, 1:] > 0).sum())
   assert len(cards) == cfg.model.num_prototypes
@@ -77,7 +77,7 @@ def test_top_contexts_equal_brute_force(setup):
 
 
 def test_signature_neighbours_map_label(setup):
-  _, cfg, packed, model, cards = setup
+  _, cfg, packed, model, cards, _ = setup
   sig = (np.asarray(model.bank.protos[...], np.float64)
          @ np.asarray(model.backbone.wte[...], np.float64).T)
   p = np.asarray(model.bank.protos[...], np.float64)
@@ -101,7 +101,7 @@ def test_signature_neighbours_map_label(setup):
 
 
 def test_records_path_save_load_search(setup, tmp_path, monkeypatch):
-  _, cfg, packed, model, cards = setup
+  _, cfg, packed, model, cards, _ = setup
   out = str(tmp_path / "cards")
   # An interrupted records pass (the cards' own, in <out>/records) is resumed, not redone.
   io_guard.claim_output_dir(out, cards_lib.CARDS_KIND)
@@ -150,7 +150,7 @@ def test_records_path_save_load_search(setup, tmp_path, monkeypatch):
 
 
 def test_bad_inputs(setup, tmp_path):
-  _, cfg, packed, model, cards = setup
+  _, cfg, packed, model, cards, cache = setup
   with pytest.raises(IndexError, match=f"out of range.*K={tiny_run.K}"):
     cards.card(tiny_run.K)
   with pytest.raises(IndexError, match="out of range"):
@@ -162,7 +162,7 @@ def test_bad_inputs(setup, tmp_path):
     cards_lib.build_cards(model, cfg, packed, top_m=0, progress=False)
   with pytest.raises(cards_lib.CardsMismatchError, match="another checkpoint"):
     cards_lib.build_cards(build_model(cfg.model, 9), cfg, packed,
-                          cache=tiny_run.tiny_run(None)["cache"], progress=False)
+                          cache=cache, progress=False)
   with pytest.raises(ValueError, match="keyword"):
     cards.search(["  "])
   with pytest.raises(FileNotFoundError, match="not a prototype-card directory"):
