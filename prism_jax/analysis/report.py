@@ -165,6 +165,7 @@ def report_data(model, cfg: Config, decode: Callable, prompt_ids: Sequence[int],
       "faithfulness_line": "this sample: " + faithfulness.format_line(
           {k: float("nan") if v is None else v for k, v in faith.items()}),
       "faithfulness": faith, "first_token": decode([int(seq[0])]),
+      "first_id": int(seq[0]),
       "prompt_len": int(len(prompt)), "tokens": tokens,
       "attribution_note": ("top attributed training sequences are listed for generated "
                            "tokens" if atts is not None else
