@@ -3,6 +3,7 @@ forward, no cache code), the records-only path equal to the cache path, the on-d
 round trip and identity check, signatures/neighbours/map vs NumPy, and the bad inputs."""
 
 import dataclasses
+import importlib.util
 import os
 
 import jax.numpy as jnp
@@ -163,6 +164,11 @@ def test_bad_inputs(setup, tmp_path):
   with pytest.raises(cards_lib.CardsMismatchError, match="another checkpoint"):
     cards_lib.build_cards(build_model(cfg.model, 9), cfg, packed,
                           cache=cache, progress=False)
+  with pytest.raises(ValueError, match="map_method='tsne'"):
+    cards_lib.bank_map(np.random.default_rng(0).normal(size=(5, 3)), "tsne")
+  if importlib.util.find_spec("umap") is None:  # the optional extra is not installed
+    with pytest.raises(ImportError, match=r"\[umap\]"):
+      cards_lib.bank_map(np.random.default_rng(0).normal(size=(5, 3)), "umap")
   with pytest.raises(ValueError, match="keyword"):
     cards.search(["  "])
   with pytest.raises(FileNotFoundError, match="not a prototype-card directory"):
