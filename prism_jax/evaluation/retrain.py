@@ -36,6 +36,13 @@ from prism_jax.train.optimizer import make_optimizer
 from prism_jax.train.state import create_train_state, default_mesh
 
 
+# A sweep of retrains of one config compiles once: (config, dense phase) -> jitted step.
+# Neither depends on anything else (graphdef, shardings and the one-device mesh follow
+# from the config; the seed is in it).
+_STEPS: dict = {}
+_INIT: dict = {}  # config -> (graphdef, initial state, shardings)
+
+
 class SubsetBatches:
   """Global batches of `batch_size` rows drawn from `rows` only: batch s = f(seed, s)."""
 
@@ -72,16 +79,18 @@ def retrain(cfg: Config, packed, rows, seed: int, *, progress: bool = False):
   tx = make_optimizer(tc)
   source = SubsetBatches(packed, rows, tc.batch_size, seed)
   with jax.set_mesh(mesh):
-    graphdef, state, shardings = create_train_state(cfg, mesh, tx)
-    fns = {}
+    if cfg not in _INIT:  # the init compiles once per config (the seed is in it)
+      _INIT[cfg] = create_train_state(cfg, mesh, tx)
+    graphdef, state, shardings = _INIT[cfg]
+    state = jax.tree.map(jnp.copy, state)  # the step donates its state: keep the cached one
     warm_dense = step_lib.uses_dense_warmup(cfg)
 
     def step_for(s: int):
       dense = warm_dense and s < tc.proto_init_step
-      if dense not in fns:
-        fns[dense] = step_lib.make_train_step(graphdef, cfg, tx, shardings, mesh,
-                                              dense_phase=dense)
-      return fns[dense]
+      if (cfg, dense) not in _STEPS:  # one compile per config and phase, not per retrain
+        _STEPS[cfg, dense] = step_lib.make_train_step(graphdef, cfg, tx, shardings, mesh,
+                                                      dense_phase=dense)
+      return _STEPS[cfg, dense]
 
     loop = trainer.Loop(start=0, steps=tc.steps, log_every=tc.log_every if progress
                         else tc.steps)
