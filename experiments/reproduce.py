@@ -20,7 +20,7 @@ Results JSON schema (docs/results/<topic>.json, written by the experiment that m
              "paper": "not reported",       # optional: the paper's number or text
              "claim": "suppression",        # optional: a HEADLINES key this row answers
              "ci": [0.05, 0.19],            # optional: shown as [lo, hi] after ours
-             "note": "..."}],               # optional: shown in the note column
+             "note": "..."}],               # optional: shown after ours, in brackets
    ...}                                     # any other keys are ignored here
 
 Files are read in name order; rows without a "claim" follow the headlines in that order.
@@ -163,6 +163,8 @@ def _ours(row: dict) -> str:
   text = f"{v:.4g}" if isinstance(v, float) else str(v)
   if "ci" in row:
     text += f" [{row['ci'][0]:.4g}, {row['ci'][1]:.4g}]"
+  if row.get("note"):
+    text += f" ({row['note']})"
   return text
 
 
