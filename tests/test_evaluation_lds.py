@@ -16,7 +16,7 @@ from prism_jax import losses
 from prism_jax.attribution import grad_dot
 from prism_jax.config import preset
 from prism_jax.data import prepare_data
-from prism_jax.evaluation import lds, retrain
+from prism_jax.evaluation import lds, methods, retrain
 from prism_jax.train import apply_overrides
 
 MICRO = ("model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.num_prototypes=32",
@@ -89,6 +89,8 @@ def test_bootstrap_ci():
      "measured"),
     (lambda: lds.bootstrap_ci(np.full(3, np.nan)), "no finite"),
     (lambda: lds.removal_keep(np.ones(4), 4), "cannot remove"),
+    (lambda: methods.scores("tracin", None, None, None, None, 4, ""), "unknown attribution"),
+    (lambda: retrain.Queries(np.ones((2, 5), np.int32), np.ones((2, 5), bool)), "(Q, L-1)"),
 ])
 def test_bad_inputs(call, match):
   with pytest.raises(ValueError, match=match):
