@@ -1,0 +1,242 @@
+"""LDS and removal-and-retrain curves of every attribution method (PRISM.md §5 quality).
+
+  python -m experiments.lds --workdir=/tmp/prism_lds [--subsets=32] [--queries=64]
+      [--ceiling_subsets=6] [--removal_queries=2] [--results_json=docs/results/lds.json]
+      [--plot=docs/lds_removal.png]
+
+The model: the tiny preset shrunk by RECIPE (below) trained with the model's own recipe
+(evaluation/retrain.py) on the first --num_rows training rows, seed 0. Every method scores
+every (query, row) pair on it (evaluation/methods.py). Then:
+  LDS      --subsets random subsets at --alpha, each retrained (seed 0); per query the
+           Spearman of the predicted loss (−Σ kept scores) with the measured summed loss;
+           mean ± bootstrap CI over queries. Noise ceiling: the first --ceiling_subsets
+           retrained with seed 1 too (Spearman between the two seeds' measurements).
+  removal  for the first --removal_queries queries, each method's top-m rows removed
+           (m in --removal_m) and the model retrained (seed 0): the query loss change
+           against the full model (m = 0); the random method removes m random rows.
+Each retrain's measurements are saved under <workdir>/retrains (a rerun skips them; the
+scores under <workdir>/scores): an interrupted run resumes. Prints the tables (markdown).
+"""
+
+import json
+import os
+import time
+
+import numpy as np
+from absl import flags, logging
+
+from experiments import cli
+
+flags.DEFINE_string("workdir", "/tmp/prism_lds", "data, scores and retrains")
+flags.DEFINE_integer("num_rows", 2048, "training sequences (the first packed rows)")
+flags.DEFINE_integer("subsets", 32, "LDS subsets M (one retrain each)")
+flags.DEFINE_float("alpha", 0.5, "fraction of the training rows each subset keeps")
+flags.DEFINE_integer("queries", 64, "query rows (validation)")
+flags.DEFINE_integer("targets", 4, "target tokens per query (its measured loss is their sum)")
+flags.DEFINE_integer("ceiling_subsets", 6, "subsets retrained with a second seed")
+flags.DEFINE_integer("removal_queries", 2, "queries with removal curves")
+flags.DEFINE_list("removal_m", ["16", "32", "64", "128"], "rows removed per curve point")
+flags.DEFINE_list("methods", ["prism", "full", "ekfac", "grad_dot", "random"], "methods")
+flags.DEFINE_integer("rank", 32, "cached PRISM's projection rank")
+flags.DEFINE_integer("seed", 0, "subsets, queries and random scores")
+flags.DEFINE_multi_string("set", [], "config overrides on top of RECIPE")
+flags.DEFINE_string("results_json", None, "also write the headline rows here (reproduce.py)")
+flags.DEFINE_string("plot", None, "removal curves PNG")
+FLAGS = flags.FLAGS
+
+# Sized for the shared 2-core box: one retrain of the tiny preset itself (d 128, 4 layers,
+# 64 tokens) took 145 s here; this one takes ~20 s (docs/RESULTS.md, issue 17).
+RECIPE = ("model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.num_prototypes=128",
+          "model.k=4", "model.max_len=64", "data.seq_len=32", "train.steps=150",
+          "train.warmup_steps=15", "train.proto_init_step=30")
+
+
+def _config():
+  from prism_jax.config import preset  # pylint: disable=g-import-not-at-top
+  from prism_jax.train import apply_overrides  # pylint: disable=g-import-not-at-top
+  return apply_overrides(preset("tiny"), list(RECIPE) + list(FLAGS.set))
+
+
+def _queries(packed, num, targets, seed):
+  from prism_jax.evaluation.retrain import Queries  # pylint: disable=g-import-not-at-top
+  rows = packed.rows("val")
+  rng = np.random.default_rng(seed)
+  picked, masks = [], []
+  for r in rng.permutation(packed.num_rows("val")):
+    valid = np.flatnonzero(rows["offset"][r, 1:] > 0)  # target columns with a real prediction
+    if len(valid) < targets:
+      continue
+    mask = np.zeros(packed.seq_len, bool)
+    mask[rng.choice(valid, targets, replace=False)] = True
+    picked.append(int(r))
+    masks.append(mask)
+    if len(picked) == num:
+      break
+  if len(picked) < num:
+    raise ValueError(f"--queries={num}: only {len(picked)} validation rows have "
+                     f"{targets} target tokens")
+  return picked, Queries(np.asarray(rows["tokens"][picked]), np.stack(masks))
+
+
+class _Retrains:
+  """The store plus a log line per retrain (done / total, its time, the ETA)."""
+
+  def __init__(self, store, cfg, packed, queries, total):
+    self.store, self.cfg, self.packed, self.q = store, cfg, packed, queries
+    self.total, self.done, self.spent, self.trained = total, 0, 0.0, 0
+
+  def __call__(self, name, keep_E, seed):
+    t, fresh = time.time(), not self.store.has(name)
+    loss = self.store.run(name, self.cfg, self.packed, np.flatnonzero(keep_E), seed, self.q)
+    self.done += 1
+    if fresh:
+      self.spent, self.trained = self.spent + time.time() - t, self.trained + 1
+      eta = self.spent / self.trained * (self.total - self.done)
+      logging.info("retrain %d/%d %s: %.1f s (ETA %.0f min)", self.done, self.total, name,
+                   time.time() - t, eta / 60)
+    return loss
+
+
+def _write_plot(path, ms, curves, errs):
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, ax = plt.subplots(figsize=(6, 4))
+  for name, ys in curves.items():
+    ax.errorbar(ms, ys, yerr=errs[name], marker="o", capsize=3, label=name)
+  ax.axhline(0, color="gray", lw=0.5)
+  ax.set_xlabel("training rows removed (m)")
+  ax.set_ylabel("query loss change (nats, mean over queries)")
+  ax.set_title("Removal and retrain: top-m attributed rows")
+  ax.legend()
+  fig.tight_layout()
+  fig.savefig(path, dpi=120)
+
+
+def main(argv):
+  del argv
+  if FLAGS.subsets < 3:
+    raise ValueError(f"--subsets={FLAGS.subsets}: a Spearman correlation needs >= 3")
+  if FLAGS.ceiling_subsets and not 3 <= FLAGS.ceiling_subsets <= FLAGS.subsets:
+    raise ValueError(f"--ceiling_subsets={FLAGS.ceiling_subsets} must be 0 or in [3, "
+                     f"--subsets={FLAGS.subsets}]")
+  unknown = sorted(set(FLAGS.methods) - {"prism", "full", "ekfac", "grad_dot", "random"})
+  if unknown:
+    raise ValueError(f"--methods: unknown {unknown}")
+  ms = [int(m) for m in FLAGS.removal_m]
+  import jax  # pylint: disable=g-import-not-at-top
+  # Every retrain compiles the same programs: the persistent cache makes that once.
+  jax.config.update("jax_compilation_cache_dir", os.path.join(FLAGS.workdir, "jax_cache"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  from prism_jax.data import prepare_data  # pylint: disable=g-import-not-at-top
+  from prism_jax.evaluation import lds, methods, retrain  # pylint: disable=g-import-not-at-top
+  cfg = _config()
+  os.makedirs(FLAGS.workdir, exist_ok=True)
+  packed = prepare_data(cfg.data, cfg.model.vocab_size, FLAGS.workdir)
+  E = FLAGS.num_rows
+  if E > packed.num_rows("train"):
+    raise ValueError(f"--num_rows={E} but the data has {packed.num_rows('train')} train rows")
+  if FLAGS.removal_queries > FLAGS.queries or any(not 0 < m < E for m in ms):
+    raise ValueError("--removal_queries must be <= --queries and every --removal_m in (0, "
+                     f"--num_rows={E})")
+  q_rows, queries = _queries(packed, FLAGS.queries, FLAGS.targets, FLAGS.seed)
+  store = retrain.RetrainStore(os.path.join(FLAGS.workdir, "retrains"))
+  total = (2 + FLAGS.subsets + FLAGS.ceiling_subsets
+           + FLAGS.removal_queries * len(FLAGS.methods) * len(ms))
+  run = _Retrains(store, cfg, packed, queries, total)
+  everything = np.ones(E, bool)
+
+  score_dir = os.path.join(FLAGS.workdir, "scores")
+  os.makedirs(score_dir, exist_ok=True)
+  scores, cost, model = {}, {}, None
+  for name in FLAGS.methods:
+    path = os.path.join(score_dir, f"{name}.npz")
+    if not os.path.exists(path):
+      if model is None:  # the full model: seed 0 on every row (retrained: deterministic)
+        t = time.time()
+        model, _ = retrain.retrain(cfg, packed, np.arange(E), 0)
+        logging.info("full model trained in %.1f s", time.time() - t)
+      sc, sec = methods.scores(name, model, cfg, packed, queries, E, FLAGS.workdir,
+                               rank=FLAGS.rank, seed=FLAGS.seed)
+      np.savez(path, scores=sc, seconds=sec)
+      logging.info("%s: scores in %.1f s", name, sec)
+    with np.load(path) as f:
+      scores[name], cost[name] = f["scores"], float(f["seconds"])
+  del model
+
+  full0 = run("full_s0", everything, 0)
+  full1 = run("full_s1", everything, 1)
+  keep = lds.subset_masks(E, FLAGS.subsets, FLAGS.alpha, FLAGS.seed)
+  meas = np.stack([run(f"lds{m}_s0", keep[m], 0) for m in range(FLAGS.subsets)], 1)
+  c = FLAGS.ceiling_subsets
+  ceiling = None
+  if c:
+    meas_b = np.stack([run(f"lds{m}_s1", keep[m], 1) for m in range(c)], 1)
+    ceiling = lds.bootstrap_ci(lds.noise_ceiling(meas[:, :c], meas_b))
+  deltas = {n: np.zeros((FLAGS.removal_queries, len(ms))) for n in FLAGS.methods}
+  for j, m in enumerate(ms):
+    for name in FLAGS.methods:
+      for q in range(FLAGS.removal_queries):
+        loss = run(f"rm_{name}_q{q}_m{m}", lds.removal_keep(scores[name][q], m), 0)
+        deltas[name][q, j] = loss[q] - full0[q]
+
+  # Two seeds' measurements correlate at ρ ≈ reliability; the best possible predictor of one
+  # seed's measurement correlates with it at ≈ √ρ: that is the LDS ceiling.
+  ceil_txt = "–" if ceiling is None else (
+      f"√{ceiling[0]:.3f} = {np.sqrt(max(ceiling[0], 0)):.3f} (two-seed ρ CI "
+      f"[{ceiling[1]:.3f}, {ceiling[2]:.3f}])")
+  lines = [f"model: d={cfg.model.d_model}, layers={cfg.model.n_layers}, "
+           f"K={cfg.model.num_prototypes}, k={cfg.model.k}, {cfg.train.steps} steps; "
+           f"{E} training rows × {packed.seq_len} tokens; {FLAGS.queries} queries × "
+           f"{FLAGS.targets} target tokens; M = {FLAGS.subsets} subsets at α = {FLAGS.alpha}; "
+           f"noise ceiling from {c} subsets × 2 seeds", "",
+           "| method | LDS mean [95% CI] | noise ceiling √ρ(seed A, seed B) | scoring s (all "
+           "queries) |",
+           "|---|---|---|---|"]
+  rows_json = []
+  for name in FLAGS.methods:
+    mean, lo, hi = lds.bootstrap_ci(lds.lds_per_query(scores[name], keep, meas))
+    lines.append(f"| {name} | {mean:.3f} [{lo:.3f}, {hi:.3f}] | {ceil_txt} | "
+                 f"{cost[name]:.1f} |")
+    rows_json.append({"metric": f"LDS ({name})", "paper": "not reported", "ours": round(mean, 4),
+                      "ci": [round(lo, 4), round(hi, 4)], "section": "§5"})
+  if ceiling is not None:
+    rows_json.append({"metric": "LDS noise ceiling √ρ(seed A, seed B)", "paper": "not reported",
+                      "ours": round(float(np.sqrt(max(ceiling[0], 0))), 4), "section": "§5",
+                      "note": f"two-seed Spearman ρ {ceiling[0]:.3f}"})
+  seed_gap = np.abs(full1 - full0)
+  lines += ["", f"removal: query loss change vs the full model (m = 0), mean ± s.e. over "
+            f"{FLAGS.removal_queries} queries; seed noise |full seed 1 − full seed 0| = "
+            f"{seed_gap[:FLAGS.removal_queries].mean():.3f} nats (all queries: "
+            f"{seed_gap.mean():.3f})", "",
+            "| method | " + " | ".join(f"m={m}" for m in ms) + " |",
+            "|---|" + "---|" * len(ms)]
+  sem = lambda d: d.std(0, ddof=1) / np.sqrt(len(d)) if len(d) > 1 else np.zeros(d.shape[1])
+  for name in FLAGS.methods:
+    d = deltas[name]
+    lines.append(f"| {name} | " + " | ".join(f"{a:+.3f} ± {b:.3f}" for a, b in
+                                            zip(d.mean(0), sem(d))) + " |")
+  table = "\n".join(lines)
+  print(table)
+  with open(os.path.join(FLAGS.workdir, "results.md"), "w") as f:
+    f.write(table + "\n")
+  if FLAGS.plot:
+    _write_plot(FLAGS.plot, [0] + ms, {n: [0.0] + list(deltas[n].mean(0)) for n in deltas},
+                {n: [0.0] + list(sem(deltas[n])) for n in deltas})
+  if FLAGS.results_json:
+    cmd = ("python -m experiments.lds --workdir=/tmp/prism_lds "
+           f"--subsets={FLAGS.subsets} --queries={FLAGS.queries} "
+           f"--ceiling_subsets={FLAGS.ceiling_subsets} "
+           f"--removal_queries={FLAGS.removal_queries} --results_json={FLAGS.results_json}"
+           + (f" --plot={FLAGS.plot}" if FLAGS.plot else ""))
+    for r in rows_json:
+      r["command"] = cmd
+    out = {"rows": rows_json, "removal": {n: deltas[n].tolist() for n in deltas},
+           "removal_m": ms, "queries": q_rows, "table": table}
+    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.results_json)), exist_ok=True)
+    with open(FLAGS.results_json, "w") as f:
+      json.dump(out, f, indent=1)
+
+
+if __name__ == "__main__":
+  cli.run(main)

@@ -1,0 +1,1 @@
+"""Counterfactual evaluation of attribution: retrains on subsets, LDS, removal curves."""

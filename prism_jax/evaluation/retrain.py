@@ -1,0 +1,181 @@
+"""Retrain the model on a subset of the packed training rows (LDS and removal curves).
+
+`retrain(cfg, packed, rows, seed)` runs the model's own recipe (PRISM.md §3; the steps of
+`train.loop.train`): the born-sharded init from `seed`, the dense warm-up, the bank set by
+k-means++ at `train.proto_init_step`, the same optimiser and schedule, through the shared
+step builder and loop (`train/step.make_train_step`, `train/trainer.Loop`). Only the data
+differs: batch s is drawn from `rows` alone, a pure function of (seed, s) (each epoch a
+fresh permutation of the kept rows; a short last batch is dropped), so a retrain is
+reproducible and two seeds differ in both the init and the order.
+
+`measure(model, queries)` is the counterfactual measurement: each query's summed CE on its
+target tokens (losses.token_nll, the one per-token CE).
+
+`RetrainStore` keeps one small .npz per finished retrain (its measurements), keyed by a
+name: a rerun skips what is done, so an interrupted sweep resumes.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from prism_jax import losses
+from prism_jax.config import Config
+from prism_jax.data import batch as batch_lib
+from prism_jax.train import loop as loop_lib
+from prism_jax.train import step as step_lib
+from prism_jax.train import trainer
+from prism_jax.train.optimizer import make_optimizer
+from prism_jax.train.state import create_train_state, default_mesh
+
+
+# A sweep of retrains of one config compiles once: (config, dense phase) -> jitted step.
+# Neither depends on anything else (graphdef, shardings and the one-device mesh follow
+# from the config; the seed is in it).
+_STEPS: dict = {}
+_INIT: dict = {}  # config -> (graphdef, initial state, shardings)
+
+
+class SubsetBatches:
+  """Global batches of `batch_size` rows drawn from `rows` only: batch s = f(seed, s)."""
+
+  def __init__(self, packed, rows: np.ndarray, batch_size: int, seed: int):
+    rows = np.unique(np.asarray(rows, np.int64))
+    if len(rows) < batch_size:
+      raise ValueError(f"a subset of {len(rows)} rows cannot fill a batch of {batch_size}")
+    if rows[0] < 0 or rows[-1] >= packed.num_rows("train"):
+      raise ValueError(f"subset rows must be in [0, {packed.num_rows('train')}), got "
+                       f"{rows[0]}..{rows[-1]}")
+    self.rows, self.batch_size, self.seed = rows, batch_size, seed
+    self.per_epoch = len(rows) // batch_size
+    self._data = packed.rows("train")
+    self._perm: dict[int, np.ndarray] = {}
+
+  def _order(self, epoch: int) -> np.ndarray:
+    if epoch not in self._perm:
+      self._perm = {epoch: np.random.default_rng([self.seed, epoch]).permutation(self.rows)}
+    return self._perm[epoch]
+
+  def global_batch_at(self, step: int) -> dict[str, np.ndarray]:
+    epoch, i = divmod(step, self.per_epoch)
+    sel = np.sort(self._order(epoch)[i * self.batch_size:(i + 1) * self.batch_size])
+    d = self._data
+    return batch_lib.from_rows(np.asarray(d["tokens"][sel]), np.asarray(d["example_id"][sel]),
+                               np.asarray(d["offset"][sel]), sel.astype(np.int32))
+
+
+def retrain(cfg: Config, packed, rows, seed: int, *, progress: bool = False):
+  """(model, final train metrics): `cfg`'s recipe trained from `seed` on training `rows`."""
+  cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=int(seed)))
+  tc = cfg.train
+  mesh = default_mesh(cfg, jax.devices()[:1])  # retrains are small: one device each
+  tx = make_optimizer(tc)
+  source = SubsetBatches(packed, rows, tc.batch_size, seed)
+  with jax.set_mesh(mesh):
+    if cfg not in _INIT:  # the init compiles once per config (the seed is in it)
+      _INIT[cfg] = create_train_state(cfg, mesh, tx)
+    graphdef, state, shardings = _INIT[cfg]
+    state = jax.tree.map(jnp.copy, state)  # the step donates its state: keep the cached one
+    warm_dense = step_lib.uses_dense_warmup(cfg)
+
+    def step_for(s: int):
+      dense = warm_dense and s < tc.proto_init_step
+      if (cfg, dense) not in _STEPS:  # one compile per config and phase, not per retrain
+        _STEPS[cfg, dense] = step_lib.make_train_step(graphdef, cfg, tx, shardings, mesh,
+                                                      dense_phase=dense)
+      return _STEPS[cfg, dense]
+
+    loop = trainer.Loop(start=0, steps=tc.steps, log_every=tc.log_every if progress
+                        else tc.steps)
+
+    def before_step(s, state):
+      if not loop_lib.proto_init_due(cfg, s):
+        return state
+      loop.flush()
+      # THE recipe's init: >= 2K hidden states from the next batches (train/loop.py).
+      toks, mask = loop_lib._proto_init_tokens(source, cfg, s)  # pylint: disable=protected-access
+      return loop_lib.init_prototypes(graphdef, state, shardings, cfg, toks, mask)
+
+    batches = (step_lib.device_batch(source.global_batch_at(s), mesh, tc.batch_size)
+               for s in range(tc.steps))
+    out = loop.run(state, batches, step_for, before_step=before_step)
+  return nnx.merge(graphdef, out.state.params), dict(out.train)
+
+
+@dataclasses.dataclass(frozen=True)
+class Queries:
+  """Query rows (L = T + 1 tokens each) and their target positions as a (Q, T) mask over
+  the targets row[1:] (position p of the row is target column p - 1)."""
+
+  tokens_QxL: np.ndarray
+  mask_QxT: np.ndarray
+
+  def __post_init__(self):
+    if self.tokens_QxL.ndim != 2 or self.mask_QxT.shape != (self.tokens_QxL.shape[0],
+                                                            self.tokens_QxL.shape[1] - 1):
+      raise ValueError(f"queries need (Q, L) tokens and a (Q, L-1) mask, got "
+                       f"{self.tokens_QxL.shape} and {self.mask_QxT.shape}")
+    if not np.all(self.mask_QxT.any(1)):
+      raise ValueError("every query needs at least one target position")
+
+  @property
+  def positions(self) -> list[list[int]]:
+    """Per query the row positions p predicted (attribution's target_positions)."""
+    return [list(np.flatnonzero(m) + 1) for m in self.mask_QxT]
+
+  def batch(self) -> dict[str, np.ndarray]:
+    return batch_lib.next_token(self.tokens_QxL, self.mask_QxT)
+
+
+@nnx.jit
+def _summed_loss(model, inputs_QxT, targets_QxT, mask_QxT):
+  out = model(inputs_QxT, mask_BxT=mask_QxT)
+  nll_QxT = losses.token_nll(out.logits_BxTxV, targets_QxT)
+  return jnp.sum(nll_QxT * mask_QxT.astype(nll_QxT.dtype), axis=1)
+
+
+def measure(model, queries: Queries) -> np.ndarray:
+  """(Q,) float64: each query's summed CE on its target tokens under `model`."""
+  b = queries.batch()
+  return np.asarray(_summed_loss(model, jnp.asarray(b["inputs"], jnp.int32),
+                                 jnp.asarray(b["targets"], jnp.int32),
+                                 jnp.asarray(b["mask"])), np.float64)
+
+
+class RetrainStore:
+  """<dir>/<name>.npz per finished retrain: {"loss_Q", "rows", "seed"} (+ meta JSON)."""
+
+  def __init__(self, directory: str):
+    self.directory = directory
+    os.makedirs(directory, exist_ok=True)
+
+  def path(self, name: str) -> str:
+    return os.path.join(self.directory, f"{name}.npz")
+
+  def has(self, name: str) -> bool:
+    return os.path.exists(self.path(name))
+
+  def load(self, name: str) -> np.ndarray:
+    with np.load(self.path(name)) as f:
+      return np.asarray(f["loss_Q"], np.float64)
+
+  def run(self, name: str, cfg: Config, packed, rows, seed: int, queries: Queries
+          ) -> np.ndarray:
+    """The measurements of retrain `name` (trained now unless already stored)."""
+    if self.has(name):
+      return self.load(name)
+    model, metrics = retrain(cfg, packed, rows, seed)
+    loss_Q = measure(model, queries)
+    tmp = self.path(name) + ".tmp.npz"
+    np.savez(tmp, loss_Q=loss_Q, rows=np.asarray(rows, np.int64), seed=seed)
+    os.replace(tmp, self.path(name))  # atomic: a killed run never leaves half a result
+    with open(os.path.join(self.directory, f"{name}.json"), "w") as f:
+      json.dump({"seed": int(seed), "num_rows": int(len(rows)), "train": metrics}, f)
+    return loss_Q

@@ -1,0 +1,205 @@
+"""LDS maths against scipy / direct NumPy, the sign convention, retrains on subsets, the
+gradient-dot baseline against per-example autodiff, and a micro LDS run end to end."""
+
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+from scipy import stats
+
+from prism_jax import losses
+from prism_jax.attribution import grad_dot
+from prism_jax.config import preset
+from prism_jax.data import prepare_data
+from prism_jax.evaluation import lds, methods, retrain
+from prism_jax.train import apply_overrides
+
+MICRO = ("model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.num_prototypes=32",
+         "model.k=4", "model.max_len=16", "data.seq_len=16", "train.steps=12",
+         "train.batch_size=8", "train.warmup_steps=2", "train.proto_init_step=4")
+ROWS = 32  # training sequences of the micro run
+
+
+def _reference_lds(scores_QxE, keep_MxE, measured_QxM):
+  """Direct: predicted loss = −(sum of the kept sequences' scores), Spearman by scipy."""
+  out = []
+  for q in range(scores_QxE.shape[0]):
+    pred = [-sum(scores_QxE[q, e] for e in np.flatnonzero(keep_MxE[m]))
+            for m in range(keep_MxE.shape[0])]
+    out.append(stats.spearmanr(pred, measured_QxM[q]).statistic)
+  return np.asarray(out)
+
+
+def test_spearman_matches_scipy_with_ties():
+  rng = np.random.default_rng(1)
+  a = np.round(rng.normal(size=(6, 11)), 1)  # rounding makes ties
+  b = np.round(rng.normal(size=(6, 11)), 1)
+  want = [stats.spearmanr(a[q], b[q]).statistic for q in range(6)]
+  np.testing.assert_allclose(lds.spearman_rows(a, b), want, rtol=1e-12, atol=1e-12)
+
+
+def test_lds_matches_direct_numpy():
+  rng = np.random.default_rng(2)
+  scores = rng.normal(size=(5, 40))
+  keep = lds.subset_masks(40, 9, 0.5, seed=3)
+  measured = rng.normal(size=(5, 9))
+  np.testing.assert_allclose(lds.lds_per_query(scores, keep, measured),
+                             _reference_lds(scores, keep, measured), rtol=1e-12)
+
+
+def test_sign_convention_helpful_scores_give_positive_lds():
+  rng = np.random.default_rng(4)
+  s = rng.normal(size=(3, 60))  # s > 0: the sequence lowers the query loss when kept
+  keep = lds.subset_masks(60, 12, 0.5, seed=5)
+  measured = 7.0 - (keep.astype(float) @ s.T).T + 1e-3 * rng.normal(size=(3, 12))
+  assert np.all(lds.lds_per_query(s, keep, measured) > 0.95)
+  assert np.all(lds.lds_per_query(-s, keep, measured) < -0.95)
+
+
+def test_subset_masks_and_removal():
+  keep = lds.subset_masks(101, 7, 0.3, seed=0)
+  assert keep.shape == (7, 101) and np.all(keep.sum(1) == 30)
+  np.testing.assert_array_equal(keep, lds.subset_masks(101, 7, 0.3, seed=0))
+  assert not np.array_equal(keep, lds.subset_masks(101, 7, 0.3, seed=1))
+  s = np.random.default_rng(6).normal(size=50)
+  k = lds.removal_keep(s, 8)
+  assert set(np.flatnonzero(~k)) == set(sorted(range(50), key=lambda e: -s[e])[:8])
+  assert lds.removal_keep(s, 0).all()
+
+
+def test_bootstrap_ci():
+  v = np.random.default_rng(7).normal(0.3, 0.1, size=64)
+  mean, lo, hi = lds.bootstrap_ci(np.r_[v, np.nan])
+  assert mean == pytest.approx(v.mean()) and lo < mean < hi
+  assert hi - lo == pytest.approx(2 * 1.96 * v.std() / 8, rel=0.25)  # ≈ the normal CI
+  assert lds.bootstrap_ci(np.full(5, 0.25)) == pytest.approx((0.25, 0.25, 0.25))
+
+
+@pytest.mark.parametrize("call, match", [
+    (lambda: lds.subset_masks(10, 3, 1.0, 0), "alpha"),
+    (lambda: lds.spearman_rows(np.ones((2, 2)), np.ones((2, 2))), ">= 3 subsets"),
+    (lambda: lds.spearman_rows(np.ones((2, 4)), np.ones((2, 5))), "one shape"),
+    (lambda: lds.predicted_loss(np.ones((2, 4)), np.ones((3, 5), bool)), "disagree"),
+    (lambda: lds.lds_per_query(np.ones((2, 4)), np.ones((3, 4), bool), np.ones((2, 4))),
+     "measured"),
+    (lambda: lds.bootstrap_ci(np.full(3, np.nan)), "no finite"),
+    (lambda: lds.removal_keep(np.ones(4), 4), "cannot remove"),
+    (lambda: methods.scores("tracin", None, None, None, None, 4, ""), "unknown attribution"),
+    (lambda: retrain.Queries(np.ones((2, 5), np.int32), np.ones((2, 5), bool)), "(Q, L-1)"),
+])
+def test_bad_inputs(call, match):
+  with pytest.raises(ValueError, match=match):
+    call()
+
+
+@pytest.fixture(scope="module")
+def micro(tmp_path_factory):
+  cfg = apply_overrides(preset("tiny"), list(MICRO))
+  packed = prepare_data(cfg.data, cfg.model.vocab_size, str(tmp_path_factory.mktemp("lds")))
+  rows = packed.rows("val")
+  toks = np.asarray(rows["tokens"][:3])
+  mask = np.zeros((3, packed.seq_len), bool)
+  mask[:, [4, 9, 14]] = True
+  queries = retrain.Queries(toks, mask & (np.asarray(rows["offset"][:3, 1:]) > 0))
+  model, _ = retrain.retrain(cfg, packed, np.arange(ROWS), 0)
+  return cfg, packed, queries, model
+
+
+def test_subset_batches_draw_only_kept_rows(micro):
+  cfg, packed, _, _ = micro
+  kept = np.arange(3, ROWS, 3)
+  src = retrain.SubsetBatches(packed, kept, 4, seed=0)
+  seen = np.concatenate([src.global_batch_at(s)["row_id"] for s in range(6)])
+  assert set(seen) <= set(kept) and len(set(seen)) == len(kept)  # 6 batches = 2 epochs
+  np.testing.assert_array_equal(retrain.SubsetBatches(packed, kept, 4, 0).global_batch_at(5)[
+      "inputs"], src.global_batch_at(5)["inputs"])
+  other = [retrain.SubsetBatches(packed, kept, 4, 1).global_batch_at(s)["row_id"]
+           for s in range(3)]
+  assert not all(np.array_equal(o, src.global_batch_at(s)["row_id"])
+                 for s, o in enumerate(other))
+  with pytest.raises(ValueError, match="cannot fill"):
+    retrain.SubsetBatches(packed, kept[:2], 4, 0)
+  with pytest.raises(ValueError, match="must be in"):
+    retrain.SubsetBatches(packed, [0, 1, 2, 10 ** 7], 2, 0)
+  with pytest.raises(ValueError, match="at least one target"):
+    retrain.Queries(np.ones((2, 5), np.int32), np.zeros((2, 4), bool))
+
+
+def test_measure_is_the_summed_target_nll(micro):
+  _, _, queries, model = micro
+  b = queries.batch()
+  forward = nnx.jit(lambda m, x, k: m(x, mask_BxT=k).logits_BxTxV)
+  logits = np.asarray(forward(model, jnp.asarray(b["inputs"]), jnp.asarray(b["mask"])),
+                      np.float64)
+  logp = logits - np.log(np.exp(logits - logits.max(-1, keepdims=True)).sum(-1, keepdims=True)
+                         ) - logits.max(-1, keepdims=True)
+  want = [-sum(logp[q, t, b["targets"][q, t]] for t in np.flatnonzero(b["mask"][q]))
+          for q in range(3)]
+  np.testing.assert_allclose(retrain.measure(model, queries), want, rtol=1e-5)
+
+
+@pytest.fixture(scope="module")
+def gd(micro):
+  """grad_dot scores of the 3 queries plus a 4th query that IS training row 7."""
+  _, packed, queries, model = micro
+  from prism_jax.attribution import cache_format  # pylint: disable=g-import-not-at-top
+  _, row7 = next(cache_format.iter_rows(packed, "train", 1, 7, 8))
+  qb = {k: np.concatenate([queries.batch()[k], row7[k]]) for k in ("inputs", "targets", "mask")}
+  ids, sc = grad_dot.grad_dot_scores(model, qb, packed, max_rows=ROWS, batch_rows=8)
+  return qb, ids, sc
+
+
+def test_grad_dot_matches_per_example_autodiff_and_sign(micro, gd):
+  _, packed, _, model = micro
+  qb, ids, sc = gd
+  np.testing.assert_array_equal(ids, np.arange(ROWS))
+  graphdef, params, rest = nnx.split(model, nnx.Param, ...)
+
+  @jax.jit
+  def flat_grad(inputs_T, targets_T, mask_T):  # one row at a time, no vmap
+    def loss(p):
+      out = nnx.merge(graphdef, p, rest)(inputs_T[None], mask_BxT=mask_T[None])
+      return jnp.sum(losses.token_nll(out.logits_BxTxV[0], targets_T) * mask_T)
+    return jnp.concatenate([jnp.ravel(x) for x in jax.tree.leaves(jax.grad(loss)(params))])
+
+  grads = lambda b, n: np.stack([np.asarray(flat_grad(b["inputs"][i], b["targets"][i],
+                                                      b["mask"][i]), np.float64)
+                                 for i in range(n)])
+  from prism_jax.attribution import cache_format  # pylint: disable=g-import-not-at-top
+  _, tb = next(cache_format.iter_rows(packed, "train", 5, 0, 5))
+  want = grads(qb, 3) @ grads(tb, 5).T
+  np.testing.assert_allclose(sc[:3, :5], want, rtol=2e-3, atol=1e-3 * np.abs(want).max())
+  # Sign: the query that IS training row 7 is helped most by row 7 itself (|g|² > 0).
+  assert sc[3, 7] > 0 and np.argmax(sc[3]) == 7
+
+
+def test_micro_lds_end_to_end(micro, gd, tmp_path):
+  """A few subsets of the micro model retrained: the library's LDS equals the direct
+  NumPy/scipy computation on the same measurements; a rerun retrains nothing."""
+  cfg, packed, queries, _ = micro
+  scores = gd[2][:3]
+  keep = lds.subset_masks(ROWS, 4, 0.5, seed=0)
+  store = retrain.RetrainStore(str(tmp_path))
+  meas = np.stack([store.run(f"s{m}", cfg, packed, np.flatnonzero(keep[m]), 0, queries)
+                   for m in range(4)], 1)
+  assert np.all(np.isfinite(meas)) and np.ptp(meas, 1).min() > 0  # subsets change the loss
+  np.testing.assert_allclose(lds.lds_per_query(scores, keep, meas),
+                             _reference_lds(scores, keep, meas), rtol=1e-12)
+  again = retrain.retrain(cfg, packed, np.flatnonzero(keep[0]), 0)[0]
+  np.testing.assert_array_equal(retrain.measure(again, queries), meas[:, 0])  # deterministic
+  mtime = os.path.getmtime(store.path("s0"))
+  np.testing.assert_array_equal(store.run("s0", cfg, packed, [], 0, queries), meas[:, 0])
+  assert os.path.getmtime(store.path("s0")) == mtime  # skipped: [] would not even train
+
+
+def test_lds_cli_bad_flag_is_one_line(tmp_path):
+  flag, match = "--subsets=2", "needs >= 3"
+  r = subprocess.run([sys.executable, "-m", "experiments.lds", f"--workdir={tmp_path}", flag],
+                     capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                     cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  assert r.returncode == 2 and match in r.stderr.strip().splitlines()[-1], r.stderr
