@@ -1,147 +1,240 @@
-"""Training throughput of PRISM vs its dense twin, measured side by side in one run.
+"""Training throughput, PRISM vs its dense twin and old code vs new, side by side in one run.
 
-  python -m experiments.bench_train [--presets=tiny,small] [--tiny_steps=120]
-      [--small_steps=4 --small_batch=1 --small_seq_len=256] [--rounds=4]
+  python -m experiments.bench_train [--configs=byte,small] [--baseline=/path/to/old/checkout]
+      [--rounds=6] [--byte_steps=10] [--small_steps=1]
 
-Per preset: both models are built from the same seed (identical backbone), their jitted
-train steps (prism_jax.train.make_train_step, state donated) are compiled and warmed up
-(excluded from timing), then timed in alternating blocks (PRISM, dense, dense, PRISM, ...)
-on the same pre-loaded batches, so load drift on a shared machine hits both alike. `tiny`
-trains on the embedded corpus (packed under --workdir); `small` (GPT-2 124M, K=8192) runs a
-few steps on random tokens (speed does not depend on the text) at a CPU-sized batch.
-The PRISM step is the full objective with the prototype head (not the dense warm-up).
-The analytic ratio comes from prism_jax.flops.flops_per_token (train FLOPs per token).
+One worker process per code version (`--baseline`: a checkout of the old code, e.g.
+`git worktree add /tmp/base <commit>`; this repository is the new code), each importing its
+own `prism_jax` (PYTHONPATH = that checkout). Each worker builds the dense and the PRISM
+train step of every config from the same seed (identical backbone; the real
+`make_train_step`, state donated, the full PRISM objective), compiles and warms them up
+(untimed), then the parent interleaves timed blocks across code versions and models
+(old dense, new dense, new PRISM, old PRISM, then the reverse, ...), so load drift on a
+shared machine hits all alike. Per block the worker measures wall and process CPU time
+(user + system of all its threads: robust to other jobs sharing the cores); reported
+tokens/s = tokens per step / the median over blocks of the per-step time.
+Configs run on random tokens (speed does not depend on the text): `byte` is issue 11's
+byte-level config (4 layers / 4 heads / d 128 / ctx 64 / batch 12, K 512, k 8, the tiny
+preset's λ_proto 1), `small` GPT-2 124M with K 8192, k 16 at batch 1 x 256, `tiny` the
+tiny preset (16 x 128). The analytic ratio is dense / PRISM train FLOPs per token from
+prism_jax.flops (the paper's objective; "+aux" adds the λ_proto LM head W z_hat).
 """
 
-import dataclasses
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
 import time
 
-import jax
 import numpy as np
 from absl import flags
 
 from experiments import cli
 
-flags.DEFINE_list("presets", ["tiny", "small"], "presets to benchmark")
-flags.DEFINE_integer("tiny_steps", 120, "timed steps per model at `tiny`")
-flags.DEFINE_integer("small_steps", 4, "timed steps per model at `small`")
-flags.DEFINE_integer("small_batch", 1, "rows per step at `small`")
-flags.DEFINE_integer("small_seq_len", 256, "tokens per row at `small`")
-flags.DEFINE_integer("rounds", 4, "alternating timing blocks per model (steps split evenly)")
+flags.DEFINE_list("configs", ["byte", "small"], "configs to benchmark (see CONFIGS)")
+flags.DEFINE_string("baseline", None, "a checkout of the old code to time beside this one")
+flags.DEFINE_integer("rounds", 6, "timed blocks per (code, model, config)")
+flags.DEFINE_integer("byte_steps", 10, "steps per timed block at `byte` and `tiny`")
+flags.DEFINE_integer("small_steps", 1, "steps per timed block at `small`")
 flags.DEFINE_integer("warmup", 2, "untimed steps per model after compilation")
-flags.DEFINE_string("workdir", "/tmp/prism_bench_train", "where `tiny` packs its data")
+flags.DEFINE_string("out", None, "also write the rows as JSON to this file")
+flags.DEFINE_bool("worker", False, "internal: serve timing requests on stdin/stdout")
 FLAGS = flags.FLAGS
 
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+KINDS = ("dense", "prism")
+# (preset, overrides): the loss is the preset's (tiny: λ_proto 1; small: λ_proto 0).
+CONFIGS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "byte": ("tiny", ("data.tokenizer=byte", "model.vocab_size=258", "model.max_len=64",
+                      "data.seq_len=64", "train.batch_size=12", "train.lr=1e-3",
+                      "train.min_lr_ratio=0.1", "train.warmup_steps=100", "train.b2=0.99")),
+    "tiny": ("tiny", ()),
+    "small": ("small", ("data.seq_len=256", "train.batch_size=1")),
+}
 
-def preset_configs(name: str, batch: int | None, seq_len: int | None, steps: int):
-  """(prism Config, dense Config) of a preset with the benchmark's batch and length."""
+
+def make_config(name: str, kind: str):
+  """The Config of `name` for model kind `kind` (random-init bank: no dense warm-up)."""
   from prism_jax.config import preset  # pylint: disable=g-import-not-at-top
-  cfg = preset(name)
-  seq_len = seq_len or cfg.data.seq_len
-  cfg = dataclasses.replace(
-      cfg, data=dataclasses.replace(cfg.data, seq_len=seq_len),
-      train=dataclasses.replace(cfg.train, steps=max(steps + FLAGS.warmup, 10),
-                                batch_size=batch or cfg.train.batch_size))
-  dense = dataclasses.replace(cfg, model=dataclasses.replace(cfg.model, kind="dense"))
-  return cfg, dense
+  from prism_jax.train import apply_overrides  # pylint: disable=g-import-not-at-top
+  base, sets = CONFIGS[name]
+  return apply_overrides(preset(base), list(sets) + ["model.proto_init=normal",
+                                                     f"model.kind={kind}", "train.steps=100"])
 
 
-def load_batches(cfg, n: int, real_data: bool) -> list[dict[str, np.ndarray]]:
-  """`n` training batches: the packed embedded corpus, or random tokens (speed only)."""
-  if real_data:
-    from prism_jax.train import prepare, default_mesh  # pylint: disable=g-import-not-at-top
-    _, loader, _ = prepare(cfg, FLAGS.workdir, default_mesh(cfg))
-    return [loader.batch_at(s) for s in range(n)]
-  rng = np.random.default_rng(0)
-  shape = (cfg.train.batch_size, cfg.data.seq_len)
-  out = []
-  for _ in range(n):
-    toks = rng.integers(0, cfg.model.vocab_size, (shape[0], shape[1] + 1), dtype=np.int32)
-    out.append({"inputs": toks[:, :-1], "targets": toks[:, 1:], "mask": np.ones(shape, bool)})
-  return out
+def steps_per_block(name: str) -> int:
+  return FLAGS.small_steps if name == "small" else FLAGS.byte_steps
 
 
 class Runner:
-  """One model's sharded state and jitted train step; `run(batches)` times a block."""
+  """One model's state and jitted train step; `block(n)` times n steps."""
 
-  def __init__(self, cfg, mesh):
+  def __init__(self, cfg):
+    import jax  # pylint: disable=g-import-not-at-top
     from prism_jax import sharding as shard_lib  # pylint: disable=g-import-not-at-top
-    from prism_jax.train import create_train_state, make_optimizer, make_train_step  # pylint: disable=g-import-not-at-top
-    self.cfg, self.mesh = cfg, mesh
+    from prism_jax.train import create_train_state, default_mesh, make_optimizer, make_train_step  # pylint: disable=g-import-not-at-top
+    self.jax, self.mesh = jax, default_mesh(cfg)
     tx = make_optimizer(cfg.train)
-    with jax.set_mesh(mesh):
-      graphdef, self.state, shardings = create_train_state(cfg, mesh, tx)
-      self.step = make_train_step(graphdef, cfg, tx, shardings, mesh)
-    self.sharding = shard_lib.batch_sharding(mesh)
-    self.seconds, self.steps, self.last_loss = 0.0, 0, float("nan")
-
-  def device_batches(self, batches):
-    keys = ("inputs", "targets", "mask")
-    return [{k: jax.device_put(b[k], self.sharding) for k in keys} for b in batches]
-
-  def run(self, batches, timed: bool = True) -> None:
-    t0 = time.perf_counter()
     with jax.set_mesh(self.mesh):
-      for batch in batches:
-        self.state, metrics = self.step(self.state, batch)
-      loss = float(jax.device_get(metrics["loss"]))  # waits for the whole block
-    if timed:
-      self.seconds += time.perf_counter() - t0
-      self.steps += len(batches)
-    self.last_loss = loss
+      graphdef, self.state, shardings = create_train_state(cfg, self.mesh, tx)
+      self.step = make_train_step(graphdef, cfg, tx, shardings, self.mesh)
+    batch, seq, vocab = cfg.train.batch_size, cfg.data.seq_len, cfg.model.vocab_size
+    toks = np.random.default_rng(0).integers(0, vocab, (batch, seq + 1), dtype=np.int32)
+    host = {"inputs": toks[:, :-1], "targets": toks[:, 1:], "mask": np.ones((batch, seq), bool)}
+    sharding = shard_lib.batch_sharding(self.mesh)
+    self.batch = {k: jax.device_put(v, sharding) for k, v in host.items()}
+    self.loss = float("nan")
+
+  def block(self, n: int) -> tuple[float, float]:
+    """(wall s, CPU s) of n steps, waiting for the last."""
+    t0, c0 = time.perf_counter(), time.process_time()
+    with self.jax.set_mesh(self.mesh):
+      for _ in range(n):
+        self.state, metrics = self.step(self.state, self.batch)
+      self.loss = float(self.jax.device_get(metrics["loss"]))
+    return time.perf_counter() - t0, time.process_time() - c0
 
 
-def bench_preset(name: str) -> dict:
+def serve() -> None:
+  """Worker: builds every (config, kind) runner, then answers "config kind n" lines."""
+  runners = {}
+  for name in FLAGS.configs:
+    for kind in KINDS:
+      runners[name, kind] = Runner(make_config(name, kind))
+      runners[name, kind].block(FLAGS.warmup)  # compile + warm-up, untimed
+  print(json.dumps({"ready": True}), flush=True)
+  for line in sys.stdin:
+    name, kind, n = line.split()
+    wall, cpu = runners[name, kind].block(int(n))
+    print(json.dumps({"wall": wall, "cpu": cpu, "loss": runners[name, kind].loss}), flush=True)
+
+
+class Worker:
+  """A subprocess running `serve` on the prism_jax of `checkout`."""
+
+  def __init__(self, checkout: str, configs: list[str]):
+    env = dict(os.environ, PYTHONPATH=checkout)
+    cmd = [sys.executable, os.path.abspath(__file__), "--worker",
+           f"--configs={','.join(configs)}", f"--warmup={FLAGS.warmup}"]
+    self.proc = subprocess.Popen(cmd, cwd=checkout, env=env, stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, text=True)
+    self.checkout = checkout
+
+  def read(self) -> dict:
+    line = self.proc.stdout.readline()
+    if not line:
+      raise RuntimeError(f"the benchmark worker for {self.checkout} exited "
+                         f"(code {self.proc.wait()}); see its log above")
+    return json.loads(line)
+
+  def time(self, name: str, kind: str, n: int) -> dict:
+    self.proc.stdin.write(f"{name} {kind} {n}\n")
+    self.proc.stdin.flush()
+    return self.read()
+
+  def close(self) -> None:
+    self.proc.stdin.close()
+    self.proc.wait()
+
+
+def analytic_ratios(name: str) -> tuple[float, float]:
+  """dense / PRISM train FLOPs per token: the paper's objective, and with the λ_proto head."""
   from prism_jax.flops import flops_per_token  # pylint: disable=g-import-not-at-top
-  from prism_jax.train import default_mesh  # pylint: disable=g-import-not-at-top
-  small = name != "tiny"
-  steps = FLAGS.small_steps if small else FLAGS.tiny_steps
-  cfg, dense_cfg = preset_configs(name, FLAGS.small_batch if small else None,
-                                  FLAGS.small_seq_len if small else None, steps)
-  mesh = default_mesh(cfg)
-  batches = load_batches(cfg, FLAGS.warmup + steps, real_data=not small)
+  cfgs = {k: make_config(name, k) for k in KINDS}
+  seq = cfgs["prism"].data.seq_len
+  f = {k: flops_per_token(c.model, seq) for k, c in cfgs.items()}
+  aux = 3 * f["prism"]["lm_head_fwd"] if cfgs["prism"].loss.lambda_proto > 0 else 0.0
+  return f["dense"]["train"] / f["prism"]["train"], f["dense"]["train"] / (
+      f["prism"]["train"] + aux)
+
+
+def bench(configs: list[str]) -> list[dict]:
+  codes = {"new": REPO}
+  if FLAGS.baseline:
+    codes = {"old": os.path.abspath(FLAGS.baseline), **codes}
   t0 = time.perf_counter()
-  runners = {"prism": Runner(cfg, mesh), "dense": Runner(dense_cfg, mesh)}
-  dev = {k: r.device_batches(batches) for k, r in runners.items()}
-  for k, r in runners.items():  # compile + warm-up, untimed
-    r.run(dev[k][:FLAGS.warmup], timed=False)
-  setup_s = time.perf_counter() - t0
-  blocks = np.array_split(np.arange(FLAGS.warmup, FLAGS.warmup + steps), FLAGS.rounds)
-  for i, block in enumerate(blocks):
-    order = ("prism", "dense") if i % 2 == 0 else ("dense", "prism")
-    for k in order:
-      runners[k].run([dev[k][j] for j in block])
-  tokens_per_step = cfg.train.batch_size * cfg.data.seq_len
-  rate = {k: r.steps * tokens_per_step / r.seconds for k, r in runners.items()}
-  flops = {k: flops_per_token(r.cfg.model, cfg.data.seq_len)["train"]
-           for k, r in runners.items()}
-  return dict(preset=name, batch=cfg.train.batch_size, seq_len=cfg.data.seq_len, steps=steps,
-              prism_tok_s=rate["prism"], dense_tok_s=rate["dense"],
-              ratio=rate["prism"] / rate["dense"],
-              flop_ratio=flops["dense"] / flops["prism"],
-              prism_loss=runners["prism"].last_loss, dense_loss=runners["dense"].last_loss,
-              setup_s=setup_s)
+  workers = {code: Worker(path, configs) for code, path in codes.items()}
+  for w in workers.values():
+    w.read()  # ready: compiled and warmed up
+  print(f"workers ready (compile + warm-up {time.perf_counter() - t0:.0f} s, untimed)",
+        flush=True)
+  order = [(c, k) for c in codes for k in KINDS]
+  samples = {(name, c, k): [] for name in configs for c, k in order}
+  losses = {}
+  for name in configs:
+    n = steps_per_block(name)
+    for r in range(FLAGS.rounds):
+      # Alternate the order (A B C D, D C B A, ...): no slot always runs first or last.
+      for c, k in (order if r % 2 == 0 else order[::-1]):
+        res = workers[c].time(name, k, n)
+        samples[name, c, k].append((res["wall"] / n, res["cpu"] / n))
+        losses[name, c, k] = res["loss"]
+      print(f"{name}: round {r + 1}/{FLAGS.rounds}", flush=True)
+  for w in workers.values():
+    w.close()
+  rows = []
+  for name in configs:
+    cfg = make_config(name, "prism")
+    tokens = cfg.train.batch_size * cfg.data.seq_len
+    analytic, analytic_aux = analytic_ratios(name)
+    for c in codes:
+      rate = {}
+      for k in KINDS:
+        med = np.median(np.asarray(samples[name, c, k]), axis=0)
+        rate[k] = {"wall": tokens / med[0], "cpu": tokens / med[1]}
+      rows.append(dict(config=name, code=c, batch=cfg.train.batch_size, seq_len=cfg.data.seq_len,
+                       steps=FLAGS.rounds * steps_per_block(name),
+                       dense_tok_s_wall=rate["dense"]["wall"], dense_tok_s_cpu=rate["dense"]["cpu"],
+                       prism_tok_s_wall=rate["prism"]["wall"], prism_tok_s_cpu=rate["prism"]["cpu"],
+                       ratio_wall=rate["prism"]["wall"] / rate["dense"]["wall"],
+                       ratio_cpu=rate["prism"]["cpu"] / rate["dense"]["cpu"],
+                       analytic=analytic, analytic_aux=analytic_aux,
+                       dense_loss=losses[name, c, "dense"], prism_loss=losses[name, c, "prism"]))
+  return rows
 
 
 def format_table(rows: list[dict]) -> str:
-  head = ("| preset | batch x seq | timed steps/model | PRISM tok/s | dense tok/s | "
-          "PRISM/dense tok/s | analytic dense/PRISM FLOPs | last loss PRISM / dense |")
-  lines = [head, "|" + "---|" * 8]
+  head = ("| config | code | batch x seq | timed steps/model | dense tok/s wall / CPU | "
+          "PRISM tok/s wall / CPU | PRISM/dense wall / CPU | analytic (+aux) | "
+          "dense new/old wall / CPU |")
+  lines = [head, "|" + "---|" * 9]
+  old = {r["config"]: r for r in rows if r["code"] == "old"}
   for r in rows:
-    lines.append(f"| {r['preset']} | {r['batch']} x {r['seq_len']} | {r['steps']} | "
-                 f"{r['prism_tok_s']:,.0f} | {r['dense_tok_s']:,.0f} | {r['ratio']:.3f} | "
-                 f"{r['flop_ratio']:.3f} | {r['prism_loss']:.3f} / {r['dense_loss']:.3f} |")
+    speedup = "-"
+    if r["code"] == "new" and r["config"] in old:
+      o = old[r["config"]]
+      speedup = (f"{r['dense_tok_s_wall'] / o['dense_tok_s_wall']:.2f}x / "
+                 f"{r['dense_tok_s_cpu'] / o['dense_tok_s_cpu']:.2f}x")
+    lines.append(
+        f"| {r['config']} | {r['code']} | {r['batch']} x {r['seq_len']} | {r['steps']} | "
+        f"{r['dense_tok_s_wall']:,.0f} / {r['dense_tok_s_cpu']:,.0f} | "
+        f"{r['prism_tok_s_wall']:,.0f} / {r['prism_tok_s_cpu']:,.0f} | "
+        f"{r['ratio_wall']:.3f} / {r['ratio_cpu']:.3f} | "
+        f"{r['analytic']:.3f} ({r['analytic_aux']:.3f}) | {speedup} |")
   return "\n".join(lines)
 
 
 def main(argv):
   del argv
-  print(f"devices: {jax.devices()}")
-  rows = []
-  for name in FLAGS.presets:
-    rows.append(bench_preset(name))
-    print(f"{name}: done (compile + warm-up {rows[-1]['setup_s']:.0f} s, untimed)", flush=True)
+  for name in FLAGS.configs:
+    if name not in CONFIGS:
+      raise ValueError(f"unknown config {name!r}; choose from {sorted(CONFIGS)}")
+  if FLAGS.worker:
+    serve()
+    return
+  if FLAGS.baseline and not os.path.isdir(os.path.join(FLAGS.baseline, "prism_jax")):
+    raise ValueError(f"--baseline={FLAGS.baseline!r} is not a checkout of prism_jax "
+                     "(no prism_jax/ inside)")
+  if FLAGS.rounds < 1:
+    raise ValueError(f"--rounds must be >= 1, got {FLAGS.rounds}")
+  rows = bench(list(FLAGS.configs))
   print(format_table(rows))
+  if FLAGS.out:
+    with open(FLAGS.out, "w", encoding="utf-8") as f:
+      json.dump({"command": " ".join(["python", "-m", "experiments.bench_train"] + sys.argv[1:]),
+                 "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -30,8 +30,13 @@ def token_nll(logits_NxV: jax.Array, targets_N: jax.Array) -> jax.Array:
   (float64 logits stay float64). Any leading shape: (..., V) logits, (...) targets. The one
   definition: the training loss, eval, EK-FAC and the curvature references use it."""
   logits = logits_NxV.astype(jnp.promote_types(logits_NxV.dtype, jnp.float32))
-  logp = jax.nn.log_softmax(logits, axis=-1)
-  return -jnp.take_along_axis(logp, targets_N[..., None].astype(jnp.int32), axis=-1)[..., 0]
+  # logsumexp - the target's logit, picked by an iota comparison rather than a gather: the
+  # gradient (softmax - one-hot) is then elementwise and fuses, where take_along_axis's is
+  # a scatter into a zeroed N x V buffer. The pick is exact (a sum of one logit and zeros).
+  vocab_iota = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+  hit = vocab_iota == targets_N[..., None].astype(jnp.int32)
+  target_logit = jnp.sum(jnp.where(hit, logits, 0.0), axis=-1)
+  return jax.nn.logsumexp(logits, axis=-1) - target_logit
 
 
 def cross_entropy(logits_NxV: jax.Array, targets_N: jax.Array, mask_N: jax.Array) -> jax.Array:

@@ -74,6 +74,38 @@ def mixture_weights(sim_Nxk: jax.Array, mixture: str) -> jax.Array:
   return act_Nxk
 
 
+# Largest k that `top_k` selects by k masked argmax passes on CPU (XLA:CPU lowers
+# lax.top_k to a full sort of every row: O(K log K) per token against k·K for the passes).
+ARGMAX_TOPK_MAX_K = 32
+
+
+def _total_order_key(x: jax.Array) -> jax.Array:
+  """Signed integers ordered as lax.top_k orders floats (total order: -0.0 < +0.0)."""
+  int_dtype = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[x.dtype.itemsize]
+  bits = jax.lax.bitcast_convert_type(x, int_dtype)
+  return jnp.where(bits < 0, bits ^ jnp.iinfo(int_dtype).max, bits)
+
+
+def top_k(x_NxK: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
+  """lax.top_k along the last axis (values by decreasing size, ties to the lower index),
+  the same values and indices; on CPU for k <= ARGMAX_TOPK_MAX_K as k argmax passes over
+  a total-order integer key, each masking the entry it took (the gradient goes to the
+  selected entries, as top_k's)."""
+  if jax.default_backend() != "cpu" or k > ARGMAX_TOPK_MAX_K or k >= x_NxK.shape[-1]:
+    return jax.lax.top_k(x_NxK, k)
+  iota = jax.lax.broadcasted_iota(jnp.int32, x_NxK.shape, x_NxK.ndim - 1)
+  key = _total_order_key(jax.lax.stop_gradient(x_NxK))
+  floor = jnp.iinfo(key.dtype).min  # below every float's key: a taken entry
+  picks = []
+  for _ in range(k):
+    # argmax returns the first maximum: ties go to the lower index, as in lax.top_k.
+    idx_N = jnp.argmax(key, axis=-1).astype(jnp.int32)
+    picks.append(idx_N)
+    key = jnp.where(iota == idx_N[..., None], floor, key)
+  idx_Nxk = jnp.stack(picks, axis=-1)
+  return jnp.take_along_axis(x_NxK, idx_Nxk, axis=-1), idx_Nxk
+
+
 class Mixture(NamedTuple):
   sim_Nxk: jax.Array
   idx_Nxk: jax.Array  # int32
@@ -86,7 +118,7 @@ def topk_mixture(cos_NxK: jax.Array, protos_KxD: jax.Array, k: int, mixture: str
   """Top-k of each row of `cos_NxK`, its mixture weights and z_hat = sum_j a_j p[idx_j].
   `fixed_weights` stops the gradient through the weights (P reaches z_hat only through the
   explicit rows: the linear-layer view of PRISM.md §4)."""
-  sim_Nxk, idx_Nxk = jax.lax.top_k(cos_NxK, k)
+  sim_Nxk, idx_Nxk = top_k(cos_NxK, k)
   act_Nxk = mixture_weights(sim_Nxk, mixture)
   if fixed_weights:
     act_Nxk = jax.lax.stop_gradient(act_Nxk)

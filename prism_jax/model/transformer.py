@@ -52,6 +52,18 @@ def _bias(param, dtype):
   return 0.0 if param is None else param[...].astype(dtype)
 
 
+def materialize(x: jax.Array) -> jax.Array:
+  """The residual stream kept in memory at a sublayer boundary, on CPU only (a value no-op).
+
+  Without it XLA:CPU fuses the backward pass's running sum of residual-stream cotangents
+  (every LayerNorm's backward terms, across layers) into each of its consumers, including
+  the transposes of the weight gradients, and so recomputes that chain several times per
+  layer (~20% of the dense CPU step at d 128; docs/RESULTS.md "Training throughput").
+  optimization_barrier has JVP and transpose rules, so the cotangent is materialised too.
+  GPU/TPU fusion is left alone."""
+  return jax.lax.optimization_barrier(x) if jax.default_backend() == "cpu" else x
+
+
 class LayerNorm(nnx.Module):
 
   def __init__(self, d_model: int, bias: bool = True):
@@ -148,8 +160,9 @@ class Block(nnx.Module):
   def __call__(self, x_BxTxD, positions_BxT, cache=None, tap: Tap | None = None,
                dropout_key: jax.Array | None = None):
     k_attn, k_res1, k_res2 = _keys(dropout_key, 3)
+    x_BxTxD = materialize(x_BxTxD)
     attn_out, cache = self.attn(self.ln1(x_BxTxD), positions_BxT, cache, tap, k_attn)
-    x_BxTxD = x_BxTxD + dropout(attn_out, self.rate, k_res1)
+    x_BxTxD = materialize(x_BxTxD + dropout(attn_out, self.rate, k_res1))
     x_BxTxD = x_BxTxD + dropout(self.mlp(self.ln2(x_BxTxD), tap), self.rate, k_res2)
     return x_BxTxD, cache
 
