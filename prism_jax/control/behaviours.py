@@ -86,12 +86,12 @@ def behaviour(name: str) -> Behaviour:
 
 
 def word_token_ids(tokenizer, words) -> list[int]:
-  """The first token of each word as it starts a word (' w', 'w', ' W', 'W'): the ban list
-  and the logit-signature targets built from a word list."""
+  """The token of each word as it appears inside text (' w', ' W'): the ban list and the
+  logit-signature targets built from a word list. Where no variant is one token, the first
+  token of ' w' stands for it (a ban of it also hits every word sharing that piece)."""
   ids = set()
   for word in words:
-    for variant in (" " + word, word, " " + word.capitalize(), word.capitalize()):
-      enc = tokenizer.encode(variant)
-      if len(enc):
-        ids.add(int(enc[0]))
-  return sorted(ids)
+    singles = [tokenizer.encode(v) for v in (" " + word, " " + word.capitalize())]
+    singles = [enc[0] for enc in singles if len(enc) == 1]
+    ids.update(singles or [tokenizer.encode(" " + word)[0]])
+  return sorted(int(i) for i in ids)

@@ -4,8 +4,8 @@
     q = quality(model, inputs_BxT, targets_BxT, mask_BxT, ids=G)           # neutral text
 
 An edit is a prototype set `ids` (suppressed, optionally with `refill`) and/or a token
-`ban`. Generations: every prompt of the behaviour × `num_samples` samples (seed = base
-seed + prompt index, so all conditions see the same prompts and keys). Quality, teacher
+`ban`. Generations: every prompt of the behaviour × `num_samples` samples in one batch with one
+seed, so all conditions see the same prompts and keys. Quality, teacher
 forced: perplexity before and after, KL(unedited ‖ edited) per token and the share of
 tokens whose argmax changes, over the valid (mask) tokens.
 """
@@ -37,19 +37,19 @@ def generations(model, tokenizer, prompts: Sequence[str], *, ids: Sequence[int] 
                 ban: Sequence[int] = (), refill: bool = False, num_samples: int = 32,
                 max_new_tokens: int = 48, temperature: float = 1.0, top_k: int | None = 40,
                 seed: int = 0) -> list[str]:
-  """Decoded texts, prompt-major: num_samples per prompt."""
+  """Decoded continuations, prompt-major: num_samples per prompt."""
   if num_samples < 1:
     raise ValueError(f"num_samples must be >= 1, got {num_samples}")
   hook = _cached_ban(tuple(sorted(set(map(int, ban)))), model.cfg.vocab_size) if len(ban) else None
   edit = edit_args(model, ids, refill=refill, ban_hook_fn=hook)
-  texts = []
-  for p, prompt in enumerate(prompts):
-    prompt_ids = tokenizer.encode(prompt)
-    out = generate(model, [prompt_ids] * num_samples, max_new_tokens=max_new_tokens,
-                   temperature=temperature, top_k=top_k, seed=seed + p,
-                   eos_id=tokenizer.eos_id, **edit)
-    for row, n in zip(out.tokens_BxL, out.lengths_B):
-      texts.append(tokenizer.decode(row[:n].tolist()))
+  # One batch for all prompts (one compile per edit): each prompt starts a document (EOS
+  # before it, as in training) and shorter ones are left-filled with more EOS.
+  encoded = [tokenizer.encode(prompt) for prompt in prompts]
+  width = 1 + max(map(len, encoded))
+  rows = [[tokenizer.eos_id] * (width - len(e)) + e for e in encoded for _ in range(num_samples)]
+  out = generate(model, rows, max_new_tokens=max_new_tokens, temperature=temperature,
+                 top_k=top_k, seed=seed, eos_id=tokenizer.eos_id, **edit)
+  texts = [tokenizer.decode(row[:n].tolist()) for row, n in zip(out.tokens_BxL, out.lengths_B)]
   return texts
 
 
