@@ -156,7 +156,7 @@ def main(argv):
            "share_of_bank": len(edit.get("ids", ())) / num_k, "banned_tokens": len(edit.get("ban", ())),
            "rate": rate._asdict(), "ppl": q["ppl_after"], "ppl_change": q["ppl_after"] / base_q["ppl_before"] - 1,
            "kl": q["kl"], "argmax_change": q["argmax_change"]}
-    if name != "unedited":
+    if name != "unedited" and base_scores["score"].mean() > 0:
       row["rate_fall"] = stats.bootstrap_ratio_change(base_scores["score"], scores["score"],
                                                       seed=FLAGS.seed)._asdict()
     if "score_selection" in scores:
@@ -175,7 +175,8 @@ def main(argv):
                         "r1_bar", "r2_bar", "perplexity")},
       "rows": rows,
       "random_over_suppression": (float(np.mean([abs(r["rate_fall"]["mean"]) for r in randoms]))
-                                  / max(abs(supp["rate_fall"]["mean"]), 1e-12)) if randoms else None,
+                                  / max(abs(supp["rate_fall"]["mean"]), 1e-12))
+                                 if randoms and "rate_fall" in supp else None,
       "samples": {name: results[name][0]["texts"][:3] for name, _ in conditions[:3]},
   }
   if FLAGS.dense_workdir:

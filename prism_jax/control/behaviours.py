@@ -20,9 +20,10 @@ from collections.abc import Callable
 
 from prism_jax.control import planted
 
-_DOCTEST_PROMPTS = ("For example:\n\n", "Example:\n\n", "For instance:\n\n",
-                    "This example shows it:\n\n", "The interactive interpreter shows:\n\n",
-                    "Here is an example:\n\n", "See for example:\n\n", "Examples:\n\n")
+# pydoc's sessions follow "...:", a blank line and a 3-space indent: prompts end there.
+_DOCTEST_PROMPTS = tuple(p + ":\n\n   " for p in (
+    "For example", "Example", "For instance", "This example shows it", "So",
+    "The interactive interpreter shows", "Here is an example", "A sample session"))
 _NEUTRAL_PROMPTS = ("The ", "In this section ", "A function ", "The following ",
                     "When the ", "This is ", "It is ", "For ")
 

@@ -74,8 +74,9 @@ def _edit_stats(graphdef, state, in_G_K, ban_V, inputs_BxT, targets_BxT, mask_Bx
   edited = jnp.where(ban_V, -jnp.inf, edited)  # a hard ban: probability 0
   m = mask_BxT.astype(jnp.float32)
   logp0 = jax.nn.log_softmax(base_BxTxV, -1)
-  logp1 = jnp.maximum(jax.nn.log_softmax(edited, -1), -1e30)  # finite where p0 > 0
-  kl_BxT = jnp.sum(jnp.exp(logp0) * (logp0 - logp1), -1)
+  logp1 = jax.nn.log_softmax(edited, -1)
+  p0 = jnp.exp(logp0)  # KL is +inf where a ban removes a token the model gave mass to
+  kl_BxT = jnp.sum(jnp.where(p0 > 0, p0 * (logp0 - logp1), 0.0), -1)
   changed = (base_BxTxV.argmax(-1) != edited.argmax(-1)).astype(jnp.float32)
   return {"nll0": jnp.sum(token_nll(base_BxTxV, targets_BxT) * m),
           "nll1": jnp.sum(token_nll(edited, targets_BxT) * m),
