@@ -28,6 +28,8 @@ flags.DEFINE_string("behaviour", "planted", "planted | doctest | profanity | neg
 flags.DEFINE_string("select", "logit_signature",
                     "logit_signature | contrast | probe | keywords:W1,W2 | file:PATH")
 flags.DEFINE_integer("num", 24, "prototypes to suppress (the top of the selection)")
+flags.DEFINE_list("sweep", [], "extra set sizes: suppression rows for the top n of a "
+                  "selection ranked to max(sweep) (e.g. 8,16,32,64)")
 flags.DEFINE_string("cards", None, "issue 14's CardSet directory (for --select=keywords:)")
 flags.DEFINE_integer("num_samples", 32, "generations per prompt")
 flags.DEFINE_integer("max_new_tokens", 48, "tokens per generation")
@@ -73,16 +75,16 @@ def _contrast_features(model, packed, words):
   return feats(with_rows), feats(without_rows)
 
 
-def select(model, tokenizer, packed, b, ban_ids):
+def select(model, tokenizer, packed, b, ban_ids, num):
   from prism_jax.control import selection  # pylint: disable=g-import-not-at-top
   from prism_jax.control.suppression import ProtoSet  # pylint: disable=g-import-not-at-top
   kind, _, arg = FLAGS.select.partition(":")
   if kind == "logit_signature":
-    return selection.by_logit_signature(model, ban_ids, num=FLAGS.num)
+    return selection.by_logit_signature(model, ban_ids, num=num)
   if kind in ("contrast", "probe"):
     with_BxK, without_BxK = _contrast_features(model, packed, b.select_words)
     fn = selection.by_contrast if kind == "contrast" else selection.by_probe
-    return fn(with_BxK, without_BxK, num=FLAGS.num)
+    return fn(with_BxK, without_BxK, num=num)
   if kind == "keywords":
     if not FLAGS.cards:
       raise ValueError("--select=keywords: needs --cards=DIR (a CardSet of this run)")
@@ -91,7 +93,7 @@ def select(model, tokenizer, packed, b, ban_ids):
     except ImportError as e:
       raise ValueError("--select=keywords: needs prism_jax.analysis.cards (issue 14)") from e
     words = [w for w in arg.split(",") if w] or list(b.select_words)
-    return selection.by_keywords(CardSet.load(FLAGS.cards, model), words, num=FLAGS.num)
+    return selection.by_keywords(CardSet.load(FLAGS.cards, model), words, num=num)
   if kind == "file":
     pset = ProtoSet.load(arg, model)
     return selection.Selection(pset.ids, pset.scores, pset.method, pset.query)
@@ -132,7 +134,9 @@ def main(argv):
     raise ValueError(f"{FLAGS.workdir} is a dense run: suppression needs PRISM prototypes")
   packed, val = _val_batch(FLAGS.workdir, cfg)
   ban_ids = behaviours.word_token_ids(tokenizer, b.select_words)
-  sel = select(model, tokenizer, packed, b, ban_ids)
+  sweep = sorted(int(n) for n in FLAGS.sweep)
+  ranked = select(model, tokenizer, packed, b, ban_ids, max([FLAGS.num] + sweep))
+  sel = ranked.top(FLAGS.num)
   saved = ProtoSet.create(model, sel.ids, sel.scores, sel.method, sel.query).save(FLAGS.workdir)
   num_k = cfg.model.num_prototypes
   gen_kw = dict(num_samples=FLAGS.num_samples, max_new_tokens=FLAGS.max_new_tokens,
@@ -162,6 +166,20 @@ def main(argv):
     if "score_selection" in scores:
       row["rate_selection_half"] = float(np.mean(scores["score_selection"]))
     rows.append(row)
+  for n in sweep:
+    if n > len(ranked.ids):
+      continue  # the selection ranked fewer prototypes
+    scores, q = _condition(model, tokenizer, b, val, gen_kw, ids=ranked.ids[:n],
+                           refill=FLAGS.refill)
+    rows.append({"condition": f"sweep: top {n}", "prototypes": n, "share_of_bank": n / num_k,
+                 "banned_tokens": 0, "rate": stats.bootstrap_mean(scores["score"])._asdict(),
+                 "ppl": q["ppl_after"], "ppl_change": q["ppl_after"] / base_q["ppl_before"] - 1,
+                 "kl": q["kl"], "argmax_change": q["argmax_change"],
+                 **({"rate_fall": stats.bootstrap_ratio_change(
+                     base_scores["score"], scores["score"])._asdict()}
+                    if base_scores["score"].mean() > 0 else {}),
+                 **({"rate_selection_half": float(np.mean(scores["score_selection"]))}
+                    if "score_selection" in scores else {})})
   randoms = [r for r in rows if r["condition"].startswith("random")]
   supp = rows[1]
   summary = {
