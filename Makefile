@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export JAX_PLATFORMS ?= cpu
 PYTEST_ARGS ?=
 
-.PHONY: venv demo test test-tpu-aot model-card clean
+.PHONY: venv browser demo test test-tpu-aot model-card clean
 
 $(STAMP): setup.cfg pyproject.toml tools/fetch_gpt2_bpe.sh
 	@PYBIN="$$(tools/find_python.sh)" || exit 1; \
@@ -23,12 +23,22 @@ $(STAMP): setup.cfg pyproject.toml tools/fetch_gpt2_bpe.sh
 
 venv: $(STAMP)
 
+# The browser tests drive Debian's chromium-headless-shell (playwright's executable_path:
+# no browser download); installed here when missing.
+browser:
+	@command -v chromium-headless-shell >/dev/null 2>&1 || [ -x /usr/bin/chromium-headless-shell ] \
+	  || { echo "installing Debian's chromium-headless-shell (browser tests)"; \
+	       SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
+	       $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium-headless-shell >/dev/null; }
+
+# Trains (or reuses) runs/demo, prints a traced sample, then writes its HTML report.
 demo: $(STAMP)
 	$(PY) -m experiments.demo
+	$(PY) -m experiments.report --workdir=runs/demo --prompt="The for statement"
 
 # The architecture contracts first (.importlinter: DESIGN.md's layers, the kernel op
 # standing alone, data beside model), then the suite.
-test: $(STAMP)
+test: $(STAMP) browser
 	$(VENV)/bin/lint-imports
 	$(PY) -m pytest -q -m "not tpu_aot" $(PYTEST_ARGS)
 

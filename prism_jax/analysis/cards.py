@@ -1,0 +1,429 @@
+"""Prototype cards: what each prototype of a PrismLM *is* (PRISM.md §1, §5).
+
+    cards = build_cards(model, cfg, packed, cache=cache)      # or cache=None: records pass
+    cards.card(17).contexts[0].text; cards.search(["for"]); cards.save("runs/x/cards")
+
+Per prototype i a `Card` holds: its top-m training contexts by activation a_{t,i} (± window
+tokens, the trigger token marked), its logit signature (top promoted / demoted tokens of
+W p_i), its usage (fraction of training tokens where a_{t,i} > 0) and an activation
+histogram, its nearest prototypes by cosine, an automatic label (TF-IDF of its contexts'
+trigger tokens and trigger bigrams against all prototypes' contexts: a heuristic, no LLM; the
+label says so) and its (x, y) on a 2-D map of the bank (PCA of the unit prototypes; UMAP
+when `umap-learn` is importable and map_method="umap" or "auto").
+
+Token t of the training split is the hidden state z_t at input token x_t (the *trigger*),
+predicting the target x_{t+1}: the cache's (example_id, offset) is the target's place, so
+the trigger is document token offset - 1 and `tokens_after` starts with the target.
+
+Sources. With `cache` (an AttributionCache) the contexts come from its prototype -> token
+index (already sorted by decreasing activation, ties by token index). Without, a
+records-only pass (`cache_build.write_records`, resumable, with progress) writes idx/act of
+every training token into `<out_dir>/records` (a temporary directory if out_dir is None),
+and `cache_build.index_pass` inverts it the same way.
+
+On-disk format (`CardSet.save(dir)`; the directory is claimed with io_guard, kind
+"prototype cards"): `cards.json`, UTF-8 JSON
+  {"format": 1, "identity": {"model_fingerprint": sha256, "num_prototypes": K, "k",
+   "vocab_size", "top_m", "window", "source": "cache" | "records", "num_tokens"},
+   "label_method": str, "map_method": "pca" | "umap",
+   "cards": [{"proto_id", "usage", "label", "label_terms": [str],
+              "map_xy": [x, y], "promoted": [[text, value]], "demoted": [[text, value]],
+              "histogram": {"edges": [B + 1 floats], "counts": [B ints]},
+              "neighbours": {"ids": [int], "cosines": [float]},
+              "contexts": [{"example_id", "row", "position", "activation",
+                            "tokens_before", "trigger", "tokens_after", "text"}]}]}
+with cards[i].proto_id == i. `CardSet.to_neuronpedia(i)` gives the Neuronpedia feature
+dict (activations, pos/neg logits, frequency and logit histograms, explanation).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import math
+import os
+import tempfile
+import time
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from typing import NamedTuple
+
+import numpy as np
+from absl import logging
+
+from prism_jax import io_guard
+from prism_jax.attribution import cache_build
+from prism_jax.attribution import cache_format as fmt
+from prism_jax.config import Config
+
+CARDS_KIND = "prototype cards"  # io_guard marker kind
+CARDS_FILE = "cards.json"
+FORMAT_VERSION = 1
+LABEL_METHOD = ("heuristic: TF-IDF of trigger tokens and trigger bigrams of the top "
+                "contexts against all prototypes' contexts (no LLM)")
+HIST_BINS = 20
+
+
+class CardsMismatchError(ValueError):
+  """A card set built for another model (fingerprint differs)."""
+
+
+class Context(NamedTuple):
+  example_id: int  # document id
+  row: int  # packed training row
+  position: int  # column of the trigger (input) token in that row
+  activation: float  # a_{t,i}
+  tokens_before: str  # the `window` tokens before the trigger
+  trigger: str  # the input token whose hidden state activates the prototype
+  tokens_after: str  # the target token and the ones after it (`window` in all)
+  text: str  # tokens_before + trigger + tokens_after
+
+
+@dataclasses.dataclass(frozen=True)
+class Card:
+  proto_id: int
+  contexts: tuple[Context, ...]  # best first
+  promoted: tuple[tuple[str, float], ...]  # top entries of W p_i
+  demoted: tuple[tuple[str, float], ...]  # bottom entries of W p_i (most negative first)
+  usage: float  # fraction of training tokens where a_{t,i} > 0
+  histogram: dict  # {"edges": (B + 1,), "counts": (B,)} of its nonzero activations
+  neighbours: dict  # {"ids": (n,), "cosines": (n,)} by decreasing cosine
+  label: str  # "heuristic: ..." (see LABEL_METHOD)
+  map_xy: tuple[float, float]
+  label_terms: tuple[str, ...] = ()
+
+
+def _card_to_json(c: Card) -> dict:
+  d = dataclasses.asdict(c)
+  d["contexts"] = [ctx._asdict() for ctx in c.contexts]
+  return d
+
+
+def _card_from_json(d: dict) -> Card:
+  return Card(proto_id=int(d["proto_id"]),
+              contexts=tuple(Context(**ctx) for ctx in d["contexts"]),
+              promoted=tuple((str(t), float(v)) for t, v in d["promoted"]),
+              demoted=tuple((str(t), float(v)) for t, v in d["demoted"]),
+              usage=float(d["usage"]), histogram=d["histogram"], neighbours=d["neighbours"],
+              label=str(d["label"]), map_xy=tuple(d["map_xy"]),
+              label_terms=tuple(d.get("label_terms", ())))
+
+
+class CardSet:
+  """Every prototype's card (`cards[i].proto_id == i`) plus the identity it was built for."""
+
+  def __init__(self, cards: Sequence[Card], identity: dict, map_method: str = "pca"):
+    self.cards = tuple(cards)
+    self.identity = dict(identity)
+    self.map_method = map_method
+    if any(c.proto_id != i for i, c in enumerate(self.cards)):
+      raise ValueError("cards must be indexed by prototype id (cards[i].proto_id == i)")
+
+  def __len__(self) -> int:
+    return len(self.cards)
+
+  def card(self, i) -> Card:
+    """The card of prototype i; a clear error for an id outside [0, K)."""
+    if isinstance(i, bool) or not isinstance(i, (int, np.integer)):
+      raise TypeError(f"prototype id must be an int, got {i!r}")
+    if not 0 <= int(i) < len(self.cards):
+      raise IndexError(f"prototype id {int(i)} is out of range: this model has "
+                       f"K={len(self.cards)} prototypes (ids 0..{len(self.cards) - 1})")
+    return self.cards[int(i)]
+
+  def save(self, directory: str) -> str:
+    """Writes cards.json (format in the module docstring) into a claimed directory."""
+    directory = io_guard.claim_output_dir(directory, CARDS_KIND)
+    obj = {"format": FORMAT_VERSION, "identity": self.identity, "label_method": LABEL_METHOD,
+           "map_method": self.map_method, "cards": [_card_to_json(c) for c in self.cards]}
+    path = os.path.join(directory, CARDS_FILE)
+    with open(path + ".tmp", "w", encoding="utf-8") as f:
+      json.dump(obj, f, ensure_ascii=False)
+    os.replace(path + ".tmp", path)
+    return path
+
+  @classmethod
+  def load(cls, directory: str, model=None) -> "CardSet":
+    """Reads a saved set; with `model`, refuses one built for another checkpoint."""
+    path = os.path.join(directory, CARDS_FILE)
+    if io_guard.read_kind(directory) != CARDS_KIND or not os.path.isfile(path):
+      raise FileNotFoundError(f"{os.path.abspath(directory)} is not a prototype-card "
+                              f"directory (no {io_guard.MARKER} of kind {CARDS_KIND!r} "
+                              f"and {CARDS_FILE})")
+    with open(path, encoding="utf-8") as f:
+      obj = json.load(f)
+    if obj.get("format") != FORMAT_VERSION:
+      raise ValueError(f"{path} has card format {obj.get('format')!r}, this code reads "
+                       f"{FORMAT_VERSION}; rebuild the cards")
+    ident = obj["identity"]
+    if model is not None:
+      have = fmt.model_fingerprint(model)
+      if have != ident["model_fingerprint"]:
+        raise CardsMismatchError(
+            f"the cards in {directory} were built for another model (fingerprint "
+            f"{ident['model_fingerprint'][:12]}…, this model {have[:12]}…); rebuild them")
+    return cls([_card_from_json(d) for d in obj["cards"]], ident, obj.get("map_method", "pca"))
+
+  def search(self, keywords: str | Iterable[str], where: str = "text"
+             ) -> list[tuple[int, int]]:
+    """(proto_id, hits) of cards whose contexts contain any keyword (case-insensitive),
+    hits = number of matching contexts, most first (ties: lower id). `where`: "text"
+    (the whole window) or "trigger" (the trigger token only)."""
+    if where not in ("text", "trigger"):
+      raise ValueError(f"where={where!r}; use 'text' or 'trigger'")
+    words = [keywords] if isinstance(keywords, str) else list(keywords)
+    words = [w.strip().lower() for w in words if w.strip()]
+    if not words:
+      raise ValueError("search needs at least one non-blank keyword")
+    out = []
+    for c in self.cards:
+      hits = sum(any(w in getattr(ctx, where).lower() for w in words) for ctx in c.contexts)
+      if hits:
+        out.append((c.proto_id, hits))
+    return sorted(out, key=lambda ph: (-ph[1], ph[0]))
+
+  def to_neuronpedia(self, i, model_id: str = "prism_jax", layer: str = "prototypes"
+                     ) -> dict:
+    """Prototype i as a Neuronpedia feature JSON (the shape SAE dashboards read). Per
+    context only the trigger's activation is known; the other tokens read 0."""
+    c = self.card(i)
+    acts = []
+    for ctx in c.contexts:
+      toks = [ctx.tokens_before, ctx.trigger, ctx.tokens_after]
+      acts.append({"tokens": toks, "values": [0.0, ctx.activation, 0.0],
+                   "maxValue": ctx.activation, "maxValueTokenIndex": 1,
+                   "example_id": ctx.example_id})
+    edges = np.asarray(c.histogram["edges"], np.float64)
+    logit_vals = [v for _, v in c.promoted] + [v for _, v in c.demoted]
+    l_counts, l_edges = np.histogram(logit_vals, bins=min(HIST_BINS, max(1, len(logit_vals))))
+    return {"modelId": model_id, "layer": layer, "index": str(c.proto_id),
+            "activations": acts,
+            "pos_str": [t for t, _ in c.promoted], "pos_values": [v for _, v in c.promoted],
+            "neg_str": [t for t, _ in c.demoted], "neg_values": [v for _, v in c.demoted],
+            "frac_nonzero": c.usage,
+            "freq_hist_data_bar_heights": [int(n) for n in c.histogram["counts"]],
+            "freq_hist_data_bar_values": ((edges[:-1] + edges[1:]) / 2).tolist(),
+            "logits_hist_data_bar_heights": l_counts.tolist(),
+            "logits_hist_data_bar_values": ((l_edges[:-1] + l_edges[1:]) / 2).tolist(),
+            "explanations": [{"description": c.label, "typeName": "heuristic-tfidf"}],
+            "neighbors": [{"index": str(j), "cosine": s} for j, s in
+                          zip(c.neighbours["ids"], c.neighbours["cosines"])]}
+
+
+class _Index:
+  """The prototype -> token index and per-token example_id/offset/row, from a full cache
+  or from a records-only directory (inverted here with cache_build.index_pass)."""
+
+  def __init__(self, cache=None, records_dir: str | None = None):
+    if cache is not None:
+      self.offsets = np.asarray(cache.proto_offsets, np.int64)
+      self._entries, self._gather = cache.proto_entries, cache.gather
+      self.row_offsets = np.asarray(cache.row_offsets, np.int64)
+      self.num_tokens = cache.num_tokens
+      return
+    drv = fmt.read_json(os.path.join(records_dir, fmt.METADATA))["identity"]["cache"]["driver"]
+    rd = lambda n: fmt.store(records_dir, n, drv).read().result()
+    self.offsets = np.asarray(rd("proto_offsets"), np.int64)
+    proto_tokens, proto_acts = rd("proto_tokens"), rd("proto_acts")
+    ids = {"example_id": rd("example_id"), "offset": rd("offset")}
+    self.row_offsets = np.asarray(rd("row_offsets"), np.int64)
+    self.num_tokens = int(self.row_offsets[-1])
+
+    def entries(i, m=None):
+      lo, hi = int(self.offsets[i]), int(self.offsets[i + 1])
+      hi = hi if m is None else min(hi, lo + int(m))
+      return (np.asarray(proto_tokens[lo:hi], np.int64), np.asarray(proto_acts[lo:hi]))
+
+    self._entries = entries
+    self._gather = lambda name, tok: ids[name][np.asarray(tok, np.int64)]
+
+  def entries(self, i: int, m: int | None = None):
+    return self._entries(i, m)
+
+  def gather(self, name: str, tok: np.ndarray) -> np.ndarray:
+    return self._gather(name, tok)
+
+  def rows(self, tok: np.ndarray) -> np.ndarray:
+    return np.searchsorted(self.row_offsets, np.asarray(tok, np.int64), side="right") - 1
+
+
+def _records_index(model, cfg: Config, packed, records_dir: str, progress: bool) -> _Index:
+  """Resumable records-only pass (idx/act/ids of every training token) + its inversion."""
+  cache_build.write_records(model, cfg, packed, records_dir,
+                            fmt.CacheConfig(rank=None), progress=progress)
+  if not os.path.exists(os.path.join(records_dir, "proto_offsets")):
+    cache_build.index_pass(records_dir, fmt.CacheConfig().driver, cfg.model.num_prototypes)
+  return _Index(records_dir=records_dir)
+
+
+class _Docs:
+  """Document tokens (with EOS) read once per document, decoded with `decode`."""
+
+  def __init__(self, packed, decode: Callable):
+    self.packed, self.decode, self._tokens = packed, decode, {}
+
+  def tokens(self, example_id: int) -> np.ndarray:
+    if example_id not in self._tokens:
+      self._tokens[example_id] = self.packed.document_tokens(example_id, with_eos=True)
+    return self._tokens[example_id]
+
+  def context(self, example_id: int, offset: int, window: int):
+    """(before, trigger, after) text and the trigger's token id."""
+    toks = self.tokens(example_id)
+    trig = offset - 1  # the input token of the target at `offset`
+    dec = self.decode
+    return (dec(toks[max(0, trig - window):trig]), dec(toks[trig:trig + 1]),
+            dec(toks[trig + 1:trig + 1 + window]), int(toks[trig]))
+
+
+def _position(rows: dict, row: int, example_id: int, offset: int) -> int:
+  """Column of the trigger in packed row `row` (targets are columns 1..T of the row)."""
+  hit = np.flatnonzero((rows["example_id"][row, 1:] == example_id)
+                       & (rows["offset"][row, 1:] == offset))
+  return int(hit[0]) if hit.size else -1
+
+
+def signatures(sig_KxV: np.ndarray, decode: Callable, n: int):
+  """(promoted, demoted) per prototype: the n largest / smallest entries of W p_i."""
+  part_hi = np.argpartition(-sig_KxV, n - 1, axis=1)[:, :n]
+  part_lo = np.argpartition(sig_KxV, n - 1, axis=1)[:, :n]
+  out = []
+  for i in range(len(sig_KxV)):
+    hi = part_hi[i][np.argsort(-sig_KxV[i, part_hi[i]])]
+    lo = part_lo[i][np.argsort(sig_KxV[i, part_lo[i]])]
+    out.append((tuple((decode([int(t)]), float(sig_KxV[i, t])) for t in hi),
+                tuple((decode([int(t)]), float(sig_KxV[i, t])) for t in lo)))
+  return out
+
+
+def neighbours(protos_KxD: np.ndarray, n: int, chunk: int = 1024):
+  """(ids_Kxn, cosines_Kxn): each prototype's n nearest others by cosine, in row chunks
+  (never a K×K matrix at once)."""
+  unit = protos_KxD / np.maximum(np.linalg.norm(protos_KxD, axis=1, keepdims=True), 1e-12)
+  num = len(unit)
+  n = min(n, num - 1)
+  ids, cos = np.zeros((num, n), np.int64), np.zeros((num, n), np.float64)
+  for lo in range(0, num, chunk):
+    sim = unit[lo:lo + chunk] @ unit.T
+    sim[np.arange(len(sim)), np.arange(lo, lo + len(sim))] = -np.inf  # not itself
+    top = np.argsort(-sim, axis=1, kind="stable")[:, :n]
+    ids[lo:lo + len(sim)] = top
+    cos[lo:lo + len(sim)] = np.take_along_axis(sim, top, axis=1)
+  return ids, cos
+
+
+def bank_map(protos_KxD: np.ndarray, method: str = "auto") -> tuple[np.ndarray, str]:
+  """(xy_Kx2, method used): PCA of the unit prototypes, or UMAP (cosine) when asked for
+  ("umap") or available ("auto") via the optional `umap-learn`."""
+  if method not in ("auto", "pca", "umap"):
+    raise ValueError(f"map_method={method!r}; use 'auto', 'pca' or 'umap'")
+  unit = protos_KxD / np.maximum(np.linalg.norm(protos_KxD, axis=1, keepdims=True), 1e-12)
+  if method in ("auto", "umap"):
+    try:
+      import umap  # pylint: disable=import-outside-toplevel
+      return np.asarray(umap.UMAP(n_components=2, metric="cosine", random_state=0)
+                        .fit_transform(unit), np.float64), "umap"
+    except ImportError:
+      if method == "umap":
+        raise ImportError("map_method='umap' needs the optional extra: pip install "
+                          "-e '.[umap]'") from None
+  centred = unit - unit.mean(0)
+  _, _, vt = np.linalg.svd(centred, full_matrices=False)
+  xy = centred @ vt[:2].T
+  xy = xy * np.sign(xy[np.argmax(np.abs(xy), axis=0), [0, 1]])  # deterministic sign
+  return np.pad(xy, ((0, 0), (0, 2 - xy.shape[1]))), "pca"
+
+
+def tfidf_labels(trigger_ids: Sequence[Sequence[int]], bigrams: Sequence[Sequence[tuple]],
+                 decode: Callable, n_terms: int = 3) -> list[tuple[str, ...]]:
+  """Distinctive terms per prototype: tf (share of its contexts) × idf over prototypes."""
+  docs = [Counter(list(map(lambda t: (t,), trig)) + list(bg))
+          for trig, bg in zip(trigger_ids, bigrams)]
+  df = Counter(term for d in docs for term in d)
+  num = max(len(docs), 1)
+  out = []
+  for d in docs:
+    total = max(sum(d.values()), 1)
+    scored = sorted(d, key=lambda t: (-(d[t] / total) * math.log((1 + num) / (1 + df[t])),
+                                      t))
+    out.append(tuple(repr(decode(list(t))) for t in scored[:n_terms]))
+  return out
+
+
+def _identity(model, cfg: Config, top_m: int, window: int, source: str, num_tokens: int):
+  return {"model_fingerprint": fmt.model_fingerprint(model),
+          "num_prototypes": cfg.model.num_prototypes, "k": cfg.model.k,
+          "vocab_size": cfg.model.vocab_size, "top_m": top_m, "window": window,
+          "source": source, "num_tokens": int(num_tokens)}
+
+
+def build_cards(model, cfg: Config, packed, *, cache=None, top_m: int = 16, window: int = 8,
+                decode: Callable | None = None, out_dir: str | None = None,
+                progress: bool = True, n_logits: int = 10, n_neighbours: int = 8,
+                map_method: str = "auto") -> CardSet:
+  """Every prototype's card (module docstring). `cache`: an AttributionCache of this model
+  (its index is used); otherwise a records-only pass over the training split, resumable in
+  `<out_dir>/records`. With out_dir the set is also saved there."""
+  if cfg.model.kind != "prism" or not hasattr(model, "bank"):
+    raise ValueError("prototype cards need a PRISM run (model.kind='prism'); this one is "
+                     f"{cfg.model.kind!r} and has no prototypes")
+  for name, v in (("top_m", top_m), ("window", window), ("n_logits", n_logits),
+                  ("n_neighbours", n_neighbours)):
+    if not isinstance(v, (int, np.integer)) or v <= 0:
+      raise ValueError(f"{name} must be a positive int, got {v!r}")
+  decode = decode or packed.tokenizer.decode
+  t0 = time.time()
+  if out_dir is not None:
+    out_dir = io_guard.claim_output_dir(out_dir, CARDS_KIND)
+  if cache is not None:
+    index, source = _Index(cache=cache), "cache"
+  else:
+    tmp = None if out_dir is not None else tempfile.TemporaryDirectory(prefix="cards_")
+    rec_dir = os.path.join(out_dir if tmp is None else tmp.name, "records")
+    index, source = _records_index(model, cfg, packed, rec_dir, progress), "records"
+  num_protos = cfg.model.num_prototypes
+  rows = packed.rows("train")
+  docs = _Docs(packed, decode)
+  contexts, trig_ids, bigrams, usage, hists = [], [], [], [], []
+  for i in range(num_protos):
+    tok_all, act_all = index.entries(i)
+    usage.append(len(tok_all) / max(index.num_tokens, 1))
+    top = max(float(act_all.max()), 1e-12) if len(act_all) else 1.0
+    counts, edges = np.histogram(act_all, bins=HIST_BINS, range=(0.0, top))
+    hists.append({"edges": edges.tolist(), "counts": counts.tolist()})
+    tok, act = tok_all[:top_m], act_all[:top_m]
+    ex, off, row = index.gather("example_id", tok), index.gather("offset", tok), index.rows(tok)
+    ctxs, trig, bg = [], [], []
+    for t, a, e, o, r in zip(tok, act, ex, off, row):
+      before, trigger, after, trig_id = docs.context(int(e), int(o), window)
+      ctxs.append(Context(int(e), int(r), _position(rows, int(r), int(e), int(o)), float(a),
+                          before, trigger, after, before + trigger + after))
+      trig.append(trig_id)
+      prev = docs.tokens(int(e))[max(0, int(o) - 2):int(o)]
+      if len(prev) == 2:
+        bg.append((int(prev[0]), int(prev[1])))
+    contexts.append(tuple(ctxs))
+    trig_ids.append(trig)
+    bigrams.append(bg)
+    if progress and (i + 1) % max(1, num_protos // 10) == 0:
+      logging.info("cards: %d/%d prototypes (%.1fs)", i + 1, num_protos, time.time() - t0)
+  protos_KxD = np.asarray(model.bank.protos[...], np.float64)
+  sigs = signatures(np.asarray(model.proto_logit_signatures(), np.float64), decode, n_logits)
+  nb_ids, nb_cos = neighbours(protos_KxD, n_neighbours)
+  xy, used = bank_map(protos_KxD, map_method)
+  terms = tfidf_labels(trig_ids, bigrams, decode)
+  cards = [Card(proto_id=i, contexts=contexts[i], promoted=sigs[i][0], demoted=sigs[i][1],
+                usage=float(usage[i]), histogram=hists[i],
+                neighbours={"ids": nb_ids[i].tolist(), "cosines": nb_cos[i].tolist()},
+                label=("heuristic: " + " · ".join(terms[i])) if terms[i]
+                else "heuristic: (never active on the training split)",
+                map_xy=(float(xy[i, 0]), float(xy[i, 1])), label_terms=terms[i])
+           for i in range(num_protos)]
+  card_set = CardSet(cards, _identity(model, cfg, top_m, window, source, index.num_tokens),
+                     used)
+  if out_dir is not None:
+    card_set.save(out_dir)
+  if progress:
+    logging.info("cards: %d prototypes from the %s in %.1fs", num_protos, source,
+                 time.time() - t0)
+  return card_set

@@ -1,0 +1,184 @@
+"""An interactive, self-contained HTML report of a prompt and its generation (PRISM.md §1, §5).
+
+    data = report_data(model, cfg, decode, prompt_ids, cards, cache=cache, packed=packed,
+                       metrics_path="runs/x/metrics.jsonl")
+    path = write_report("runs/x/report", data)          # <dir>/index.html, opens from disk
+
+For every token after the first of prompt + generation, `decompose` (model/lm.py) splits the
+logit the model gave it at the position before into the k active prototypes' slices and the
+residual slice (they sum to the logit). Generation is greedy (prism_jax.generate, or
+influence.attribute_generation when a cache is given, which also yields each generated
+token's top attributed training sequences). The page (report_page.py) shows the text
+coloured by top prototype or prototype-path share, a token's stacked bar, its prototypes'
+labels / snippets / signatures from the cards, the prototype map, a searchable card list,
+the usage over prototypes and the val metrics over training from metrics.jsonl, and the
+sample's own faithfulness metrics (prism_jax/faithfulness.py).
+
+The report directory is claimed with io_guard (kind "report"): a directory that is not a
+report's (a run, a cache, any non-empty folder without the marker) is refused.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Callable, Sequence
+
+import jax.numpy as jnp
+import numpy as np
+
+from prism_jax import faithfulness, io_guard
+from prism_jax.analysis import report_page
+from prism_jax.analysis.cards import LABEL_METHOD, CardSet
+from prism_jax.attribution import cache_format as fmt
+from prism_jax.config import Config
+from prism_jax.model.lm import decompose
+from prism_jax.model.token_ids import check_token_ids
+
+REPORT_KIND = "report"  # io_guard marker kind
+REPORT_FILE = "index.html"
+# metrics.jsonl val keys plotted over training (those present are drawn).
+METRIC_KEYS = ("loss", "r1_bar", "r2_bar", "residual_share", "dead_frac", "proto_ce_ratio",
+               "agreement", "centred_proto_share")
+CARD_CONTEXTS, CARD_LOGITS = 5, 8  # what each embedded card keeps (the page stays small)
+
+
+def _generate(model, prompt, max_new_tokens, cache, packed, eos_id, top):
+  """(new tokens, per new token [(example_id, score, snippet)] or None without a cache)."""
+  if cache is None:
+    from prism_jax import generate as gen  # pylint: disable=import-outside-toplevel
+    out = gen.generate(model, prompt[None], max_new_tokens=max_new_tokens, temperature=0.0,
+                       eos_id=eos_id)
+    return out.tokens_BxL[0, :int(out.lengths_B[0])].astype(np.int32), None
+  from prism_jax.attribution import influence  # pylint: disable=import-outside-toplevel
+  new, atts = [], []
+  for tok, att in influence.attribute_generation(
+      model, cache, prompt, max_new_tokens=max_new_tokens,
+      cfg=influence.InfluenceConfig(top=top), packed=packed, temperature=0.0, eos_id=eos_id):
+    new.append(tok)
+    atts.append([{"example_id": int(e), "score": float(s), "snippet": snip}
+                 for e, s, snip in zip(att.example_ids, att.scores, att.snippets)])
+  return np.asarray(new, np.int32), atts
+
+
+def token_decomposition(model, seq: np.ndarray):
+  """(Decomposition of seq[1:] at the positions before, activations a_{t,i} (N, k),
+  faithfulness metrics of the sequence): one forward of seq[:-1]."""
+  inputs = jnp.asarray(seq[None, :-1])
+  out = model(inputs)
+  parts = decompose(model, out.protos, jnp.asarray(seq[1:]))
+  proto = model.proto_path_logits(out.protos, 1, len(seq) - 1)
+  vocab = out.logits_BxTxV.shape[-1]
+  state = faithfulness.faithfulness_update(faithfulness.faithfulness_init(),
+                                           out.logits_BxTxV.reshape(-1, vocab),
+                                           proto.reshape(-1, vocab), jnp.asarray(seq[1:]))
+  faith = {k: (v if np.isfinite(v) else None)  # JSON has no nan
+           for k, v in faithfulness.faithfulness_finalize(state).items()}
+  return parts, np.asarray(out.protos.act_Nxk, np.float64), faith
+
+
+def read_metrics(path: str | None) -> dict:
+  """{"steps": [...], "series": {key: [...]}} of the val records of a metrics.jsonl."""
+  steps, series = [], {k: [] for k in METRIC_KEYS}
+  if path and os.path.isfile(path):
+    with open(path) as f:
+      for line in f:
+        try:
+          rec = json.loads(line)
+        except ValueError:
+          continue  # a torn last line of a running job
+        if rec.get("split") != "val":
+          continue
+        steps.append(int(rec["step"]))
+        for k in METRIC_KEYS:
+          v = rec.get(k)
+          series[k].append(float(v) if isinstance(v, (int, float)) and np.isfinite(v)
+                           else None)
+  return {"steps": steps, "series": {k: v for k, v in series.items()
+                                     if any(x is not None for x in v)}}
+
+
+def _card_json(c) -> dict:
+  return {"label": c.label, "usage": c.usage, "xy": list(c.map_xy),
+          "promoted": [list(p) for p in c.promoted[:CARD_LOGITS]],
+          "demoted": [list(p) for p in c.demoted[:CARD_LOGITS]],
+          "contexts": [{"before": x.tokens_before, "trigger": x.trigger,
+                        "after": x.tokens_after, "text": x.text, "act": x.activation,
+                        "example_id": x.example_id} for x in c.contexts[:CARD_CONTEXTS]],
+          "hist": list(c.histogram["counts"]), "neighbours": list(c.neighbours["ids"]),
+          "neighbour_cos": list(c.neighbours["cosines"])}
+
+
+def _usage_hist(usage_K: np.ndarray, bins: int = 24) -> dict:
+  used = usage_K[usage_K > 0]
+  if not len(used):
+    return {"counts": [0] * bins, "edges": [0.0] * (bins + 1), "never": int(len(usage_K))}
+  counts, edges = np.histogram(np.log10(used), bins=bins)
+  return {"counts": counts.tolist(), "edges": edges.tolist(),
+          "never": int((usage_K == 0).sum())}
+
+
+def report_data(model, cfg: Config, decode: Callable, prompt_ids: Sequence[int],
+                cards: CardSet, *, cache=None, packed=None, metrics_path: str | None = None,
+                max_new_tokens: int = 32, eos_id: int | None = None, top_sequences: int = 3,
+                title: str = "PRISM report") -> dict:
+  """Everything the page shows, as one JSON-able dict (report_page.render draws it)."""
+  if cfg.model.kind != "prism" or not hasattr(model, "bank"):
+    raise ValueError("a PRISM report needs a PRISM run (model.kind='prism'); this one is "
+                     f"{cfg.model.kind!r} and has no prototypes")
+  if len(cards) != cfg.model.num_prototypes:
+    raise ValueError(f"the cards hold {len(cards)} prototypes, the model K="
+                     f"{cfg.model.num_prototypes}: build the cards for this model")
+  if cards.identity.get("model_fingerprint") not in (None, fmt.model_fingerprint(model)):
+    raise ValueError("the cards were built for another model (fingerprint differs); "
+                     "rebuild them for this checkpoint")
+  prompt = check_token_ids(prompt_ids, cfg.model.vocab_size, "prompt token ids")
+  prompt = np.asarray(prompt, np.int32).reshape(-1)
+  if not len(prompt):
+    raise ValueError("the prompt encodes to no tokens")
+  room = cfg.model.max_len - len(prompt)
+  if room < 1:
+    raise ValueError(f"the prompt has {len(prompt)} tokens, the model's context is "
+                     f"{cfg.model.max_len}: shorten it")
+  new, atts = _generate(model, prompt, min(max_new_tokens, room), cache, packed, eos_id,
+                        top_sequences)
+  seq = np.concatenate([prompt, new]).astype(np.int32)
+  if len(seq) < 2:
+    raise ValueError("a one-token prompt with nothing generated has no token to decompose")
+  parts, act, faith = token_decomposition(model, seq)
+  idx, contrib = np.asarray(parts.idx_Nxk), np.asarray(parts.contrib_Nxk, np.float64)
+  resid, logit = np.asarray(parts.residual_N, np.float64), np.asarray(parts.logit_N, np.float64)
+  tokens = []
+  for j in range(len(seq) - 1):
+    gen_j = j + 1 - len(prompt)  # index among the generated tokens (< 0: prompt)
+    tokens.append({
+        "text": decode([int(seq[j + 1])]), "id": int(seq[j + 1]), "generated": gen_j >= 0,
+        "logit": float(logit[j]), "residual": float(resid[j]),
+        "protos": [{"id": int(i), "act": float(a), "contrib": float(c)}
+                   for i, a, c in zip(idx[j], act[j], contrib[j])],
+        "attributions": atts[gen_j] if (atts is not None and gen_j >= 0) else []})
+  usage = np.array([c.usage for c in cards.cards])
+  text = decode(seq.tolist())
+  return {
+      "title": title, "subtitle": f"K={cfg.model.num_prototypes} prototypes, k="
+      f"{cfg.model.k} active; sample: {text[:160]!r}",
+      "faithfulness_line": "this sample: " + faithfulness.format_line(
+          {k: float("nan") if v is None else v for k, v in faith.items()}),
+      "faithfulness": faith, "first_token": decode([int(seq[0])]),
+      "prompt_len": int(len(prompt)), "tokens": tokens,
+      "attribution_note": ("top attributed training sequences are listed for generated "
+                           "tokens" if atts is not None else
+                           "no attribution cache given: no attributed training sequences"),
+      "cards": [_card_json(c) for c in cards.cards], "map_method": cards.map_method,
+      "label_method": LABEL_METHOD, "usage_hist": _usage_hist(usage),
+      "metrics": read_metrics(metrics_path)}
+
+
+def write_report(out_dir: str, data: dict) -> str:
+  """Writes <out_dir>/index.html (atomic) into a claimed report directory; returns its path."""
+  out_dir = io_guard.claim_output_dir(out_dir, REPORT_KIND)
+  path = os.path.join(out_dir, REPORT_FILE)
+  with open(path + ".tmp", "w", encoding="utf-8") as f:
+    f.write(report_page.render(data))
+  os.replace(path + ".tmp", path)
+  return path
