@@ -30,7 +30,8 @@ flags.DEFINE_string("select", "logit_signature",
 flags.DEFINE_integer("num", 24, "prototypes to suppress (the top of the selection)")
 flags.DEFINE_list("sweep", [], "extra set sizes: suppression rows for the top n of a "
                   "selection ranked to max(sweep) (e.g. 8,16,32,64)")
-flags.DEFINE_string("cards", None, "issue 14's CardSet directory (for --select=keywords:)")
+flags.DEFINE_string("cards", None, "issue 14's CardSet directory for --select=keywords: "
+                    "(built there when it holds none)")
 flags.DEFINE_integer("num_samples", 32, "generations per prompt")
 flags.DEFINE_integer("max_new_tokens", 48, "tokens per generation")
 flags.DEFINE_float("temperature", 1.0, "sampling temperature")
@@ -77,6 +78,7 @@ def _contrast_features(model, packed, words):
 
 def select(model, tokenizer, packed, b, ban_ids, num):
   from prism_jax.control import selection  # pylint: disable=g-import-not-at-top
+  from prism_jax.train.inference import load_config  # pylint: disable=g-import-not-at-top
   from prism_jax.control.suppression import ProtoSet  # pylint: disable=g-import-not-at-top
   kind, _, arg = FLAGS.select.partition(":")
   if kind == "logit_signature":
@@ -87,13 +89,15 @@ def select(model, tokenizer, packed, b, ban_ids, num):
     return fn(with_BxK, without_BxK, num=num)
   if kind == "keywords":
     if not FLAGS.cards:
-      raise ValueError("--select=keywords: needs --cards=DIR (a CardSet of this run)")
-    try:
-      from prism_jax.analysis.cards import CardSet  # pylint: disable=g-import-not-at-top
-    except ImportError as e:
-      raise ValueError("--select=keywords: needs prism_jax.analysis.cards (issue 14)") from e
+      raise ValueError("--select=keywords: needs --cards=DIR (built there when missing)")
+    from prism_jax.analysis import cards as cards_lib  # pylint: disable=g-import-not-at-top
+    if os.path.isfile(os.path.join(FLAGS.cards, cards_lib.CARDS_FILE)):
+      card_set = cards_lib.CardSet.load(FLAGS.cards, model)
+    else:
+      card_set = cards_lib.build_cards(model, load_config(FLAGS.workdir), packed,
+                                       out_dir=FLAGS.cards)
     words = [w for w in arg.split(",") if w] or list(b.select_words)
-    return selection.by_keywords(CardSet.load(FLAGS.cards, model), words, num=num)
+    return selection.by_keywords(card_set, words, num=num)
   if kind == "file":
     pset = ProtoSet.load(arg, model)
     return selection.Selection(pset.ids, pset.scores, pset.method, pset.query)

@@ -4,11 +4,11 @@ probe against its optimality (KKT) conditions in float64, and the behaviour scor
 import functools
 import importlib.util
 import secrets
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
 
+from prism_jax.analysis.cards import Card, CardSet, Context
 from prism_jax.config import model_preset
 from prism_jax.control import behaviours, planted, selection, stats
 from prism_jax.model.lm import build_model
@@ -96,17 +96,23 @@ def test_text_features_match_brute_force():
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-7)
 
 
+def _card_set(planted_ids):
+  def card(i):
+    texts = ("the ZORBAT rite" if i in planted_ids else "a plain line", "other words")
+    contexts = tuple(Context(0, 0, j, 1.0, t.split()[0], t.split()[1], t.split()[-1], t)
+                     for j, t in enumerate(texts))
+    return Card(i, contexts, (), (), 0.1, {}, {}, "", (0.0, 0.0))
+  return CardSet([card(i) for i in range(K)], {})
+
+
 def test_keywords_on_cards():
   rng = np.random.default_rng(secrets.randbits(32))
   planted_ids = set(rng.choice(K, size=3, replace=False).tolist())
-  ctx = lambda text: SimpleNamespace(trigger="x", tokens_after=(" y",), text=text)
-  cards = [SimpleNamespace(proto_id=i, contexts=(ctx("the ZORBAT rite") if i in planted_ids
-                                                   else ctx("a plain line"), ctx("other")))
-           for i in range(K)]
-  card_set = SimpleNamespace(cards=cards, card=lambda i: cards[i])
-  sel = selection.by_keywords(card_set, ["zorbat"])
+  sel = selection.by_keywords(_card_set(planted_ids), ["zorbat"])
   assert set(sel.ids) == planted_ids and sel.scores == (0.5,) * 3
   assert [c.proto_id for c in sel.cards] == list(sel.ids)
+  by_trigger = selection.by_keywords(_card_set(planted_ids), ["zorbat"], where="trigger")
+  assert set(by_trigger.ids) == planted_ids  # "ZORBAT" is the trigger token of those
 
 
 def test_selection_bad_input():
@@ -119,11 +125,10 @@ def test_selection_bad_input():
     selection.by_contrast(np.zeros((3, K)), np.ones((3, K)))
   with pytest.raises(ValueError, match="same K"):
     selection.by_contrast(np.zeros((3, K)), np.ones((3, K + 1)))
-  card_set = SimpleNamespace(cards=[SimpleNamespace(proto_id=0, contexts=())], card=None)
   with pytest.raises(ValueError, match="matched no prototype"):
-    selection.by_keywords(card_set, ["absent"])
+    selection.by_keywords(_card_set({1}), ["absent"])
   with pytest.raises(ValueError, match="non-blank keyword"):
-    selection.by_keywords(card_set, [" "])
+    selection.by_keywords(_card_set({1}), [" "])
 
 
 def test_behaviour_scores_and_optional_scorers():

@@ -3,8 +3,8 @@
 Every selector returns a `Selection`: prototype ids by decreasing score, the scores, and
 (when a CardSet is given) their cards, so a set can be read before it is suppressed.
 
-- `by_keywords(cards, keywords)`: share of a prototype's top contexts whose trigger token,
-  following tokens or text contain a keyword (issue 14's CardSet, `prism_jax.analysis.cards`).
+- `by_keywords(cards, keywords)`: share of a prototype's top contexts whose text window
+  (or trigger token) contains a keyword (issue 14's `prism_jax.analysis.cards.CardSet`).
 - `by_logit_signature(model, token_ids)`: how far W p_i promotes the given tokens, in
   standard deviations of its own logit row: mean_y (W p_i)_y − mean_v (W p_i)_v over std_v.
 - `by_contrast(feats_with, feats_without)`: mean activation on texts with the behaviour
@@ -156,29 +156,17 @@ def by_probe(feats_with, feats_without, *, l1: float = 0.02, num: int | None = N
                  min_score=0.0, cards=cards)
 
 
-def _context_matches(context, keywords_lower: Sequence[str]) -> bool:
-  fields = [getattr(context, "trigger", ""), getattr(context, "tokens_after", ""),
-            getattr(context, "text", "")]
-  text = " ".join(f if isinstance(f, str) else " ".join(map(str, f)) for f in fields).lower()
-  return any(k in text for k in keywords_lower)
-
-
-def keyword_scores(cards, keywords: Sequence[str]) -> np.ndarray:
-  """(K,) share of each card's contexts whose trigger / following tokens / text contain a
-  keyword (case-insensitive)."""
-  keywords_lower = [k.lower() for k in keywords if k.strip()]
-  if not keywords_lower:
-    raise ValueError("keyword selection needs at least one non-blank keyword")
-  scores = np.zeros(len(cards.cards))
-  for card in cards.cards:
-    if card.contexts:
-      hits = sum(_context_matches(c, keywords_lower) for c in card.contexts)
-      scores[card.proto_id] = hits / len(card.contexts)
+def keyword_scores(cards, keywords: Sequence[str], where: str = "text") -> np.ndarray:
+  """(K,) share of each card's contexts that contain a keyword (case-insensitive) in their
+  text window or (where="trigger") trigger token: issue 14's `CardSet.search`."""
+  scores = np.zeros(len(cards))
+  for proto_id, hits in cards.search(list(keywords), where=where):
+    scores[proto_id] = hits / max(len(cards.card(proto_id).contexts), 1)
   return scores
 
 
-def by_keywords(cards, keywords: Sequence[str], *, num: int | None = None,
-                min_score: float | None = 0.0) -> Selection:
-  scores = keyword_scores(cards, keywords)
-  return _ranked(scores, "keywords", ",".join(keywords), num=num, min_score=min_score,
-                 cards=cards)
+def by_keywords(cards, keywords: Sequence[str], *, where: str = "text",
+                num: int | None = None, min_score: float | None = 0.0) -> Selection:
+  scores = keyword_scores(cards, keywords, where)
+  return _ranked(scores, "keywords", f"{where}: " + ",".join(keywords), num=num,
+                 min_score=min_score, cards=cards)
