@@ -41,6 +41,8 @@ flags.DEFINE_integer("random_sets", 3, "random prototype sets of the same size")
 flags.DEFINE_integer("contrast_rows", 96, "training rows per side for contrast/probe")
 flags.DEFINE_bool("refill", False, "fill freed top-k slots with the next prototypes")
 flags.DEFINE_string("dense_workdir", None, "the dense twin (same data, equal tokens)")
+flags.DEFINE_bool("dense_only", False, "only the dense twin's row (--dense_workdir): its "
+                  "behaviour rate and validation perplexity")
 flags.DEFINE_string("json", None, "write the table here as JSON (default: "
                     "<workdir>/suppression_<behaviour>.json)")
 flags.mark_flag_as_required("workdir")
@@ -133,6 +135,21 @@ def main(argv):
   from prism_jax.model.lm import PrismLM  # pylint: disable=g-import-not-at-top
   from prism_jax.train.inference import load_for_inference  # pylint: disable=g-import-not-at-top
   b = behaviours.behaviour(FLAGS.behaviour)
+  gen_kw = dict(num_samples=FLAGS.num_samples, max_new_tokens=FLAGS.max_new_tokens,
+                temperature=FLAGS.temperature, top_k=FLAGS.top_k or None, seed=FLAGS.seed)
+  if FLAGS.dense_only:
+    if not FLAGS.dense_workdir:
+      raise ValueError("--dense_only needs --dense_workdir")
+    dense = {"command": "python -m experiments.suppress " + " ".join(sys.argv[1:]),
+             "behaviour": b.name, "score": b.description, "dense_twin": _dense_twin(b, gen_kw)}
+    d = dense["dense_twin"]
+    print(f"dense twin {d['workdir']}: val ppl {d['val_perplexity']:.3f} at step "
+          f"{d['step']}, rate {d['rate']['mean']:.3f} "
+          f"[{d['rate']['lo']:.3f}, {d['rate']['hi']:.3f}]")
+    out = FLAGS.json or os.path.join(FLAGS.dense_workdir, f"dense_{b.name}.json")
+    with open(out, "w") as f:
+      json.dump(dense, f, indent=2)
+    return
   model, cfg, tokenizer = load_for_inference(FLAGS.workdir)
   if not isinstance(model, PrismLM):
     raise ValueError(f"{FLAGS.workdir} is a dense run: suppression needs PRISM prototypes")
@@ -143,8 +160,6 @@ def main(argv):
   sel = ranked.top(FLAGS.num)
   saved = ProtoSet.create(model, sel.ids, sel.scores, sel.method, sel.query).save(FLAGS.workdir)
   num_k = cfg.model.num_prototypes
-  gen_kw = dict(num_samples=FLAGS.num_samples, max_new_tokens=FLAGS.max_new_tokens,
-                temperature=FLAGS.temperature, top_k=FLAGS.top_k or None, seed=FLAGS.seed)
   rng = np.random.default_rng(FLAGS.seed)
   outside = np.setdiff1d(np.arange(num_k), sel.ids)
   conditions = [("unedited", {}), (f"suppress ({sel.method})",
@@ -217,7 +232,8 @@ def _dense_twin(b, gen_kw):
   texts = measure.generations(dense, tokenizer, b.prompts, **gen_kw)
   ev = _last_eval(FLAGS.dense_workdir)
   return {"workdir": FLAGS.dense_workdir, "val_perplexity": ev.get("perplexity"),
-          "val_loss": ev.get("loss"), "train_tokens": ev.get("train_tokens"),
+          "val_loss": ev.get("loss"), "step": ev.get("step"),
+          "generations": len(texts),
           "rate": stats.bootstrap_mean([b.score(t) for t in texts], seed=FLAGS.seed)._asdict()}
 
 
@@ -243,7 +259,7 @@ def _print_table(s):
   print("faithfulness (last eval): " + ", ".join(f"{k} {v:.4g}" for k, v in f.items() if v is not None))
   if "dense_twin" in s:
     d = s["dense_twin"]
-    print(f"dense twin: val ppl {d['val_perplexity']:.3f} at {d['train_tokens']:.0f} tokens, "
+    print(f"dense twin: val ppl {d['val_perplexity']:.3f} at step {d['step']}, "
           f"rate {d['rate']['mean']:.3f} [{d['rate']['lo']:.3f}, {d['rate']['hi']:.3f}]")
 
 
