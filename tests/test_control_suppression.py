@@ -7,7 +7,10 @@ refill is ℓ' = W (ẑ' + z − ẑ) with ẑ' the mixture over the top-k of co
 
 import functools
 import json
+import os
 import secrets
+import subprocess
+import sys
 
 import numpy as np
 import pytest
@@ -18,6 +21,7 @@ from prism_jax.control.suppression import ProtoSet, suppressed_logits
 from prism_jax.model.lm import build_model, init_prototypes_from_hidden
 
 VOCAB, SEQ, K, TOP = 48, 12, 16, 4
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 @functools.cache
@@ -144,3 +148,18 @@ def test_set_save_load_and_bad_input(tmp_path):
   (tmp_path / "x.json").write_text('{"format": "other"}')
   with pytest.raises(ValueError, match="is not a suppression set"):
     ProtoSet.load(str(tmp_path / "x.json"), model)
+
+
+@pytest.mark.parametrize("module, args, fragment", [
+    ("suppress", ["--workdir={w}", "--behaviour=nsfw"], "unknown behaviour 'nsfw'"),
+    ("suppress", ["--workdir={w}/none", "--behaviour=planted"], "none"),
+    ("planted_corpus", ["--out={w}", "--neutral_docs=0"], "neutral_docs must be in"),
+])
+def test_cli_bad_input_is_one_line(tmp_path, module, args, fragment):
+  proc = subprocess.run([sys.executable, "-m", f"experiments.{module}",
+                         *[a.format(w=tmp_path) for a in args]], cwd=REPO,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                        text=True, timeout=300)
+  errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
+  assert proc.returncode == 2 and len(errors) == 1 and fragment in errors[0], proc.stderr[-2000:]
+  assert "Traceback" not in proc.stderr
