@@ -158,7 +158,8 @@ def main(argv):
   sweep = sorted(int(n) for n in FLAGS.sweep)
   ranked = select(model, tokenizer, packed, b, ban_ids, max([FLAGS.num] + sweep))
   sel = ranked.top(FLAGS.num)
-  saved = ProtoSet.create(model, sel.ids, sel.scores, sel.method, sel.query).save(FLAGS.workdir)
+  saved = ProtoSet.create(model, sel.ids, sel.scores, sel.method, sel.query).save(
+      FLAGS.workdir, name=f"{b.name}_{sel.method}_{len(sel.ids)}")
   num_k = cfg.model.num_prototypes
   rng = np.random.default_rng(FLAGS.seed)
   outside = np.setdiff1d(np.arange(num_k), sel.ids)

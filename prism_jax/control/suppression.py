@@ -86,12 +86,12 @@ class ProtoSet:
   def share(self) -> float:
     return len(self.ids) / self.fingerprint["num_prototypes"]
 
-  def save(self, path: str) -> str:
+  def save(self, path: str, name: str | None = None) -> str:
     """Writes the set as JSON at `path`; a directory (e.g. a run's) gets
-    <path>/suppression_sets/<method>.json, claimed like every output directory."""
+    <path>/suppression_sets/<name or method>.json, claimed like every output directory."""
     if os.path.isdir(path) and not path.endswith(".json"):
       out_dir = io_guard.claim_output_dir(os.path.join(path, SETS_DIR), "suppression sets")
-      path = os.path.join(out_dir, f"{self.method}.json")
+      path = os.path.join(out_dir, f"{name or self.method}.json")
     with open(path, "w") as f:
       json.dump({"format": FORMAT, **dataclasses.asdict(self)}, f, indent=2)
     return path
