@@ -32,6 +32,8 @@ flags.DEFINE_list("sweep", [], "extra set sizes: suppression rows for the top n 
                   "selection ranked to max(sweep) (e.g. 8,16,32,64)")
 flags.DEFINE_string("cards", None, "issue 14's CardSet directory for --select=keywords: "
                     "(built there when it holds none)")
+flags.DEFINE_enum("keywords_in", "text", ["text", "trigger", "next"], "where a card's "
+                  "context must hold a keyword: its window, trigger or next token")
 flags.DEFINE_integer("num_samples", 32, "generations per prompt")
 flags.DEFINE_integer("max_new_tokens", 48, "tokens per generation")
 flags.DEFINE_float("temperature", 1.0, "sampling temperature")
@@ -99,7 +101,7 @@ def select(model, tokenizer, packed, b, ban_ids, num):
       card_set = cards_lib.build_cards(model, load_config(FLAGS.workdir), packed,
                                        out_dir=FLAGS.cards)
     words = [w for w in arg.split(",") if w] or list(b.select_words)
-    return selection.by_keywords(card_set, words, num=num)
+    return selection.by_keywords(card_set, words, where=FLAGS.keywords_in, num=num)
   if kind == "file":
     pset = ProtoSet.load(arg, model)
     return selection.Selection(pset.ids, pset.scores, pset.method, pset.query)

@@ -113,6 +113,8 @@ def test_keywords_on_cards():
   assert [c.proto_id for c in sel.cards] == list(sel.ids)
   by_trigger = selection.by_keywords(_card_set(planted_ids), ["zorbat"], where="trigger")
   assert set(by_trigger.ids) == planted_ids  # "ZORBAT" is the trigger token of those
+  by_next = selection.by_keywords(_card_set(planted_ids), ["rite"], where="next")
+  assert set(by_next.ids) == planted_ids  # "rite" is the token after the trigger
 
 
 def test_selection_bad_input():

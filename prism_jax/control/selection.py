@@ -3,8 +3,9 @@
 Every selector returns a `Selection`: prototype ids by decreasing score, the scores, and
 (when a CardSet is given) their cards, so a set can be read before it is suppressed.
 
-- `by_keywords(cards, keywords)`: share of a prototype's top contexts whose text window
-  (or trigger token) contains a keyword (issue 14's `prism_jax.analysis.cards.CardSet`).
+- `by_keywords(cards, keywords, where=)`: share of a prototype's top contexts whose text
+  window, trigger token or next (predicted) token holds a keyword (issue 14's
+  `prism_jax.analysis.cards.CardSet`).
 - `by_logit_signature(model, token_ids)`: how far W p_i promotes the given tokens, in
   standard deviations of its own logit row: mean_y (W p_i)_y − mean_v (W p_i)_v over std_v.
 - `by_contrast(feats_with, feats_without)`: mean activation on texts with the behaviour
@@ -157,9 +158,20 @@ def by_probe(feats_with, feats_without, *, l1: float = 0.02, num: int | None = N
 
 
 def keyword_scores(cards, keywords: Sequence[str], where: str = "text") -> np.ndarray:
-  """(K,) share of each card's contexts that contain a keyword (case-insensitive) in their
-  text window or (where="trigger") trigger token: issue 14's `CardSet.search`."""
+  """(K,) share of each card's contexts that contain a keyword (case-insensitive): in
+  their text window or trigger token (where="text" | "trigger": issue 14's
+  `CardSet.search`), or (where="next") as the predicted token, the start of
+  `tokens_after`: the prototypes active right before the behaviour."""
   scores = np.zeros(len(cards))
+  if where == "next":
+    words = [w.strip().lower() for w in keywords if w.strip()]
+    if not words:
+      raise ValueError("keyword selection needs at least one non-blank keyword")
+    for card in cards.cards:
+      nxt = [c.tokens_after.lstrip().lower() for c in card.contexts]
+      hits = sum(any(t.startswith(w) for w in words) for t in nxt)
+      scores[card.proto_id] = hits / max(len(card.contexts), 1)
+    return scores
   for proto_id, hits in cards.search(list(keywords), where=where):
     scores[proto_id] = hits / max(len(cards.card(proto_id).contexts), 1)
   return scores
