@@ -1,0 +1,1 @@
+"""Control of a trained PRISM model: prototype sets for a behaviour, their suppression, its evaluation."""
