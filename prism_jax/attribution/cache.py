@@ -17,10 +17,9 @@ with a model/config it was not built from, raises CacheMismatchError.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
+from prism_jax import paths
 from prism_jax.attribution import cache_build
 from prism_jax.attribution import cache_format as fmt
 from prism_jax.attribution.cache_format import CacheConfig, CacheMismatchError
@@ -48,9 +47,10 @@ class AttributionCache:
 
   def __init__(self, path: str, model=None, cfg: Config | None = None, *,
                in_memory: bool = True):
-    self.path = os.path.abspath(path)
-    meta_path = os.path.join(self.path, fmt.METADATA)
-    if not os.path.exists(meta_path):
+    self.path = paths.resolve(path)  # a local path or a gs:// URI
+    paths.check_access(self.path)
+    meta_path = paths.join(self.path, fmt.METADATA)
+    if not fmt.exists(meta_path):
       raise FileNotFoundError(f"{self.path} is not an attribution cache (no {fmt.METADATA})")
     self.metadata = fmt.read_json(meta_path)
     if "identity" not in self.metadata:
@@ -171,7 +171,4 @@ class AttributionCache:
 
   def nbytes_per_token(self) -> float:
     """Bytes on disk per cached token (records + inverted index; stats amortised)."""
-    total = 0
-    for root, _, files in os.walk(self.path):
-      total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
-    return total / max(self.num_tokens, 1)
+    return paths.tree_bytes(self.path) / max(self.num_tokens, 1)
