@@ -28,7 +28,7 @@ from etils import epath
 _URI = re.compile(r"^([a-zA-Z][a-zA-Z0-9+.-]*)://")
 
 
-class PathAccessError(OSError):
+class PathAccessError(PermissionError):
   """An object-store path that cannot be reached (credentials, emulator, bucket)."""
 
 

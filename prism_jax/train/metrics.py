@@ -19,6 +19,8 @@ from prism_jax import flops, paths
 from prism_jax.config import ModelConfig
 
 METRICS_FILE = "metrics.jsonl"
+UPLOAD_EVERY_S = 30.0  # an object-store metrics file is re-uploaded at most this often
+# (and at every checkpoint and at the end)
 
 
 def _clean(value: Any) -> Any:
@@ -40,6 +42,7 @@ class MetricsWriter:
     kept = _truncate_after(self.path, start_step)  # a resumed run rewrites later steps
     # An object store cannot append: the file is kept in memory and re-uploaded on flush.
     self._lines = kept if paths.is_remote(self.path) else None
+    self._uploaded = time.monotonic()
     self._file = None if self._lines is not None else open(self.path, "a", buffering=1)
     if tensorboard:
       try:
@@ -57,6 +60,8 @@ class MetricsWriter:
     line = json.dumps(record) + "\n"
     if self._lines is not None:
       self._lines.append(line)
+      if time.monotonic() - self._uploaded > UPLOAD_EVERY_S:
+        self.flush()
     else:
       self._file.write(line)
     if self._tb is not None:
@@ -68,6 +73,7 @@ class MetricsWriter:
     if self.enabled:
       if self._lines is not None:
         paths.write_text_atomic(self.path, "".join(self._lines))
+        self._uploaded = time.monotonic()
       else:
         self._file.flush()
       if self._tb is not None:
