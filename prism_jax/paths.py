@@ -158,8 +158,11 @@ def save_npy(p, arr: np.ndarray) -> None:
 
 def tree_bytes(p) -> int:
   """Total size of the files under directory p."""
+  s = resolve(p)
+  if is_remote(s):  # (epath's walk drops the scheme from the roots it yields)
+    return int(_fsspec(s).du(s))
   total = 0
-  for root, _, files in path(p).walk():
+  for root, _, files in path(s).walk():
     total += sum((root / f).stat().length for f in files)
   return total
 
@@ -181,3 +184,15 @@ def glob(pattern: str) -> list[str]:
   check_access(pattern)
   fs, sch = _fsspec(pattern), scheme(pattern)
   return sorted(f"{sch}://{m}" for m in fs.glob(pattern) if fs.isfile(m))
+
+
+def move_tree(src, dst) -> None:
+  """Moves a directory: a rename locally, copy-then-delete (fsspec) on an object store."""
+  src, dst = resolve(src), resolve(dst)
+  if not is_remote(src) and not is_remote(dst):
+    import shutil  # pylint: disable=import-outside-toplevel
+    shutil.move(src, dst)
+    return
+  fs = _fsspec(src)
+  fs.copy(src.rstrip("/") + "/", dst.rstrip("/") + "/", recursive=True)
+  fs.rm(src, recursive=True)

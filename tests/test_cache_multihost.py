@@ -5,7 +5,7 @@ identical scores; one process SIGKILLed mid-build and the job rerun resumes.
 The same file is the worker: `python tests/test_cache_multihost.py worker PID PORT WORKDIR
 CACHE [DIE]`: it initialises jax.distributed, opens the packed data from gs://, builds the
 cache with `build_cache` (each process its share) and, with DIE, kills itself after its
-first pass-2 batch.
+first pass-2 chunk write.
 """
 
 import dataclasses
@@ -49,9 +49,11 @@ def worker(pid: int, port: int, workdir: str, out: str, die: bool) -> None:
   assert (jax.process_count(), jax.local_device_count()) == (NUM_PROCESSES, LOCAL_DEVICES)
   cfg = _config(workdir)
 
-  def on_batch(pass_index, rows):
-    if die and pid == 1 and pass_index == 2:
-      os.kill(os.getpid(), signal.SIGKILL)  # mid pass 2, after its progress was written
+  prog = f"{out}/{cache_shards.progress_name(pid)}"
+
+  def on_batch(pass_index, rows):  # dies mid pass 2, once its first chunks are written
+    if die and pid == 1 and pass_index == 2 and cache_format.read_json(prog)["pass"] == 2:
+      os.kill(os.getpid(), signal.SIGKILL)
 
   cache_lib.build_cache(build_model(cfg.model, 0), cfg, PackedData(PACKED), out, CACHE_CFG,
                         progress=False, on_batch=on_batch)
@@ -117,7 +119,7 @@ def test_two_process_build_equals_one_process_and_resumes_after_a_kill(reference
   env = dict(os.environ, JAX_PLATFORMS="cpu", **gcs,
              PYTHONPATH=os.pathsep.join([REPO, os.path.dirname(__file__)]))
   env.pop("XLA_FLAGS", None)
-  # Run 1: process 1 kills itself after its first pass-2 batch; process 0 is then stuck
+  # Run 1: process 1 kills itself after its first pass-2 write; process 0 is then stuck
   # at the end-of-pass barrier (or still writing) and is killed too: the job died.
   procs, logs = _launch(tmp_path, env, free_port(), workdir, out, True, "killed")
   try:
@@ -129,7 +131,7 @@ def test_two_process_build_equals_one_process_and_resumes_after_a_kill(reference
         p.kill()
       p.wait()
   prog1 = cache_format.read_json(f"{out}/{cache_shards.progress_name(1)}")
-  assert prog1["pass"] == 2 and prog1["rows_done"] > 0  # process 1 had started pass 2
+  assert prog1["pass"] == 2 and prog1["share"][0] < prog1["tokens_done"] < prog1["share"][1]
   with pytest.raises(ValueError, match="unfinished"):
     cache_lib.AttributionCache(out, model, cfg)
 

@@ -309,51 +309,57 @@ def _write_stats(out_dir, cache_cfg, cfg, num_rows, rank, meta, new_acc, ranges)
 
 def records_pass(model, cfg: Config, packed, out_dir: str, cache_cfg: fmt.CacheConfig,
                  num_rows: int, *, progress: bool = True, on_batch=None) -> None:
-  """Pass 2: every valid token of this process's token share, written at the place
-  row_offsets gives (so a resume from the rows done, recorded in this process's progress
-  file after each write, is exact); g is projected on the stored g_evecs."""
+  """Pass 2: every valid token of this process's token share, at the place row_offsets
+  gives; g is projected on the stored g_evecs. Records are buffered and written in whole
+  chunks, each once (no read-modify-write of a chunk, which object stores make slow and
+  racy); this process's progress file records the tokens written after each write, and
+  a resume reruns from the batch holding the first unwritten token (exact)."""
   driver = cache_cfg.driver
   pid, count = shards.process()
   prog_path = paths.join(out_dir, shards.progress_name(pid))
   row_offsets = fmt.store(out_dir, "row_offsets", driver).read().result()
   evecs = fmt.store(out_dir, "g_evecs", driver).read().result().astype(np.float32)
-  arrays = {n: fmt.store(out_dir, n, driver)
-            for n in ("example_id", "offset", "idx", "act", "g")}
+  arrays = {n: fmt.store(out_dir, n, driver) for n in _RECORD_FIELDS}
   chunk = arrays["g"].chunk_layout.write_chunk.shape[0]
-  lo_tok, hi_tok = shards.token_share(int(row_offsets[-1]), chunk, pid, count)
-  row_lo, row_hi = shards.share_rows(row_offsets, lo_tok, hi_tok, cache_cfg.batch_rows)
+  share = list(shards.token_share(int(row_offsets[-1]), chunk, pid, count))
   prog = fmt.read_json(prog_path) if fmt.exists(prog_path) else {}
-  rows_done = row_lo
+  done_tok = share[0]
   if prog.get("pass") == 2:
-    if prog.get("share", [lo_tok, hi_tok]) != [lo_tok, hi_tok]:
+    if prog.get("share", share) != share:
       raise ValueError(f"{out_dir}: pass 2 was started with another process count "
-                       f"(share {prog['share']}, now {[lo_tok, hi_tok]}); resume it with "
-                       "the same number of processes")
-    rows_done = max(row_lo, int(prog["rows_done"]))
-  bar = _Progress(row_hi - row_lo, "cache pass 2/2 (records)", rows_done - row_lo) \
-      if progress else None
-  for start, batch in fmt.iter_rows(packed, cache_cfg.split, cache_cfg.batch_rows,
-                                    rows_done, row_hi):
+                       f"(share {prog['share']}, now {share}); resume it with the same "
+                       "number of processes")
+    done_tok = int(prog.get("tokens_done", done_tok))
+  row_lo, row_hi = shards.share_rows(row_offsets, done_tok, share[1], cache_cfg.batch_rows)
+  bar = _Progress(row_hi - row_lo, "cache pass 2/2 (records)") if progress else None
+  buf = {n: [] for n in _RECORD_FIELDS}
+  buf_hi = done_tok  # the buffer holds tokens [done_tok, buf_hi)
+  for start, batch in fmt.iter_rows(packed, cache_cfg.split, cache_cfg.batch_rows, row_lo,
+                                    row_hi):
     n = batch["inputs"].shape[0]
     og = cv.output_grads(model, batch_lib.pad_batch(batch, cache_cfg.batch_rows), cfg.loss)
     valid = batch["mask"].reshape(-1)
-    idx = np.asarray(og.idx_Nxk)[:len(valid)][valid]
-    act = np.asarray(og.act_Nxk)[:len(valid)][valid].astype(np.float32)
-    g = np.asarray(og.g_NxD)[:len(valid)][valid].astype(np.float32) @ evecs
+    rec = {"example_id": batch["example_id"].reshape(-1)[valid],
+           "offset": batch["offset"].reshape(-1)[valid],
+           "idx": np.asarray(og.idx_Nxk)[:len(valid)][valid].astype(np.int32),
+           "act": np.asarray(og.act_Nxk)[:len(valid)][valid].astype(np.float32),
+           "g": np.asarray(og.g_NxD)[:len(valid)][valid].astype(np.float32) @ evecs}
     lo, hi = int(row_offsets[start]), int(row_offsets[start + n])
-    if hi - lo != len(idx):
-      raise RuntimeError(f"rows {start}:{start + n} hold {len(idx)} valid tokens, pass 1 "
-                         f"counted {hi - lo}: the packed data changed during the build")
-    a, b = max(lo, lo_tok), min(hi, hi_tok)  # this process's tokens of the batch
+    if hi - lo != len(rec["idx"]):
+      raise RuntimeError(f"rows {start}:{start + n} hold {len(rec['idx'])} valid tokens, "
+                         f"pass 1 counted {hi - lo}: the packed data changed during the build")
+    a, b = max(lo, buf_hi), min(hi, share[1])  # this process's new tokens of the batch
     if b > a:
-      sel = slice(a - lo, b - lo)
-      futures = [arrays["example_id"][a:b].write(batch["example_id"].reshape(-1)[valid][sel]),
-                 arrays["offset"][a:b].write(batch["offset"].reshape(-1)[valid][sel]),
-                 arrays["idx"][a:b].write(idx[sel].astype(np.int32)),
-                 arrays["act"][a:b].write(act[sel]), arrays["g"][a:b].write(g[sel])]
-      for fut in futures:
-        fut.result()
-    fmt.write_json(prog_path, {"pass": 2, "rows_done": start + n, "share": [lo_tok, hi_tok]})
+      for name, v in rec.items():
+        buf[name].append(v[a - lo:b - lo])
+      buf_hi = b
+    full = done_tok + (buf_hi - done_tok) // chunk * chunk
+    end = buf_hi if buf_hi == share[1] else full  # whole chunks (the array's last: short)
+    if end > done_tok:
+      _write_records(arrays, buf, done_tok, end)
+      done_tok = end
+      fmt.write_json(prog_path, {"pass": 2, "rows_done": start + n, "share": share,
+                                 "tokens_done": done_tok})
     if bar:
       bar.update(n)
     if on_batch:
@@ -361,6 +367,20 @@ def records_pass(model, cfg: Config, packed, out_dir: str, cache_cfg: fmt.CacheC
   if bar:
     bar.close()
   shards.sync(f"cache pass 2 {out_dir}")
+
+
+_RECORD_FIELDS = ("example_id", "offset", "idx", "act", "g")
+
+
+def _write_records(arrays, buf, lo: int, hi: int) -> None:
+  """Writes buffered tokens [lo, hi) and keeps the rest in the buffer."""
+  futures = []
+  for name, parts in buf.items():
+    block = np.concatenate(parts)
+    futures.append(arrays[name][lo:hi].write(block[:hi - lo]))
+    buf[name][:] = [block[hi - lo:]]
+  for fut in futures:
+    fut.result()
 
 
 def _save_pass1(path, acc, row_counts, rows_done, shard):

@@ -124,7 +124,13 @@ def store(directory, name, driver, *, shape=None, dtype=None, chunks=None, creat
   if not create:
     return ts.open(spec, open=True).result()
   chunks = chunks or shape
-  return ts.open(spec, create=True, delete_existing=True, dtype=ts.dtype(np.dtype(dtype).name),
+  old = paths.path(paths.join(directory, name))
+  if paths.is_remote(old) and old.exists():
+    # Removed through epath: a kvstore range delete on an object store lists by offset,
+    # which emulators (gcp-storage-emulator) ignore, deleting the whole bucket listing.
+    old.rmtree()
+  return ts.open(spec, create=True, delete_existing=not paths.is_remote(old),
+                 dtype=ts.dtype(np.dtype(dtype).name),
                  shape=list(shape), chunk_layout=ts.ChunkLayout(
                      chunk_shape=[max(1, c) for c in chunks])).result()
 

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -176,7 +175,7 @@ class Checkpointer:
     dst = paths.join(self.workdir, CORRUPT_DIR, f"{step}-{time.strftime('%Y%m%dT%H%M%S')}")
     if jax.process_index() == 0 and src.exists():
       paths.path(dst).parent.mkdir(parents=True, exist_ok=True)
-      _move_tree(src, paths.path(dst))
+      paths.move_tree(src, dst)
     self.manager.reload()
     return dst
 
@@ -228,19 +227,6 @@ class Checkpointer:
     logging.error("checkpoint %d in %s is %s (%s: %s); moved it to %s and falling "
                   "back to the previous checkpoint", step, self.directory, kind,
                   type(err).__name__, str(err).splitlines()[0] if str(err) else "", dst)
-
-
-def _move_tree(src, dst) -> None:
-  """Moves a directory: a rename locally, copy-then-delete on an object store."""
-  if not paths.is_remote(src):
-    shutil.move(os.fspath(src), os.fspath(dst))
-    return
-  for root, _, files in src.walk():
-    for name in files:
-      rel = (root / name).relative_to(src)
-      (dst / rel).parent.mkdir(parents=True, exist_ok=True)
-      (root / name).copy(dst / rel, overwrite=True)
-  src.rmtree()
 
 
 def read_workdir_config(workdir: str) -> dict[str, Any]:
