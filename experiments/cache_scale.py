@@ -5,7 +5,9 @@
 
 Builds real caches (random-init model of --preset, the embedded corpus, byte tokenizer,
 the first --rows packed rows) at each rank, and prints one markdown table: bytes/token on
-disk (measured; and the record layout's 8 + 16k + 4r), the build's tokens/s on this host
+disk of the arrays that grow with the corpus (measured; and the record layout's
+8 + 16k + 4r: example_id, offset, k ids, k activations, r floats of g, and the inverted
+index's k token ids + k activations), the fixed statistics' size, the build's tokens/s on this host
 (both passes, steady: the rank-0 build is timed after a warm-up build), and the projected
 store size and host-hours for 0.5B and 10B training tokens (hosts x hours = tokens /
 (tokens/s per host) / 3600; the build scales by hosts, cache_shards.py). Writes the table
@@ -30,6 +32,9 @@ flags.DEFINE_list("ranks", ["16", "64", "256"], "cache ranks of g")
 flags.DEFINE_string("json", None, "write the results here (docs/results/cache_scale.json)")
 FLAGS = flags.FLAGS
 CORPUS_TOKENS = (0.5e9, 10e9)
+# Arrays that grow with the corpus (records + inverted index); the rest (A, G, μ, the
+# eigenpairs, row_offsets) is a fixed cost of the model (K², D²) or per row.
+PER_TOKEN = ("example_id", "offset", "idx", "act", "g", "proto_tokens", "proto_acts")
 
 
 def _build(model, cfg, packed, out, cache_cfg):
@@ -62,8 +67,10 @@ def main(argv):
     cc = dataclasses.replace(warm, rank=rank)
     cache, seconds = _build(model, cfg, packed, paths.join(FLAGS.workdir, f"r{rank}"), cc)
     tok_s = cache.num_tokens / seconds
-    row = {"rank": rank, "bytes_per_token": round(cache.nbytes_per_token(), 1),
+    per_token = sum(paths.tree_bytes(paths.join(cache.path, n)) for n in PER_TOKEN)
+    row = {"rank": rank, "record_bytes_per_token": round(per_token / cache.num_tokens, 1),
            "layout_bytes_per_token": 8 + 16 * mcfg.k + 4 * rank,
+           "fixed_stats_MB": round((paths.tree_bytes(cache.path) - per_token) / 1e6, 2),
            "build_tokens_per_s_per_host": round(tok_s, 1), "tokens_built": cache.num_tokens}
     for n in CORPUS_TOKENS:
       tag = f"{n / 1e9:g}B"

@@ -93,8 +93,10 @@ class AttributionCache:
     if in_memory:
       self._arrays = {n: a.read().result() for n, a in self._arrays.items()}
     self._token_rows = None  # token -> packed row, built by sequence_of on first use
-    self.num_examples = int(self._read(self._arrays["example_id"], slice(None)).max()) + 1 \
-        if self.num_tokens else 0
+    self.num_examples = self.metadata.get("num_examples")  # None: a cache from before
+    if self.num_examples is None:
+      self.num_examples = int(self._read(self._arrays["example_id"], slice(None)).max()) + 1 \
+          if self.num_tokens else 0
 
   @property
   def num_tokens(self) -> int:

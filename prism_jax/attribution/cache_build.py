@@ -159,6 +159,10 @@ def write_cache(model, cfg: Config, packed, out_dir: str,
   if prog["pass"] == 3:
     if shards.process()[0] == 0:
       index_pass(out_dir, cache_cfg.driver, cfg.model.num_prototypes)
+      ids = fmt.store(out_dir, "example_id", cache_cfg.driver).read().result()
+      # stored, so that opening the cache lazily reads no record chunk
+      meta["num_examples"] = int(ids.max()) + 1 if len(ids) and meta["sizes"]["num_tokens"] \
+          else 0
     _finish(out_dir, meta, t_start, {"pass": 4, "rows_done": num_rows})
 
 
