@@ -86,9 +86,10 @@ def _open_dir(out_dir: str, ident: dict, overwrite: bool, records_only: bool):
     _claim(out_dir, ident, overwrite, records_only, meta_path)
   shards.sync(f"cache claim {out_dir}")
   meta = fmt.read_json(meta_path)
-  if pid != 0 and fmt.diff(meta["identity"], ident):
+  diffs = fmt.diff(meta["identity"], ident) if pid != 0 else []
+  if diffs:
     raise fmt.CacheMismatchError(f"process {pid} builds another model/config than process "
-                                 f"0 into {out_dir}: {'; '.join(fmt.diff(meta['identity'], ident)[:5])}")
+                                 f"0 into {out_dir}: {'; '.join(diffs[:5])}")
   prog = fmt.read_json(prog_path) if fmt.exists(prog_path) else {"pass": 1, "rows_done": 0}
   return meta, prog
 
