@@ -61,4 +61,8 @@ def running():
           os.environ[k] = v
   finally:
     server.terminate()
-    server.wait(timeout=10)
+    try:
+      server.wait(timeout=10)
+    except subprocess.TimeoutExpired:
+      server.kill()
+      server.wait()
