@@ -13,8 +13,9 @@ from __future__ import annotations
 import dataclasses
 import json
 import os
-import shutil
 from typing import Callable
+
+from prism_jax import paths
 
 MARKER = ".prism_output"  # JSON {"kind": ...}, written first into a claimed directory
 
@@ -25,26 +26,24 @@ class OutputDirError(ValueError):
 
 def read_kind(path: str) -> str | None:
   """The kind recorded in path's marker, or None if it has none."""
-  marker = os.path.join(path, MARKER)
-  if not os.path.isfile(marker):
+  marker = paths.path(path) / MARKER
+  if not marker.is_file():
     return None
   try:
-    with open(marker) as f:
-      return str(json.load(f)["kind"])
+    return str(json.loads(marker.read_text())["kind"])
   except (OSError, ValueError, KeyError, TypeError) as e:
     raise OutputDirError(f"{marker} is unreadable ({e}); inspect {path} by hand") from e
 
 
 def _foreign(path: str) -> str | None:
   """Why `path` is recognisably someone else's directory (run, packed data), or None."""
-  names = set(os.listdir(path))
+  names = {p.name for p in paths.path(path).iterdir()}
   if "checkpoints" in names or "config.json" in names:
     return "a training run directory (it holds checkpoints/ or config.json)"
-  meta = os.path.join(path, "metadata.json")
-  if os.path.isfile(meta):
+  meta = paths.path(path) / "metadata.json"
+  if "metadata.json" in names:
     try:
-      with open(meta) as f:
-        keys = set(json.load(f))
+      keys = set(json.loads(meta.read_text()))
     except (OSError, ValueError, TypeError):
       keys = set()
     if "source_hash" in keys:
@@ -53,19 +52,20 @@ def _foreign(path: str) -> str | None:
 
 
 def _write_marker(path: str, kind: str) -> None:
-  tmp = os.path.join(path, f"{MARKER}.tmp")
-  with open(tmp, "w") as f:
-    json.dump({"kind": kind}, f)
-  os.replace(tmp, os.path.join(path, MARKER))
+  paths.write_text_atomic(paths.join(path, MARKER), json.dumps({"kind": kind}))
 
 
 def _empty(path: str) -> None:
-  for name in os.listdir(path):
-    full = os.path.join(path, name)
-    if os.path.isdir(full) and not os.path.islink(full):
-      shutil.rmtree(full)
+  for full in paths.path(path).iterdir():
+    if full.is_dir() and not os.path.islink(full):
+      full.rmtree()
     else:
-      os.remove(full)
+      full.unlink()
+
+
+def _is_empty_or_missing(p) -> bool:
+  """Missing or empty (an object store has no empty directories: missing is empty)."""
+  return not p.exists() or (p.is_dir() and next(iter(p.iterdir()), None) is None)
 
 
 def claim_output_dir(path: str, kind: str, *, rebuild: bool = False,
@@ -75,11 +75,13 @@ def claim_output_dir(path: str, kind: str, *, rebuild: bool = False,
   `legacy(path)` recognises a directory of this kind written before markers existed (it
   is adopted: the marker is added). `rebuild` empties the directory, only if it is ours.
   """
-  path = os.path.abspath(path)
-  if os.path.exists(path) and not os.path.isdir(path):
+  path = paths.resolve(path)
+  paths.check_access(path)
+  p = paths.path(path)
+  if p.exists() and not p.is_dir():
     raise OutputDirError(f"{kind} output {path} exists and is not a directory")
-  if not os.path.isdir(path) or not os.listdir(path):
-    os.makedirs(path, exist_ok=True)
+  if _is_empty_or_missing(p):
+    p.mkdir(parents=True, exist_ok=True)
     _write_marker(path, kind)
     return path
   have = read_kind(path)
@@ -95,7 +97,7 @@ def claim_output_dir(path: str, kind: str, *, rebuild: bool = False,
                            "directory")
   elif have != kind:
     raise OutputDirError(f"refusing to write the {kind} into {path}: it holds a {have} "
-                         f"(see {os.path.join(path, MARKER)}); choose another directory")
+                         f"(see {paths.join(path, MARKER)}); choose another directory")
   if rebuild:
     _empty(path)
   _write_marker(path, kind)
@@ -106,9 +108,9 @@ def resolve_config_paths(cfg):
   """cfg with data.packed_dir made absolute (against the cwd the user typed it in), so the
   run's stored config works from any directory."""
   packed = cfg.data.packed_dir
-  if not packed or os.path.isabs(packed):
+  if not packed or os.path.isabs(packed) or paths.is_remote(packed):
     return cfg
-  data = dataclasses.replace(cfg.data, packed_dir=os.path.abspath(packed))
+  data = dataclasses.replace(cfg.data, packed_dir=paths.resolve(packed))
   return dataclasses.replace(cfg, data=data)
 
 
@@ -117,12 +119,12 @@ def find_packed_dir(workdir: str, packed_dir: str, must_exist: bool = True) -> s
   paths were stored absolute) is tried against the cwd, then the workdir; with must_exist
   an error names both, otherwise the cwd one is returned (to be packed)."""
   if not packed_dir:
-    return os.path.join(os.path.abspath(workdir), "data")
-  if os.path.isabs(packed_dir):
+    return paths.join(workdir, "data")
+  if os.path.isabs(packed_dir) or paths.is_remote(packed_dir):
     return packed_dir
-  tries = [os.path.abspath(packed_dir), os.path.join(os.path.abspath(workdir), packed_dir)]
+  tries = [os.path.abspath(packed_dir), paths.join(workdir, packed_dir)]
   for t in tries:
-    if os.path.isdir(t):
+    if paths.path(t).is_dir():
       return t
   if not must_exist:
     return tries[0]

@@ -17,10 +17,9 @@ with a model/config it was not built from, raises CacheMismatchError.
 
 from __future__ import annotations
 
-import os
-
 import numpy as np
 
+from prism_jax import paths
 from prism_jax.attribution import cache_build
 from prism_jax.attribution import cache_format as fmt
 from prism_jax.attribution.cache_format import CacheConfig, CacheMismatchError
@@ -48,9 +47,10 @@ class AttributionCache:
 
   def __init__(self, path: str, model=None, cfg: Config | None = None, *,
                in_memory: bool = True):
-    self.path = os.path.abspath(path)
-    meta_path = os.path.join(self.path, fmt.METADATA)
-    if not os.path.exists(meta_path):
+    self.path = paths.resolve(path)  # a local path or a gs:// URI
+    paths.check_access(self.path)
+    meta_path = paths.join(self.path, fmt.METADATA)
+    if not fmt.exists(meta_path):
       raise FileNotFoundError(f"{self.path} is not an attribution cache (no {fmt.METADATA})")
     self.metadata = fmt.read_json(meta_path)
     if "identity" not in self.metadata:
@@ -93,8 +93,10 @@ class AttributionCache:
     if in_memory:
       self._arrays = {n: a.read().result() for n, a in self._arrays.items()}
     self._token_rows = None  # token -> packed row, built by sequence_of on first use
-    self.num_examples = int(self._read(self._arrays["example_id"], slice(None)).max()) + 1 \
-        if self.num_tokens else 0
+    self.num_examples = self.metadata.get("num_examples")  # None: a cache from before
+    if self.num_examples is None:
+      self.num_examples = int(self._read(self._arrays["example_id"], slice(None)).max()) + 1 \
+          if self.num_tokens else 0
 
   @property
   def num_tokens(self) -> int:
@@ -171,7 +173,4 @@ class AttributionCache:
 
   def nbytes_per_token(self) -> float:
     """Bytes on disk per cached token (records + inverted index; stats amortised)."""
-    total = 0
-    for root, _, files in os.walk(self.path):
-      total += sum(os.path.getsize(os.path.join(root, f)) for f in files)
-    return total / max(self.num_tokens, 1)
+    return paths.tree_bytes(self.path) / max(self.num_tokens, 1)

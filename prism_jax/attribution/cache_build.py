@@ -18,16 +18,15 @@ three, `write_records` the records alone (no curvature: g in a given basis, raw 
 
 from __future__ import annotations
 
-import os
-import shutil
 import sys
 import time
 
 import numpy as np
 from absl import logging
 
-from prism_jax import io_guard
+from prism_jax import io_guard, paths
 from prism_jax.attribution import cache_format as fmt
+from prism_jax.attribution import cache_shards as shards
 from prism_jax.attribution import curvature as cv
 from prism_jax.attribution import curvature_stats as cs
 from prism_jax.config import Config
@@ -77,14 +76,29 @@ def _check(model, cfg: Config, packed, cache_cfg: fmt.CacheConfig, rank: int | N
 
 
 def _open_dir(out_dir: str, ident: dict, overwrite: bool, records_only: bool):
-  """(metadata, progress) of out_dir; clears it when new or `overwrite`, refuses another
-  identity or the other kind of build."""
+  """(metadata, progress of the global pass) of out_dir; clears it when new or
+  `overwrite`, refuses another identity or the other kind of build. Process 0 claims and
+  clears; the others wait for it."""
+  pid, _ = shards.process()
+  meta_path = paths.join(out_dir, fmt.METADATA)
+  prog_path = paths.join(out_dir, fmt.PROGRESS)
+  if pid == 0:
+    _claim(out_dir, ident, overwrite, records_only, meta_path)
+  shards.sync(f"cache claim {out_dir}")
+  meta = fmt.read_json(meta_path)
+  diffs = fmt.diff(meta["identity"], ident) if pid != 0 else []
+  if diffs:
+    raise fmt.CacheMismatchError(f"process {pid} builds another model/config than process "
+                                 f"0 into {out_dir}: {'; '.join(diffs[:5])}")
+  prog = fmt.read_json(prog_path) if fmt.exists(prog_path) else {"pass": 1, "rows_done": 0}
+  return meta, prog
+
+
+def _claim(out_dir, ident, overwrite, records_only, meta_path) -> None:
   # Claimed before any write: never a run's or the packed data's directory.
   io_guard.claim_output_dir(out_dir, fmt.CACHE_KIND, rebuild=overwrite,
                             legacy=fmt.is_cache_dir)
-  meta_path = os.path.join(out_dir, fmt.METADATA)
-  prog_path = os.path.join(out_dir, fmt.PROGRESS)
-  if os.path.exists(meta_path) and not overwrite:
+  if fmt.exists(meta_path) and not overwrite:
     meta = fmt.read_json(meta_path)
     diffs = fmt.diff(meta["identity"], ident)
     if diffs:
@@ -95,18 +109,24 @@ def _open_dir(out_dir: str, ident: dict, overwrite: bool, records_only: bool):
       kind = "a records-only build" if meta.get("records_only") else "a full cache"
       raise fmt.CacheMismatchError(f"{out_dir} holds {kind}; pass overwrite=True or "
                                    "another directory")
-  if overwrite or not os.path.exists(meta_path):
-    for name in os.listdir(out_dir):  # a previous cache's files and arrays
-      full = os.path.join(out_dir, name)
-      if name in (fmt.METADATA, fmt.PROGRESS, fmt.PASS1_STATE):
-        os.remove(full)
-      elif os.path.isdir(full) and any(os.path.exists(os.path.join(full, m))
-                                       for m in ("zarr.json", ".zarray")):
-        shutil.rmtree(full)
-    fmt.write_json(meta_path, {"identity": ident, "complete": False,
-                               **({"records_only": True} if records_only else {})})
-  prog = fmt.read_json(prog_path) if os.path.exists(prog_path) else {"pass": 1, "rows_done": 0}
-  return fmt.read_json(meta_path), prog
+    return
+  for full in paths.path(out_dir).iterdir():  # a previous cache's files and arrays
+    if shards.is_build_file(full.name):
+      full.unlink()
+    elif full.is_dir() and any((full / m).exists() for m in ("zarr.json", ".zarray")):
+      full.rmtree()
+  fmt.write_json(meta_path, {"identity": ident, "complete": False,
+                             **({"records_only": True} if records_only else {})})
+
+
+def _finish(out_dir: str, meta: dict, t_start: float, final_prog: dict) -> None:
+  """Process 0 marks the cache complete; every process returns once it is."""
+  if shards.process()[0] == 0:
+    meta["complete"] = True
+    meta["build_seconds_last_run"] = time.time() - t_start
+    fmt.write_json(paths.join(out_dir, fmt.METADATA), meta)
+    fmt.write_json(paths.join(out_dir, fmt.PROGRESS), final_prog)
+  shards.sync(f"cache complete {out_dir}")
 
 
 def write_cache(model, cfg: Config, packed, out_dir: str,
@@ -114,31 +134,37 @@ def write_cache(model, cfg: Config, packed, out_dir: str,
                 progress: bool = True, on_batch=None) -> None:
   """Builds (or resumes building) the cache of `model` over `packed`'s split into out_dir.
 
+  Under jax.distributed every process calls this with the same arguments and writes its
+  own share (cache_shards.py); one process builds the same bits alone.
   `on_batch(pass_index, rows_done)` is called after every batch (tests, monitoring).
   cache.build_cache wraps this and opens the result.
   """
+  out_dir = paths.resolve(out_dir)
   num_rows, rank = _check(model, cfg, packed, cache_cfg, cache_cfg.rank)
+  shards.check_processes(cache_cfg.stat_shards, shards.process()[1])
   meta, prog = _open_dir(out_dir, fmt.identity(model, cfg, cache_cfg, packed), overwrite,
                          records_only=False)
   if meta.get("complete"):
     return
   t_start = time.time()
-  prog_path = os.path.join(out_dir, fmt.PROGRESS)
   if prog["pass"] == 1:
     curvature_pass(model, cfg, packed, out_dir, cache_cfg, num_rows, rank, meta,
                    progress=progress, on_batch=on_batch)
     prog = {"pass": 2, "rows_done": 0}
   if prog["pass"] == 2:
-    records_pass(model, cfg, packed, out_dir, cache_cfg, num_rows, prog["rows_done"],
-                 progress=progress, on_batch=on_batch)
+    records_pass(model, cfg, packed, out_dir, cache_cfg, num_rows, progress=progress,
+                 on_batch=on_batch)
     prog = {"pass": 3, "rows_done": 0}
-    fmt.write_json(prog_path, prog)
+    if shards.process()[0] == 0:
+      fmt.write_json(paths.join(out_dir, fmt.PROGRESS), prog)
   if prog["pass"] == 3:
-    index_pass(out_dir, cache_cfg.driver, cfg.model.num_prototypes)
-    meta["complete"] = True
-    meta["build_seconds_last_run"] = time.time() - t_start
-    fmt.write_json(os.path.join(out_dir, fmt.METADATA), meta)
-    fmt.write_json(prog_path, {"pass": 4, "rows_done": num_rows})
+    if shards.process()[0] == 0:
+      index_pass(out_dir, cache_cfg.driver, cfg.model.num_prototypes)
+      ids = fmt.store(out_dir, "example_id", cache_cfg.driver).read().result()
+      # stored, so that opening the cache lazily reads no record chunk
+      meta["num_examples"] = int(ids.max()) + 1 if len(ids) and meta["sizes"]["num_tokens"] \
+          else 0
+    _finish(out_dir, meta, t_start, {"pass": 4, "rows_done": num_rows})
 
 
 def write_records(model, cfg: Config, packed, out_dir: str,
@@ -149,6 +175,7 @@ def write_records(model, cfg: Config, packed, out_dir: str,
   offset, idx, act and g = basis_DxRᵀ g_t (None: the raw D-dim g_t), with no curvature
   pass and no inverted index. Given a full cache's g_evecs as the basis, its records equal
   that cache's. `on_batch(2, rows_done)` after every batch."""
+  out_dir = paths.resolve(out_dir)
   d_model = cfg.model.d_model
   basis = np.eye(d_model, dtype=np.float64) if basis_DxR is None else np.asarray(basis_DxR)
   if basis.ndim != 2 or basis.shape[0] != d_model:
@@ -159,24 +186,22 @@ def write_records(model, cfg: Config, packed, out_dir: str,
   if meta.get("complete"):
     return
   t_start = time.time()
-  prog_path = os.path.join(out_dir, fmt.PROGRESS)
   if prog["pass"] == 1:  # the token ranges need only the masks: no model pass
-    row_counts = np.zeros(num_rows, np.int64)
-    for start, batch in fmt.iter_rows(packed, cache_cfg.split, cache_cfg.batch_rows, 0,
-                                      num_rows):
-      row_counts[start:start + len(batch["mask"])] = batch["mask"].sum(1)
-    fmt.write_array(out_dir, "g_evecs", cache_cfg.driver, basis)
-    _create_records(out_dir, cache_cfg, cfg.model.k, rank, row_counts)
-    meta["sizes"] = _sizes(cfg.model, num_rows, row_counts, rank)
-    fmt.write_json(os.path.join(out_dir, fmt.METADATA), meta)
-    prog = {"pass": 2, "rows_done": 0}
-    fmt.write_json(prog_path, prog)
-  records_pass(model, cfg, packed, out_dir, cache_cfg, num_rows, prog["rows_done"],
-               progress=progress, on_batch=on_batch)
-  meta["complete"] = True
-  meta["build_seconds_last_run"] = time.time() - t_start
-  fmt.write_json(os.path.join(out_dir, fmt.METADATA), meta)
-  fmt.write_json(prog_path, {"pass": 3, "rows_done": num_rows})
+    if shards.process()[0] == 0:
+      row_counts = np.zeros(num_rows, np.int64)
+      for start, batch in fmt.iter_rows(packed, cache_cfg.split, cache_cfg.batch_rows, 0,
+                                        num_rows):
+        row_counts[start:start + len(batch["mask"])] = batch["mask"].sum(1)
+      fmt.write_array(out_dir, "g_evecs", cache_cfg.driver, basis)
+      _create_records(out_dir, cache_cfg, cfg.model.k, rank, row_counts)
+      meta["sizes"] = _sizes(cfg.model, num_rows, row_counts, rank)
+      fmt.write_json(paths.join(out_dir, fmt.METADATA), meta)
+      fmt.write_json(paths.join(out_dir, fmt.PROGRESS), {"pass": 2, "rows_done": 0})
+    shards.sync(f"cache records arrays {out_dir}")
+    meta = fmt.read_json(paths.join(out_dir, fmt.METADATA))
+  records_pass(model, cfg, packed, out_dir, cache_cfg, num_rows, progress=progress,
+               on_batch=on_batch)
+  _finish(out_dir, meta, t_start, {"pass": 3, "rows_done": num_rows})
 
 
 def _sizes(mcfg, num_rows: int, row_counts: np.ndarray, rank: int) -> dict[str, int]:
@@ -204,35 +229,67 @@ def _create_records(out_dir: str, cache_cfg: fmt.CacheConfig, k: int, rank: int,
 def curvature_pass(model, cfg: Config, packed, out_dir: str, cache_cfg: fmt.CacheConfig,
                    num_rows: int, rank: int, meta: dict, *, progress: bool = True,
                    on_batch=None) -> None:
-  """Pass 1: A, G, μ, G's top-`rank` eigenpairs and each row's valid-token count (resumed
-  from its float64 snapshot), then the empty record arrays; updates metadata.json and
-  marks pass 2 in progress.json."""
+  """Pass 1: A, G, μ, G's top-`rank` eigenpairs and each row's valid-token count. This
+  process sums its stat shards (each resumed from its float64 snapshot, then saved whole);
+  all shards are folded in shard order; process 0 writes the statistics and the empty
+  record arrays, updates metadata.json and marks pass 2 in progress.json."""
   mcfg, driver = cfg.model, cache_cfg.driver
-  prog_path = os.path.join(out_dir, fmt.PROGRESS)
-  acc = cs.CurvatureAccumulator(mcfg.num_prototypes, mcfg.d_model, cfg.loss,
-                                fisher=cache_cfg.fisher)
-  state_path = os.path.join(out_dir, fmt.PASS1_STATE)
-  row_counts, rows_done = np.zeros(num_rows, np.int64), 0
-  if os.path.exists(state_path):  # the snapshot carries its own row count (atomic)
-    with np.load(state_path, allow_pickle=False) as f:
-      acc.load_state({k: f[k] for k in f.files})
-      row_counts, rows_done = f["row_counts"], int(f["rows_done"])
-  bar = _Progress(num_rows, "cache pass 1/2 (curvature)", rows_done) if progress else None
-  rows = fmt.iter_rows(packed, cache_cfg.split, cache_cfg.batch_rows, rows_done, num_rows)
-  for step, (start, batch) in enumerate(rows):
-    n = batch["inputs"].shape[0]
-    acc.update(model, batch_lib.pad_batch(batch, cache_cfg.batch_rows))
-    row_counts[start:start + n] = batch["mask"].sum(1)
-    if bar:
-      bar.update(n)
-    done = start + n
-    if on_batch:
-      on_batch(1, done)
-    if (step + 1) % cache_cfg.save_every == 0 and done < num_rows:
-      _save_pass1(state_path, acc, row_counts, done)
-      fmt.write_json(prog_path, {"pass": 1, "rows_done": done})
+  pid, count = shards.process()
+  ranges = shards.stat_shards(num_rows, cache_cfg.batch_rows, cache_cfg.stat_shards)
+  new_acc = lambda: cs.CurvatureAccumulator(mcfg.num_prototypes, mcfg.d_model, cfg.loss,
+                                            fisher=cache_cfg.fisher)
+  mine = [i for i in shards.own_shards(cache_cfg.stat_shards, pid, count)
+          if not fmt.exists(paths.join(out_dir, shards.shard_name(i)))]
+  state_path = paths.join(out_dir, shards.state_name(pid))
+  prog_path = paths.join(out_dir, shards.progress_name(pid))
+  snap = shards.load_npz(state_path) if fmt.exists(state_path) else None
+  todo = sum(ranges[i][1] - ranges[i][0] for i in mine)
+  bar = _Progress(todo, "cache pass 1/2 (curvature)") if progress else None
+  batches = 0
+  for i in mine:
+    lo, hi = ranges[i]
+    acc, row_counts, rows_done = new_acc(), np.zeros(hi - lo, np.int64), lo
+    if snap is not None and int(snap["shard"]) == i:  # the snapshot carries its row count
+      acc.load_state(snap)
+      row_counts, rows_done = snap["row_counts"], int(snap["rows_done"])
+      if bar:
+        bar.update(rows_done - lo)
+    for start, batch in fmt.iter_rows(packed, cache_cfg.split, cache_cfg.batch_rows,
+                                      rows_done, hi):
+      n = batch["inputs"].shape[0]
+      acc.update(model, batch_lib.pad_batch(batch, cache_cfg.batch_rows))
+      row_counts[start - lo:start - lo + n] = batch["mask"].sum(1)
+      done, batches = start + n, batches + 1
+      if bar:
+        bar.update(n)
+      if on_batch:
+        on_batch(1, done)
+      if batches % cache_cfg.save_every == 0:  # (the shard file follows at its end)
+        _save_pass1(state_path, acc, row_counts, done, i)
+        fmt.write_json(prog_path, {"pass": 1, "rows_done": done})
+    shards.save_npz(paths.join(out_dir, shards.shard_name(i)), row_counts=row_counts,
+                    **acc.state())
   if bar:
     bar.close()
+  shards.sync(f"cache pass 1 {out_dir}")
+  if pid == 0:
+    _write_stats(out_dir, cache_cfg, cfg, num_rows, rank, meta, new_acc, ranges)
+  shards.sync(f"cache pass 1 written {out_dir}")
+  meta.update(fmt.read_json(paths.join(out_dir, fmt.METADATA)))
+  for name in {shards.state_name(pid)} | ({shards.shard_name(i) for i in range(len(ranges))}
+                                          if pid == 0 else set()):
+    if fmt.exists(paths.join(out_dir, name)):  # after pass 2 is marked: never needed again
+      paths.path(out_dir).joinpath(name).unlink()
+
+
+def _write_stats(out_dir, cache_cfg, cfg, num_rows, rank, meta, new_acc, ranges) -> None:
+  """Folds the shard sums in shard order; writes the statistics and the record arrays."""
+  mcfg, driver = cfg.model, cache_cfg.driver
+  acc, row_counts = new_acc(), np.zeros(num_rows, np.int64)
+  for i, (lo, hi) in enumerate(ranges):
+    part = shards.load_npz(paths.join(out_dir, shards.shard_name(i)))
+    acc.merge(new_acc().load_state(part))
+    row_counts[lo:hi] = part["row_counts"]
   stats = acc.finalize()
   evals, evecs = cs.eig_G(stats, rank)
   a = stats.A
@@ -251,58 +308,89 @@ def curvature_pass(model, cfg: Config, packed, out_dir: str, cache_cfg: fmt.Cach
   meta["stats"] = {"count": int(stats.count), "num_batches": int(stats.num_batches),
                    "fisher": stats.fisher, "sparse_A": hasattr(a, "tocoo")}
   meta["sizes"] = _sizes(mcfg, num_rows, row_counts, rank)
-  fmt.write_json(os.path.join(out_dir, fmt.METADATA), meta)
-  fmt.write_json(prog_path, {"pass": 2, "rows_done": 0})  # before the snapshot goes
-  if os.path.exists(state_path):
-    os.remove(state_path)
+  fmt.write_json(paths.join(out_dir, fmt.METADATA), meta)
+  fmt.write_json(paths.join(out_dir, fmt.PROGRESS), {"pass": 2, "rows_done": 0})
 
 
 def records_pass(model, cfg: Config, packed, out_dir: str, cache_cfg: fmt.CacheConfig,
-                 num_rows: int, rows_done: int = 0, *, progress: bool = True,
-                 on_batch=None) -> None:
-  """Pass 2: every valid token's record, written at the place row_offsets gives (so a
-  resume from `rows_done`, recorded in progress.json after each write, is exact); g is
-  projected on the stored g_evecs."""
+                 num_rows: int, *, progress: bool = True, on_batch=None) -> None:
+  """Pass 2: every valid token of this process's token share, at the place row_offsets
+  gives; g is projected on the stored g_evecs. Records are buffered and written in whole
+  chunks, each once (no read-modify-write of a chunk, which object stores make slow and
+  racy); this process's progress file records the tokens written after each write, and
+  a resume reruns from the batch holding the first unwritten token (exact)."""
   driver = cache_cfg.driver
-  prog_path = os.path.join(out_dir, fmt.PROGRESS)
+  pid, count = shards.process()
+  prog_path = paths.join(out_dir, shards.progress_name(pid))
   row_offsets = fmt.store(out_dir, "row_offsets", driver).read().result()
   evecs = fmt.store(out_dir, "g_evecs", driver).read().result().astype(np.float32)
-  arrays = {n: fmt.store(out_dir, n, driver)
-            for n in ("example_id", "offset", "idx", "act", "g")}
-  bar = _Progress(num_rows, "cache pass 2/2 (records)", rows_done) if progress else None
-  for start, batch in fmt.iter_rows(packed, cache_cfg.split, cache_cfg.batch_rows,
-                                    rows_done, num_rows):
+  arrays = {n: fmt.store(out_dir, n, driver) for n in _RECORD_FIELDS}
+  chunk = arrays["g"].chunk_layout.write_chunk.shape[0]
+  share = list(shards.token_share(int(row_offsets[-1]), chunk, pid, count))
+  prog = fmt.read_json(prog_path) if fmt.exists(prog_path) else {}
+  done_tok = share[0]
+  if prog.get("pass") == 2:
+    if prog.get("share", share) != share:
+      raise ValueError(f"{out_dir}: pass 2 was started with another process count "
+                       f"(share {prog['share']}, now {share}); resume it with the same "
+                       "number of processes")
+    done_tok = int(prog.get("tokens_done", done_tok))
+  row_lo, row_hi = shards.share_rows(row_offsets, done_tok, share[1], cache_cfg.batch_rows)
+  bar = _Progress(row_hi - row_lo, "cache pass 2/2 (records)") if progress else None
+  buf = {n: [] for n in _RECORD_FIELDS}
+  buf_hi = done_tok  # the buffer holds tokens [done_tok, buf_hi)
+  for start, batch in fmt.iter_rows(packed, cache_cfg.split, cache_cfg.batch_rows, row_lo,
+                                    row_hi):
     n = batch["inputs"].shape[0]
     og = cv.output_grads(model, batch_lib.pad_batch(batch, cache_cfg.batch_rows), cfg.loss)
     valid = batch["mask"].reshape(-1)
-    idx = np.asarray(og.idx_Nxk)[:len(valid)][valid]
-    act = np.asarray(og.act_Nxk)[:len(valid)][valid].astype(np.float32)
-    g = np.asarray(og.g_NxD)[:len(valid)][valid].astype(np.float32) @ evecs
+    rec = {"example_id": batch["example_id"].reshape(-1)[valid],
+           "offset": batch["offset"].reshape(-1)[valid],
+           "idx": np.asarray(og.idx_Nxk)[:len(valid)][valid].astype(np.int32),
+           "act": np.asarray(og.act_Nxk)[:len(valid)][valid].astype(np.float32),
+           "g": np.asarray(og.g_NxD)[:len(valid)][valid].astype(np.float32) @ evecs}
     lo, hi = int(row_offsets[start]), int(row_offsets[start + n])
-    if hi - lo != len(idx):
-      raise RuntimeError(f"rows {start}:{start + n} hold {len(idx)} valid tokens, pass 1 "
-                         f"counted {hi - lo}: the packed data changed during the build")
-    if hi > lo:
-      futures = [arrays["example_id"][lo:hi].write(batch["example_id"].reshape(-1)[valid]),
-                 arrays["offset"][lo:hi].write(batch["offset"].reshape(-1)[valid]),
-                 arrays["idx"][lo:hi].write(idx.astype(np.int32)),
-                 arrays["act"][lo:hi].write(act), arrays["g"][lo:hi].write(g)]
-      for fut in futures:
-        fut.result()
-    fmt.write_json(prog_path, {"pass": 2, "rows_done": start + n})
+    if hi - lo != len(rec["idx"]):
+      raise RuntimeError(f"rows {start}:{start + n} hold {len(rec['idx'])} valid tokens, "
+                         f"pass 1 counted {hi - lo}: the packed data changed during the build")
+    a, b = max(lo, buf_hi), min(hi, share[1])  # this process's new tokens of the batch
+    if b > a:
+      for name, v in rec.items():
+        buf[name].append(v[a - lo:b - lo])
+      buf_hi = b
+    full = done_tok + (buf_hi - done_tok) // chunk * chunk
+    end = buf_hi if buf_hi == share[1] else full  # whole chunks (the array's last: short)
+    if end > done_tok:
+      _write_records(arrays, buf, done_tok, end)
+      done_tok = end
+      fmt.write_json(prog_path, {"pass": 2, "rows_done": start + n, "share": share,
+                                 "tokens_done": done_tok})
     if bar:
       bar.update(n)
     if on_batch:
       on_batch(2, start + n)
   if bar:
     bar.close()
+  shards.sync(f"cache pass 2 {out_dir}")
 
 
-def _save_pass1(path, acc, row_counts, rows_done):
-  state = {k: np.asarray(v) for k, v in acc.state().items() if v is not None}
-  tmp = path + ".tmp.npz"
-  np.savez(tmp, row_counts=row_counts, rows_done=rows_done, **state)
-  os.replace(tmp, path)
+_RECORD_FIELDS = ("example_id", "offset", "idx", "act", "g")
+
+
+def _write_records(arrays, buf, lo: int, hi: int) -> None:
+  """Writes buffered tokens [lo, hi) and keeps the rest in the buffer."""
+  futures = []
+  for name, parts in buf.items():
+    block = np.concatenate(parts)
+    futures.append(arrays[name][lo:hi].write(block[:hi - lo]))
+    buf[name][:] = [block[hi - lo:]]
+  for fut in futures:
+    fut.result()
+
+
+def _save_pass1(path, acc, row_counts, rows_done, shard):
+  shards.save_npz(path, row_counts=row_counts, rows_done=rows_done, shard=shard,
+                  **acc.state())
 
 
 def index_pass(out_dir: str, driver: str, num_protos: int) -> None:

@@ -2,7 +2,9 @@
 
 Shared by the builder (cache_build.py) and the reader (cache.py). A cache directory holds
 metadata.json (identity + sizes + stats), progress.json while it is being built, and one
-tensorstore array per field (see cache.py for the fields).
+tensorstore array per field (see cache.py for the fields). The directory is a local path or
+a gs:// URI: JSON through prism_jax.paths (etils epath), arrays through tensorstore's own
+`file` / `gcs` kvstore.
 """
 
 from __future__ import annotations
@@ -10,7 +12,6 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from typing import Any, Iterator
 
 import jax
@@ -18,6 +19,7 @@ import numpy as np
 import tensorstore as ts
 from flax import nnx
 
+from prism_jax import paths
 from prism_jax.attribution import curvature_stats as cs
 from prism_jax.config import Config, to_dict
 from prism_jax.data import batch as batch_lib
@@ -25,7 +27,7 @@ from prism_jax.data import batch as batch_lib
 METADATA = "metadata.json"
 PROGRESS = "progress.json"
 PASS1_STATE = "pass1_state.npz"
-FORMAT_VERSION = 2  # 2: proto_acts beside proto_tokens
+FORMAT_VERSION = 3  # 2: proto_acts beside proto_tokens; 3: stats folded over stat_shards
 CACHE_KIND = "attribution cache"  # io_guard marker kind
 
 
@@ -43,11 +45,14 @@ class CacheConfig:
   max_rows: int | None = None  # only the first rows of the split (benchmarks, tests)
   save_every: int = 8  # pass-1 accumulator snapshot every this many batches
   driver: str = "zarr3"
+  # Pass 1 sums each of this many contiguous batch ranges from zero and folds them in
+  # order: the result is the same bits for any process count <= stat_shards.
+  stat_shards: int = 64
 
   def __post_init__(self):
     if self.rank is not None and self.rank <= 0:
       raise ValueError(f"cache.rank must be positive or None, got {self.rank}")
-    for name in ("batch_rows", "chunk_tokens", "save_every"):
+    for name in ("batch_rows", "chunk_tokens", "save_every", "stat_shards"):
       if getattr(self, name) <= 0:
         raise ValueError(f"cache.{name} must be positive, got {getattr(self, name)}")
     if self.driver not in ("zarr", "zarr3"):
@@ -93,32 +98,39 @@ def diff(a: Any, b: Any, prefix: str = "") -> list[str]:
 
 def is_cache_dir(path: str) -> bool:
   """A cache directory written before io_guard markers: its metadata.json has an identity."""
-  meta = os.path.join(path, METADATA)
+  meta = paths.join(path, METADATA)
   try:
-    return os.path.isfile(meta) and "identity" in read_json(meta)
+    return paths.path(meta).is_file() and "identity" in read_json(meta)
   except (OSError, ValueError):
     return False
 
 
+def exists(path) -> bool:
+  return paths.path(path).exists()
+
+
 def read_json(path):
-  with open(path) as f:
-    return json.load(f)
+  return json.loads(paths.path(path).read_text())
 
 
 def write_json(path, obj):
-  tmp = path + ".tmp"
-  with open(tmp, "w") as f:
-    json.dump(obj, f, indent=1, sort_keys=True)
-  os.replace(tmp, path)  # atomic: a kill leaves the old or the new file, never half
+  # atomic: a kill leaves the old or the new file, never half
+  paths.write_text_atomic(path, json.dumps(obj, indent=1, sort_keys=True))
 
 
 def store(directory, name, driver, *, shape=None, dtype=None, chunks=None, create=False):
   """Opens (or creates, deleting any old one) the tensorstore array `name` in directory."""
-  spec = {"driver": driver, "kvstore": {"driver": "file", "path": os.path.join(directory, name)}}
+  spec = {"driver": driver, "kvstore": paths.kvstore(paths.join(directory, name))}
   if not create:
     return ts.open(spec, open=True).result()
   chunks = chunks or shape
-  return ts.open(spec, create=True, delete_existing=True, dtype=ts.dtype(np.dtype(dtype).name),
+  old = paths.path(paths.join(directory, name))
+  if paths.is_remote(old) and old.exists():
+    # Removed through epath: a kvstore range delete on an object store lists by offset,
+    # which emulators (gcp-storage-emulator) ignore, deleting the whole bucket listing.
+    old.rmtree()
+  return ts.open(spec, create=True, delete_existing=not paths.is_remote(old),
+                 dtype=ts.dtype(np.dtype(dtype).name),
                  shape=list(shape), chunk_layout=ts.ChunkLayout(
                      chunk_shape=[max(1, c) for c in chunks])).result()
 

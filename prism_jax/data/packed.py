@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import functools
 import json
-import os
 
 import numpy as np
 
-from prism_jax import io_guard
+from prism_jax import io_guard, paths
 from prism_jax.data import packing
 from prism_jax.data import tokenizers as tok_lib
 
@@ -17,12 +16,12 @@ class PackedData:
   """A finished pack (see packing.py for the layout). Arrays are memory-mapped."""
 
   def __init__(self, path: str):
-    self.path = os.path.abspath(path)
-    meta_path = os.path.join(self.path, packing.METADATA)
-    if not os.path.isfile(meta_path):
+    self.path = paths.resolve(path)  # a local path or a gs:// URI
+    paths.check_access(self.path)
+    meta_path = paths.path(self.path) / packing.METADATA
+    if not meta_path.is_file():
       raise FileNotFoundError(f"{self.path} is not a packed dataset (no {packing.METADATA})")
-    with open(meta_path) as f:
-      self.metadata = json.load(f)
+    self.metadata = json.loads(meta_path.read_text())
     self.tokenizer = tok_lib.load_tokenizer(self.path)
     cfg = self.metadata["config"]
     self.seq_len = int(cfg["seq_len"])
@@ -47,12 +46,13 @@ class PackedData:
 
   def array_path(self, split: str, field: str) -> str:
     self._check_split(split)
-    return os.path.join(self.path, f"{split}_{field}.npy")
+    return paths.join(self.path, f"{split}_{field}.npy")
 
   def rows(self, split: str) -> dict[str, np.ndarray]:
-    """{"tokens", "example_id", "offset"}: int32 (R, T+1) memory maps."""
+    """{"tokens", "example_id", "offset"}: int32 (R, T+1) memory maps (read whole from an
+    object store)."""
     if split not in self._rows:
-      self._rows[split] = {f: np.load(self.array_path(split, f), mmap_mode="r")
+      self._rows[split] = {f: paths.load_npy(self.array_path(split, f))
                            for f in packing.FIELDS}
     return self._rows[split]
 
@@ -60,12 +60,12 @@ class PackedData:
 
   @functools.cached_property
   def _documents_Nx3(self) -> np.ndarray:
-    return np.load(os.path.join(self.path, "documents.npy"))
+    return paths.load_npy(paths.join(self.path, "documents.npy"), mmap=False)
 
   @functools.cached_property
   def _names(self) -> list[str]:
-    with open(os.path.join(self.path, "names.txt"), encoding="utf-8") as f:
-      return f.read().split("\n")[:-1]
+    return paths.path(self.path).joinpath("names.txt").read_text(
+        encoding="utf-8").split("\n")[:-1]
 
   @property
   def num_documents(self) -> int:

@@ -24,12 +24,14 @@ import json
 import os
 import shutil
 import socket
+import tempfile
 import time
 from typing import Any, Iterator, NamedTuple
 
 from absl import logging
 import numpy as np
 
+from prism_jax import paths
 from prism_jax.data import sources as sources_lib
 from prism_jax.data import tokenizers as tok_lib
 
@@ -79,14 +81,13 @@ def _differences(stored: dict, wanted: dict) -> list[str]:
 
 def check_existing(out_dir: str, config: dict, source_hash: str) -> bool:
   """True if out_dir is a finished pack of this config; raises if it holds another."""
-  if not os.path.exists(out_dir):
+  if not paths.path(out_dir).exists():
     return False
-  meta_path = os.path.join(out_dir, METADATA)
-  if not os.path.isfile(meta_path):
+  meta_path = paths.join(out_dir, METADATA)
+  if not paths.path(meta_path).is_file():
     raise ValueError(f"{out_dir} exists but is not a finished packed dataset (no "
                      f"{METADATA}); remove it or choose another data.packed_dir")
-  with open(meta_path) as f:
-    meta = json.load(f)
+  meta = json.loads(paths.path(meta_path).read_text())
   if not isinstance(meta, dict) or not {"config", "source_hash"} <= set(meta):
     raise ValueError(f"{meta_path} is not the metadata of a packed dataset (no config / "
                      "source_hash); something else wrote into data.packed_dir. Remove "
@@ -300,7 +301,8 @@ def pack(data_cfg, vocab_size: int, out_dir: str) -> str:
   Idempotent: a finished directory with the same config and source hash is a no-op;
   one with a different config is refused, naming the differing fields.
   """
-  out_dir = os.path.abspath(out_dir)
+  out_dir = paths.resolve(out_dir)
+  paths.check_access(out_dir)
   config = pack_config(data_cfg, vocab_size)
   if data_cfg.val_sources:
     sources_lib.check_disjoint(data_cfg.sources, data_cfg.val_sources)
@@ -309,6 +311,8 @@ def pack(data_cfg, vocab_size: int, out_dir: str) -> str:
   if check_existing(out_dir, config, src_hash):
     logging.info("packing: reusing %s", out_dir)
     return out_dir
+  if paths.is_remote(out_dir):
+    return _pack_remote(data_cfg, vocab_size, out_dir, config, src_hash)
   os.makedirs(os.path.dirname(out_dir), exist_ok=True)
   _remove_stale_temps(out_dir)
   tmp = f"{out_dir}.tmp-{socket.gethostname()}-{os.getpid()}-{time.time_ns()}"
@@ -323,4 +327,20 @@ def pack(data_cfg, vocab_size: int, out_dir: str) -> str:
         raise
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
+  return out_dir
+
+
+def _pack_remote(data_cfg, vocab_size: int, out_dir: str, config: dict, src_hash: str
+                 ) -> str:
+  """Packs into a local temp dir, then uploads it, metadata.json last: its presence is
+  what marks a finished pack, so a killed upload is never taken for one."""
+  with tempfile.TemporaryDirectory(prefix="prism_pack-") as tmp:
+    _write_pack(tmp, data_cfg, vocab_size, config, src_hash)
+    dst = paths.path(out_dir)
+    dst.mkdir(parents=True, exist_ok=True)
+    names = sorted(os.listdir(tmp), key=lambda n: n == METADATA)
+    for name in names:
+      with open(os.path.join(tmp, name), "rb") as f:
+        (dst / name).write_bytes(f.read())
+  logging.info("packing: uploaded to %s", out_dir)
   return out_dir

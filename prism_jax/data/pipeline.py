@@ -20,6 +20,7 @@ from typing import Any, Iterator
 import grain
 import numpy as np
 
+from prism_jax import paths
 from prism_jax.data import batch as batch_lib
 from prism_jax.data import packing
 
@@ -44,9 +45,8 @@ class PackedRows:
 
   def _open(self):
     if self._arrays is None:
-      import os  # pylint: disable=g-import-not-at-top
-      self._arrays = {f: np.load(os.path.join(self.packed_dir, f"{self.split}_{f}.npy"),
-                                 mmap_mode="r") for f in packing.FIELDS}
+      self._arrays = {f: paths.load_npy(paths.join(self.packed_dir, f"{self.split}_{f}.npy"))
+                      for f in packing.FIELDS}
     return self._arrays
 
   def __getitem__(self, index: int) -> dict[str, np.ndarray]:

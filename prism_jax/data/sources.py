@@ -21,6 +21,8 @@ from typing import Iterator, Sequence
 
 from absl import logging
 
+from prism_jax import paths as paths_lib
+
 DEFAULT_CORPUS = "pydoc_data.topics"
 # Long texts (.txt files, long pydoc topics) are split at blank lines into documents of
 # about this many characters: whole-file documents would make a by-document split useless.
@@ -128,25 +130,29 @@ def resolve_paths(sources: Sequence[str]) -> list[str]:
   """Expands globs in order (sorted within a glob); errors name what matched nothing."""
   if isinstance(sources, str):
     sources = (sources,)
-  paths = []
-  for src in sources:
+  found = []
+  for src in sources:  # local paths or gs:// URIs (paths_lib: epath / fsspec)
     if glob.has_magic(src):
-      matched = sorted(p for p in glob.glob(src, recursive=True) if os.path.isfile(p))
+      matched = paths_lib.glob(src)
       if not matched:
         raise FileNotFoundError(f"data source glob {src!r} matches no files")
-      paths.extend(matched)
-    elif os.path.isdir(src):
+      found.extend(matched)
+    elif paths_lib.path(src).is_dir():
       raise IsADirectoryError(f"data source {src!r} is a directory; pass a glob such as "
                               f"'{os.path.join(src, '*.txt')}'")
-    elif not os.path.isfile(src):
+    elif not paths_lib.path(src).is_file():
       raise FileNotFoundError(f"data source {src!r} does not exist")
     else:
-      paths.append(src)
-  for p in paths:
+      found.append(src)
+  for p in found:
     _kind(p)
-    if os.path.getsize(p) == 0:
+    if _size(p) == 0:
       raise ValueError(f"data source {p!r} is empty (0 bytes)")
-  return paths
+  return found
+
+
+def _size(p: str) -> int:
+  return os.path.getsize(p) if not paths_lib.is_remote(p) else paths_lib.path(p).stat().length
 
 
 # --- splitting long texts ------------------------------------------------------------
@@ -190,7 +196,7 @@ def txt_max_chars(txt_documents: str) -> int | None:
 
 
 def _read_txt(path, on_decode_error, warn, max_chars=DOC_MAX_CHARS):
-  with open(path, "rb") as f:
+  with paths_lib.open_file(path, "rb") as f:
     text = decode_bytes(f.read(), path, on_decode_error, warn)
   if max_chars is None:
     yield f"{path}:1", text
@@ -202,7 +208,7 @@ def _read_txt(path, on_decode_error, warn, max_chars=DOC_MAX_CHARS):
 def _read_jsonl(path, text_field, on_decode_error, warn):
   decoder = Utf8Decoder(path, on_decode_error)
   offset = 0
-  with open(path, "rb") as f:
+  with paths_lib.open_file(path, "rb") as f:
     for i, raw in enumerate(f):
       where = f"{path}:{i + 1}"
       line = decoder(raw, offset, where)
@@ -232,7 +238,7 @@ def _read_parquet(path, text_field, on_decode_error, warn):
   import pyarrow as pa  # pylint: disable=g-import-not-at-top
   import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
   try:
-    pf = pq.ParquetFile(path)
+    pf = pq.ParquetFile(path if not paths_lib.is_remote(path) else paths_lib.open_file(path))
   except (pa.ArrowException, OSError) as e:  # pyarrow's message lacks the file name
     raise ValueError(f"{path}: not a readable parquet file ({e})") from e
   names = pf.schema_arrow.names
@@ -320,8 +326,9 @@ def load_documents(sources: Sequence[str] = (), text_field: str = "text",
 
 def check_disjoint(sources: Sequence[str], val_sources: Sequence[str]) -> None:
   """Validation files must not also be training files (the split would leak)."""
-  train = {os.path.realpath(p) for p in resolve_paths(sources)}
-  shared = sorted(p for p in resolve_paths(val_sources) if os.path.realpath(p) in train)
+  real = lambda p: p if paths_lib.is_remote(p) else os.path.realpath(p)
+  train = {real(p) for p in resolve_paths(sources)}
+  shared = sorted(p for p in resolve_paths(val_sources) if real(p) in train)
   if shared:
     raise ValueError(f"data.val_sources {shared} are also in data.sources: validation "
                      "text must not be training text")
@@ -342,8 +349,8 @@ def source_hash(sources: Sequence[str] = (), text_field: str = "text",
     h.update(json.dumps(topics.topics, sort_keys=True).encode())
     return h.hexdigest()
   for path in resolve_paths(sources):
-    h.update(f"file {os.path.getsize(path)}\n".encode())
-    with open(path, "rb") as f:
+    h.update(f"file {_size(path)}\n".encode())
+    with paths_lib.open_file(path, "rb") as f:
       while chunk := f.read(_HASH_CHUNK):
         h.update(chunk)
   return h.hexdigest()

@@ -11,10 +11,11 @@ text to an id; a character it never saw maps to `<unk>` (id 2).
 from __future__ import annotations
 
 import json
-import os
 from typing import Iterable, Protocol, Sequence
 
 import numpy as np
+
+from prism_jax import paths
 
 TOKENIZER_FILE = "tokenizer.json"
 EOS, PAD, UNK = "<eos>", "<pad>", "<unk>"
@@ -69,12 +70,8 @@ class ByteTokenizer:
     return "".join(parts)
 
   def save(self, directory: str) -> str:
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, TOKENIZER_FILE)
-    with open(path, "w") as f:
-      json.dump({"prism_tokenizer": "byte", "vocab_size": self.vocab_size,
-                 "eos_id": self.eos_id, "pad_id": self.pad_id}, f, indent=2)
-    return path
+    return _save_json(directory, {"prism_tokenizer": "byte", "vocab_size": self.vocab_size,
+                                  "eos_id": self.eos_id, "pad_id": self.pad_id})
 
 
 class CharTokenizer:
@@ -125,12 +122,8 @@ class CharTokenizer:
     return "".join(out)
 
   def save(self, directory: str) -> str:
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, TOKENIZER_FILE)
-    with open(path, "w", encoding="utf-8") as f:
-      json.dump({"prism_tokenizer": "char", "vocab_size": self.vocab_size,
-                 "chars": "".join(self.chars)}, f, indent=2, ensure_ascii=False)
-    return path
+    return _save_json(directory, {"prism_tokenizer": "char", "vocab_size": self.vocab_size,
+                                  "chars": "".join(self.chars)})
 
 
 class BpeTokenizer:
@@ -163,10 +156,7 @@ class BpeTokenizer:
     return self._tok.decode(ids, skip_special_tokens=skip_special)
 
   def save(self, directory: str) -> str:
-    os.makedirs(directory, exist_ok=True)
-    path = os.path.join(directory, TOKENIZER_FILE)
-    self._tok.save(path)
-    return path
+    return _save_json(directory, json.loads(self._tok.to_str()))
 
 
 def train_bpe(texts: Iterable[str], vocab_size: int) -> BpeTokenizer:
@@ -230,22 +220,30 @@ def make_tokenizer(kind: str, vocab_size: int, texts: Iterable[str] | None = Non
   raise ValueError(f"unknown tokenizer kind {kind!r}; choose one of {KINDS}")
 
 
+def _save_json(directory: str, spec: dict) -> str:
+  """Writes <directory>/tokenizer.json (local or gs://); returns its path."""
+  paths.path(directory).mkdir(parents=True, exist_ok=True)
+  path = paths.join(directory, TOKENIZER_FILE)
+  paths.write_text_atomic(path, json.dumps(spec, indent=2, ensure_ascii=False))
+  return path
+
+
 def load_tokenizer(path_or_dir: str):
   """Loads what `save` wrote: a tokenizer.json path or the directory holding it."""
-  path = path_or_dir
-  if os.path.isdir(path):
-    path = os.path.join(path, TOKENIZER_FILE)
-  if not os.path.isfile(path):
+  path = paths.resolve(path_or_dir)  # a local path or a gs:// URI
+  if paths.path(path).is_dir():
+    path = paths.join(path, TOKENIZER_FILE)
+  if not paths.path(path).is_file():
     raise FileNotFoundError(f"no tokenizer at {path_or_dir!r} (expected {TOKENIZER_FILE})")
-  with open(path) as f:
-    spec = json.load(f)
+  text = paths.path(path).read_text(encoding="utf-8")
+  spec = json.loads(text)
   if spec.get("prism_tokenizer") == "byte":
     return ByteTokenizer(spec["vocab_size"])
   if spec.get("prism_tokenizer") == "char":
     return CharTokenizer(list(spec["chars"]), spec["vocab_size"])
   if "model" in spec:
     from tokenizers import Tokenizer as HfTokenizer  # pylint: disable=g-import-not-at-top
-    hf = HfTokenizer.from_file(path)
+    hf = HfTokenizer.from_str(text)
     kind = "bpe" if hf.token_to_id(EOS) is not None else (
         "neox" if hf.token_to_id("<|padding|>") is not None else "gpt2")
     return BpeTokenizer(hf, kind)

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import json
 import os
-import shutil
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -28,6 +27,7 @@ import jax
 import orbax.checkpoint as ocp
 from absl import logging
 
+from prism_jax import paths
 from prism_jax.config import Config, to_dict, to_json
 from prism_jax.train import integrity, overrides
 from prism_jax.train.state import TrainState
@@ -71,13 +71,10 @@ def describe_mismatch(diffs: list[tuple[str, Any, Any]], where: str) -> str:
 
 
 def write_config(workdir: str, cfg: Config) -> str:
+  path = paths.join(workdir, CONFIG_FILE)
   if jax.process_index() == 0:
-    path = os.path.join(workdir, CONFIG_FILE)
-    tmp = f"{path}.tmp"
-    with open(tmp, "w") as f:
-      f.write(to_json(cfg))
-    os.replace(tmp, path)
-  return os.path.join(workdir, CONFIG_FILE)
+    paths.write_text_atomic(path, to_json(cfg))
+  return path
 
 
 class Checkpointer:
@@ -85,12 +82,13 @@ class Checkpointer:
 
   def __init__(self, workdir: str, keep: int = 3, async_save: bool = True,
                read_only: bool = False):
-    self.workdir = os.path.abspath(workdir)
-    self.directory = os.path.join(self.workdir, CKPT_DIR)
+    self.workdir = paths.resolve(workdir)  # a local path or a gs:// URI
+    paths.check_access(self.workdir)
+    self.directory = paths.join(self.workdir, CKPT_DIR)
     options = ocp.CheckpointManagerOptions(
         max_to_keep=keep, create=not read_only, read_only=read_only,
         enable_async_checkpointing=async_save, cleanup_tmp_directories=not read_only)
-    self.manager = ocp.CheckpointManager(self.directory, options=options)
+    self.manager = ocp.CheckpointManager(paths.path(self.directory), options=options)
 
   # ------------------------------------------------------------------ saving
   def save(self, step: int, state: TrainState, data_state: dict[str, Any],
@@ -134,7 +132,7 @@ class Checkpointer:
   def read_digests(self, step: int) -> dict[str, Any] | None:
     """The saved per-array digests of `step`; None (with a warning) for an older checkpoint
     written before digests existed."""
-    if not os.path.isdir(os.path.join(self.directory, str(step), DIGEST_ITEM)):
+    if not paths.path(self.directory).joinpath(str(step), DIGEST_ITEM).is_dir():
       logging.warning("checkpoint %d in %s has no checksums (written before they existed); "
                       "loading it unverified (only finiteness is checked)", step,
                       self.directory)
@@ -152,7 +150,7 @@ class Checkpointer:
         opt=ocp.args.StandardRestore({"step": target.step, "opt_state": target.opt_state}),
         data=ocp.args.JsonRestore()))
     opt = out["opt"]
-    where = os.path.join(self.directory, str(step))
+    where = paths.join(self.directory, str(step))
     integrity.verify(out["params"], digests and digests["params"], f"{where}/params")
     integrity.verify(opt, digests and digests["opt"], f"{where}/opt")
     return TrainState(opt["step"], out["params"], opt["opt_state"]), dict(out["data"])
@@ -162,30 +160,30 @@ class Checkpointer:
     out = self.manager.restore(step, args=ocp.args.Composite(
         params=ocp.args.StandardRestore(target_params)))
     integrity.verify(out["params"], digests and digests["params"],
-                     os.path.join(self.directory, str(step), "params"))
+                     paths.join(self.directory, str(step), "params"))
     return out["params"]
 
   def check_config(self, step: int, cfg: Config,
                    allow: tuple[str, ...] = RESUMABLE_CHANGES) -> None:
     diffs = overrides.config_diff(self.read_config(step), cfg, ignore=allow)
     if diffs:
-      raise ConfigMismatchError(describe_mismatch(diffs, os.path.join(self.directory,
-                                                                      str(step))))
+      raise ConfigMismatchError(describe_mismatch(diffs, paths.join(self.directory,
+                                                                    str(step))))
 
   def _quarantine(self, step: int) -> str:
-    src = os.path.join(self.directory, str(step))
-    dst = os.path.join(self.workdir, CORRUPT_DIR, f"{step}-{time.strftime('%Y%m%dT%H%M%S')}")
-    if jax.process_index() == 0 and os.path.exists(src):
-      os.makedirs(os.path.dirname(dst), exist_ok=True)
-      shutil.move(src, dst)
+    src = paths.path(self.directory) / str(step)
+    dst = paths.join(self.workdir, CORRUPT_DIR, f"{step}-{time.strftime('%Y%m%dT%H%M%S')}")
+    if jax.process_index() == 0 and src.exists():
+      paths.path(dst).parent.mkdir(parents=True, exist_ok=True)
+      paths.move_tree(src, dst)
     self.manager.reload()
     return dst
 
   def quarantined(self) -> list[str]:
     """Paths of the checkpoints moved aside as corrupt, oldest name first."""
-    root = os.path.join(self.workdir, CORRUPT_DIR)
-    return [os.path.join(root, n) for n in sorted(os.listdir(root))] \
-        if os.path.isdir(root) else []
+    root = paths.path(self.workdir) / CORRUPT_DIR
+    return [os.fspath(p) for p in sorted(root.iterdir(), key=lambda p: p.name)] \
+        if root.is_dir() else []
 
   def restore_latest(self, target: TrainState, cfg: Config,
                      allow: tuple[str, ...] = RESUMABLE_CHANGES, start_over: bool = False):
@@ -213,8 +211,8 @@ class Checkpointer:
         continue
       diffs = overrides.config_diff(saved_cfg, cfg, ignore=allow)
       if diffs:
-        raise ConfigMismatchError(describe_mismatch(diffs, os.path.join(self.directory,
-                                                                        str(step))))
+        raise ConfigMismatchError(describe_mismatch(diffs, paths.join(self.directory,
+                                                                      str(step))))
       try:
         state, data_state = self.restore(step, target)
       except Exception as e:  # pylint: disable=broad-except
@@ -232,8 +230,7 @@ class Checkpointer:
 
 
 def read_workdir_config(workdir: str) -> dict[str, Any]:
-  path = os.path.join(workdir, CONFIG_FILE)
-  if not os.path.isfile(path):
+  path = paths.path(workdir) / CONFIG_FILE
+  if not path.is_file():
     raise FileNotFoundError(f"{workdir} has no {CONFIG_FILE}: not a prism_jax run directory")
-  with open(path) as f:
-    return json.load(f)
+  return json.loads(path.read_text())

@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import jax
 from flax import nnx
 
-from prism_jax import io_guard
+from prism_jax import io_guard, paths
 from prism_jax.config import Config
 from prism_jax.train import checkpoint as ckpt_lib
 from prism_jax.train import integrity, overrides
@@ -32,7 +31,7 @@ def load_params(workdir: str, cfg: Config | None = None, step: int | None = None
 
   `cfg` defaults to the checkpoint's own config; a given one must agree on model.*.
   """
-  workdir = os.path.abspath(workdir)
+  workdir = paths.resolve(workdir)
   ckpt = ckpt_lib.Checkpointer(workdir, read_only=True)
   try:
     steps = ckpt.all_steps()
@@ -49,7 +48,7 @@ def load_params(workdir: str, cfg: Config | None = None, step: int | None = None
                if d[0].startswith("model.")]
       if diffs:
         raise ckpt_lib.ConfigMismatchError(ckpt_lib.describe_mismatch(
-            diffs, os.path.join(ckpt.directory, str(step))))
+            diffs, paths.join(ckpt.directory, str(step))))
     mesh = default_mesh(cfg) if mesh is None else mesh
     graphdef, _ = model_template(cfg.model)
     target = abstract_state(cfg, mesh).params

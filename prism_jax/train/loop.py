@@ -8,7 +8,6 @@ metrics, NaN guard, checkpoints, metrics writers, progress).
 from __future__ import annotations
 
 import dataclasses
-import os
 import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any
@@ -18,6 +17,7 @@ import numpy as np
 from absl import logging
 from flax import nnx
 
+from prism_jax import paths
 from prism_jax import sharding as shard_lib
 from prism_jax.config import Config
 from prism_jax.io_guard import resolve_config_paths
@@ -129,9 +129,10 @@ def train(cfg: Config, workdir: str, *, mesh: jax.sharding.Mesh | None = None,
   (otherwise that is refused with ckpt_lib.NoReadableCheckpointError).
   """
   t_start = time.time()
-  workdir = os.path.abspath(workdir)
+  workdir = paths.resolve(workdir)  # a local path or a gs:// URI
+  paths.check_access(workdir)
   cfg = resolve_config_paths(cfg)  # stored absolute: the run works from any cwd
-  os.makedirs(workdir, exist_ok=True)
+  paths.path(workdir).mkdir(parents=True, exist_ok=True)
   mesh = default_mesh(cfg) if mesh is None else mesh
   tc = cfg.train
   dp = mesh.shape["data"] * mesh.shape["fsdp"]

@@ -9,17 +9,18 @@ from __future__ import annotations
 
 import json
 import math
-import os
 import time
 from typing import Any
 
 import jax
 from absl import logging
 
-from prism_jax import flops
+from prism_jax import flops, paths
 from prism_jax.config import ModelConfig
 
 METRICS_FILE = "metrics.jsonl"
+UPLOAD_EVERY_S = 30.0  # an object-store metrics file is re-uploaded at most this often
+# (and at every checkpoint and at the end)
 
 
 def _clean(value: Any) -> Any:
@@ -34,16 +35,19 @@ class MetricsWriter:
 
   def __init__(self, workdir: str, start_step: int = 0, tensorboard: bool = True):
     self.enabled = jax.process_index() == 0
-    self.path = os.path.join(workdir, METRICS_FILE)
+    self.path = paths.join(workdir, METRICS_FILE)
     self._tb = None
     if not self.enabled:
       return
-    _truncate_after(self.path, start_step)  # a resumed run rewrites later steps
-    self._file = open(self.path, "a", buffering=1)
+    kept = _truncate_after(self.path, start_step)  # a resumed run rewrites later steps
+    # An object store cannot append: the file is kept in memory and re-uploaded on flush.
+    self._lines = kept if paths.is_remote(self.path) else None
+    self._uploaded = time.monotonic()
+    self._file = None if self._lines is not None else open(self.path, "a", buffering=1)
     if tensorboard:
       try:
         from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
-        self._tb = SummaryWriter(os.path.join(workdir, "tb"), purge_step=start_step + 1)
+        self._tb = SummaryWriter(paths.join(workdir, "tb"), purge_step=start_step + 1)
       except Exception as e:  # pylint: disable=broad-except
         logging.warning("TensorBoard disabled: %s", e)
 
@@ -53,7 +57,13 @@ class MetricsWriter:
     record = {"step": int(step), "split": split}
     record.update({k: _clean(float(v)) if isinstance(v, (int, float)) else v
                    for k, v in metrics.items()})
-    self._file.write(json.dumps(record) + "\n")
+    line = json.dumps(record) + "\n"
+    if self._lines is not None:
+      self._lines.append(line)
+      if time.monotonic() - self._uploaded > UPLOAD_EVERY_S:
+        self.flush()
+    else:
+      self._file.write(line)
     if self._tb is not None:
       for k, v in metrics.items():
         if isinstance(v, (int, float)) and math.isfinite(float(v)):
@@ -61,22 +71,30 @@ class MetricsWriter:
 
   def flush(self) -> None:
     if self.enabled:
-      self._file.flush()
+      if self._lines is not None:
+        paths.write_text_atomic(self.path, "".join(self._lines))
+        self._uploaded = time.monotonic()
+      else:
+        self._file.flush()
       if self._tb is not None:
         self._tb.flush()
 
   def close(self) -> None:
     if self.enabled:
-      self._file.close()
+      if self._lines is not None:
+        self.flush()
+      else:
+        self._file.close()
       if self._tb is not None:
         self._tb.close()
 
 
-def _truncate_after(path: str, step: int) -> None:
-  if not os.path.exists(path):
-    return
-  with open(path) as f:
-    lines = f.readlines()
+def _truncate_after(path: str, step: int) -> list[str]:
+  """Drops the records after `step` (rewriting the file); returns the lines kept."""
+  p = paths.path(path)
+  if not p.exists():
+    return []
+  lines = p.read_text().splitlines(keepends=True)
   keep = []
   for line in lines:
     try:
@@ -84,15 +102,16 @@ def _truncate_after(path: str, step: int) -> None:
         keep.append(line)
     except (ValueError, KeyError):
       pass  # a line cut by a kill
-  with open(path, "w") as f:
-    f.writelines(keep)
+  if not paths.is_remote(path):
+    with open(path, "w") as f:
+      f.writelines(keep)
+  return keep
 
 
 def read_metrics(workdir: str, split: str | None = "train") -> list[dict[str, Any]]:
   """The records of <workdir>/metrics.jsonl (one split, or all with split=None)."""
-  path = os.path.join(workdir, METRICS_FILE)
-  with open(path) as f:
-    records = [json.loads(line) for line in f if line.strip()]
+  text = paths.path(workdir).joinpath(METRICS_FILE).read_text()
+  records = [json.loads(line) for line in text.splitlines() if line.strip()]
   return [r for r in records if split is None or r.get("split") == split]
 
 

@@ -248,6 +248,8 @@ class Loop:
           with self.paused():
             self.ckpt.checkpointer.save(done, state, self.ckpt.data_state(done),
                                         self.ckpt.config)
+            if self.writer is not None:
+              self.writer.flush()  # an object store's metrics: uploaded with each save
           ckpt_step = done
         if after_step is not None:
           after_step(done, state)
