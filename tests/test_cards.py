@@ -105,24 +105,29 @@ def test_records_path_save_load_search(setup, tmp_path, monkeypatch):
   _, cfg, packed, model, cards, _ = setup
   out = str(tmp_path / "cards")
   # An interrupted records pass (the cards' own, in <out>/records) is resumed, not redone.
+  # Records are written in whole chunks (object stores cannot patch one), so resume starts
+  # at the batch holding the first unwritten token: stopping after two batches of 16 rows
+  # with 64-token chunks leaves rows 0-15 written (rows hold ~31 tokens), so a resume's
+  # first batch ends at row 32, where a start from scratch would end at row 16.
+  rec_cfg = cache_format.CacheConfig(rank=None, chunk_tokens=64)
   io_guard.claim_output_dir(out, cards_lib.CARDS_KIND)
   done = []
 
   def stop(_, rows):
     done.append(rows)
-    raise KeyboardInterrupt
+    if len(done) == 2:
+      raise KeyboardInterrupt
 
   with pytest.raises(KeyboardInterrupt):
-    cache_build.write_records(model, cfg, packed, os.path.join(out, "records"),
-                              cache_format.CacheConfig(rank=None), progress=False,
-                              on_batch=stop)
+    cache_build.write_records(model, cfg, packed, os.path.join(out, "records"), rec_cfg,
+                              progress=False, on_batch=stop)
   resumed = []
   orig = cache_build.records_pass
-  monkeypatch.setattr(cache_build, "records_pass",
-                      lambda *a, **kw: (resumed.append(a[6]), orig(*a, **kw))[1])
+  monkeypatch.setattr(cache_build, "records_pass", lambda *a, **kw: orig(
+      *a, **{**kw, "on_batch": lambda _, rows: resumed.append(rows)}))
   rec = cards_lib.build_cards(model, cfg, packed, top_m=TOP_M, window=WINDOW, out_dir=out,
-                              progress=False)
-  assert done == [16] and resumed == [16]  # picks up after the first run's 16 rows
+                              progress=False, records_cfg=rec_cfg)
+  assert done == [16, 32] and resumed[0] == 32  # picks up after the first run's 16 rows
   assert rec.identity["source"] == "records"
   for a, b in zip(rec.cards, cards.cards):
     assert [c._replace(activation=0) for c in a.contexts] == \
@@ -132,9 +137,10 @@ def test_records_path_save_load_search(setup, tmp_path, monkeypatch):
   loaded = cards_lib.CardSet.load(out, model=model)
   assert loaded.cards == rec.cards
   # A rerun resumes into the same directory (the records pass is finished: no recompute).
+  batches = len(resumed)
   again = cards_lib.build_cards(model, cfg, packed, top_m=TOP_M, window=WINDOW, out_dir=out,
-                                progress=False)
-  assert resumed == [16]  # no second records pass
+                                progress=False, records_cfg=rec_cfg)
+  assert len(resumed) == batches  # no second records pass
   assert again.cards == rec.cards
   other = build_model(cfg.model, 4)
   with pytest.raises(cards_lib.CardsMismatchError, match="another model"):

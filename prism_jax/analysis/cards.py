@@ -246,10 +246,11 @@ class _Index:
     return np.searchsorted(self.row_offsets, np.asarray(tok, np.int64), side="right") - 1
 
 
-def _records_index(model, cfg: Config, packed, records_dir: str, progress: bool) -> _Index:
+def _records_index(model, cfg: Config, packed, records_dir: str, progress: bool,
+                   records_cfg: fmt.CacheConfig | None = None) -> _Index:
   """Resumable records-only pass (idx/act/ids of every training token) + its inversion."""
   cache_build.write_records(model, cfg, packed, records_dir,
-                            fmt.CacheConfig(rank=None), progress=progress)
+                            records_cfg or fmt.CacheConfig(rank=None), progress=progress)
   if not os.path.exists(os.path.join(records_dir, "proto_offsets")):
     cache_build.index_pass(records_dir, fmt.CacheConfig().driver, cfg.model.num_prototypes)
   return _Index(records_dir=records_dir)
@@ -293,10 +294,12 @@ def _identity(fingerprint: str, cfg: Config, top_m: int, window: int, source: st
 def build_cards(model, cfg: Config, packed, *, cache=None, top_m: int = 16, window: int = 8,
                 decode: Callable | None = None, out_dir: str | None = None,
                 progress: bool = True, n_logits: int = 10, n_neighbours: int = 8,
+                records_cfg: fmt.CacheConfig | None = None,
                 map_method: str = "auto") -> CardSet:
   """Every prototype's card (module docstring). `cache`: an AttributionCache of this model
   (its index is used); otherwise a records-only pass over the training split, resumable in
-  `<out_dir>/records`. With out_dir the set is also saved there."""
+  `<out_dir>/records` (its options: `records_cfg`, default CacheConfig(rank=None); resume
+  granularity is its chunk_tokens). With out_dir the set is also saved there."""
   if cfg.model.kind != "prism" or not hasattr(model, "bank"):
     raise ValueError("prototype cards need a PRISM run (model.kind='prism'); this one is "
                      f"{cfg.model.kind!r} and has no prototypes")
@@ -320,7 +323,7 @@ def build_cards(model, cfg: Config, packed, *, cache=None, top_m: int = 16, wind
   else:
     tmp = None if out_dir is not None else tempfile.TemporaryDirectory(prefix="cards_")
     rec_dir = os.path.join(out_dir if tmp is None else tmp.name, "records")
-    index, source = _records_index(model, cfg, packed, rec_dir, progress), "records"
+    index, source = _records_index(model, cfg, packed, rec_dir, progress, records_cfg), "records"
     split = fmt.CacheConfig().split
   num_protos = cfg.model.num_prototypes
   rows = packed.rows(split)  # the rows the index's tokens come from
