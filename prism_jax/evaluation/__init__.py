@@ -1,0 +1,1 @@
+"""Offline multiple-choice evaluation: task builders, the scoring harness, synthetic tasks, statistics."""
