@@ -194,3 +194,57 @@ def controlled_scores(ctrl: SparseController, model, dict_KxD, data: CodeData,
                                   f"{dict_KxD.shape[0]} codes")
   score = _score_fn(ctrl.kind, model, dict_KxD, data)
   return np.asarray(jax.jit(score)(jnp.asarray(ctrl.w_K)), np.float64)
+
+
+def code_signatures(model, dict_KxD) -> np.ndarray:
+  """W d_j for every code j, (K, V): what each prototype / latent adds to the logits."""
+  num = dict_KxD.shape[0]
+  return np.asarray(code_logits(model, dict_KxD, jnp.arange(num)[:, None],
+                                jnp.ones((num, 1), jnp.float32)))
+
+
+def traces(ctrl: SparseController, model, dict_KxD, tok, packed, code_fn, *,
+           top_tokens: int = 5, snippets: int = 2, rows: int = 32, width: int = 10) -> list[dict]:
+  """Every non-zero weight with its code's logit signature (top tokens of W d_j) and the
+  training snippets where the code fires most strongly (`code_fn(inputs_BxT) -> (idx_Nxk,
+  coef_Nxk)` over the first `rows` packed training rows; the token in [[ ]])."""
+  nz = ctrl.nonzero()
+  if not nz:
+    return []
+  sig_KxV = code_signatures(model, dict_KxD)
+  data = packed.rows("train")
+  rows = min(rows, len(data["tokens"]))
+  idx_Nxk, coef_Nxk = (np.asarray(a) for a in code_fn(np.asarray(data["tokens"][:rows, :-1])))
+  ex_N = np.asarray(data["example_id"][:rows, :-1]).reshape(-1)
+  off_N = np.asarray(data["offset"][:rows, :-1]).reshape(-1)
+  out = []
+  for j, w in nz:
+    fire_N = np.where((idx_Nxk == j) & (off_N[:, None] >= 0), coef_Nxk, 0.0).sum(1)
+    best = [n for n in np.argsort(-fire_N)[:snippets] if fire_N[n] > 0]
+    out.append({"code": j, "weight": w,
+                "signature": [tok.decode([int(v)]) for v in np.argsort(-sig_KxV[j])[:top_tokens]],
+                "snippets": [packed.snippet(int(ex_N[n]), int(off_N[n]), width) for n in best]})
+  return out
+
+
+def select_and_fit(kind: str, basis: str, model, dict_KxD, data: CodeData, fingerprint: str,
+                   *, lams: Sequence[float], seed: int = 0, **fit_kw) -> SparseController:
+  """λ by a seeded inner split of the calibration items (fit on half, accuracy on the other
+  half; ties go to the larger λ, the sparser map), then the fit on all of them."""
+  lams = sorted(float(x) for x in lams)
+  if not lams:
+    raise ValueError("lams must hold at least one L1 weight")
+  if len(lams) > 1:
+    fit_ids, val_ids = calibration_split(len(data.items), 0.5, seed + 1)
+    fit_data, val_data = data.subset(fit_ids), data.subset(val_ids)
+    slot, valid, gold = _layout(val_data.items)
+    best = (-1.0, None)
+    for lam in lams:
+      c = fit_controller(kind, basis, model, dict_KxD, fit_data, fingerprint, lam=lam, **fit_kw)
+      s_IxO = np.where(valid, controlled_scores(c, model, dict_KxD, val_data,
+                                                fingerprint)[slot], -np.inf)
+      acc = float(np.mean(np.argmax(s_IxO, 1) == gold))
+      if acc >= best[0]:
+        best = (acc, lam)
+    lams = [best[1]]
+  return fit_controller(kind, basis, model, dict_KxD, data, fingerprint, lam=lams[0], **fit_kw)

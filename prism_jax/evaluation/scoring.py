@@ -83,6 +83,15 @@ def encode_items(items: Sequence[Item], tok, max_len: int) -> Encoded:
   return Encoded(inputs, targets, np.asarray(num_cont), np.asarray(item_of), np.asarray(cut))
 
 
+def drop_too_long(items: Sequence[Item], tok, max_len: int) -> tuple[list[Item], int]:
+  """(items whose every continuation fits max_len, how many were dropped): the opt-in
+  alternative to encode_items' refusal (a tiny model's window cannot hold some options)."""
+  keep = [it for it in items
+          if all(len(encode_pair(tok, c, k)[1]) <= max_len
+                 for c, k in zip(it.contexts, it.continuations))]
+  return keep, len(items) - len(keep)
+
+
 @dataclasses.dataclass
 class Scores:
   """logprob_O per option; with `collect`, the continuation tokens' rows (C of them, in
