@@ -75,6 +75,8 @@ def main(argv):
   from prism_jax.evaluation import compare, scoring, stats  # pylint: disable=g-import-not-at-top
   from prism_jax.train import load_for_inference  # pylint: disable=g-import-not-at-top
 
+  from prism_jax.evaluation import synthetic, tasks  # pylint: disable=g-import-not-at-top
+  tasks.check_task_names(FLAGS.tasks, synthetic.SYNTHETIC_TASKS)
   prism, cfg, tok = load_for_inference(FLAGS.workdir)
   if cfg.model.kind != "prism":
     raise ValueError(f"--workdir must be a PRISM run, got model.kind={cfg.model.kind!r}")

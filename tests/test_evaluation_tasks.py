@@ -131,3 +131,15 @@ def test_jsonl_user_task_and_dump(tmp_path):
   path.write_text(json.dumps({"context": "x", "choices": ["a", "b"], "gold": 2}) + "\n")
   with pytest.raises(ValueError, match="gold 2 is not an option"):
     tasks.load_task(str(path))
+
+
+def test_cli_unknown_task_is_a_one_line_error(tmp_path):
+  import os, subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run([sys.executable, "-m", "experiments.evaluate_mc",
+                         f"--workdir={tmp_path}", "--tasks=piqa,arc_medium"], cwd=repo,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                        text=True, timeout=300)
+  errors = [l for l in proc.stderr.splitlines() if l.startswith("error: ")]
+  assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
+  assert "unknown task 'arc_medium'" in errors[0] and "Traceback" not in proc.stderr

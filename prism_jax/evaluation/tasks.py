@@ -175,6 +175,16 @@ def load_jsonl_task(path: str, task: str | None = None) -> list[Item]:
   return items
 
 
+def check_task_names(names, synthetic=("synthetic_next_span", "synthetic_cloze")) -> None:
+  """Refuses a name that is no offline task, synthetic task or .jsonl file."""
+  for name in names:
+    if name not in _SOURCES and name not in synthetic and not name.endswith(".jsonl"):
+      raise ValueError(f"unknown task {name!r}: use one of {', '.join(OFFLINE_TASKS)}, "
+                       f"{', '.join(synthetic)}, or a .jsonl file")
+    if name.endswith(".jsonl") and not os.path.isfile(name):
+      raise FileNotFoundError(f"task file {name} does not exist")
+
+
 def load_task(name: str, limit: int | None = None, seed: int = 0) -> list[Item]:
   """Items of an offline task (or a .jsonl user task), a seeded subsample of `limit`."""
   if name.endswith(".jsonl"):
@@ -186,8 +196,7 @@ def load_task(name: str, limit: int | None = None, seed: int = 0) -> list[Item]:
             else list(enumerate(read_arrow_rows(path))))
     items = [_build(name, doc_id, doc) for doc_id, doc in docs]
   else:
-    raise ValueError(f"unknown task {name!r}: use one of {', '.join(OFFLINE_TASKS)}, "
-                     "synthetic_next_span, synthetic_cloze, or a .jsonl file")
+    check_task_names([name])
   if limit is not None and limit < len(items):
     keep = np.sort(np.random.default_rng(seed).choice(len(items), limit, replace=False))
     items = [items[i] for i in keep]
