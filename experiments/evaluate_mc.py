@@ -27,12 +27,14 @@ flags.DEFINE_list("tasks", ["synthetic_next_span", "synthetic_cloze"], "tasks to
 flags.DEFINE_integer("limit", None, "seeded subsample of each offline task (default: all)")
 flags.DEFINE_integer("synthetic_n", 400, "items per synthetic task")
 flags.DEFINE_enum("controller", "gains", ["gains", "linear", "none"], "controller kind")
-flags.DEFINE_list("lams", ["0.003", "0.01", "0.03", "0.1"], "L1 weights tried; the one "
+flags.DEFINE_list("lams", ["1e-4", "1e-3", "3e-3", "1e-2"], "L1 weights tried; the one "
                   "with the best accuracy on an inner split of the calibration items is kept")
 flags.DEFINE_integer("controller_steps", 200, "full-batch Adam steps of a controller fit")
 flags.DEFINE_float("cal_fraction", 0.5, "share of items the controllers are fit on")
 flags.DEFINE_bool("sae", True, "train a TopK SAE on the dense twin for the SAE controller")
 flags.DEFINE_integer("sae_steps", 1500, "SAE training steps")
+flags.DEFINE_string("sae_path", None, "load this sae.npz (from an earlier run of this dense "
+                    "twin) instead of training one")
 flags.DEFINE_enum("too_long", "drop", ["drop", "refuse"], "items with an option whose "
                   "continuation exceeds max_len: dropped (counted in the table) or refused")
 flags.DEFINE_integer("seed", 0, "subsample, synthetic items and calibration split")
@@ -108,10 +110,13 @@ def main(argv):
   sae, sae_report = None, None
   if FLAGS.sae and setup is not None:
     t0 = time.time()
-    x, _ = _hidden_states(dense, packed, "train", 512)
-    sae = sae_lib.train_sae(x, sae_lib.SaeConfig(num_latents=cfg.model.num_prototypes,
-                                                 k=cfg.model.k, steps=FLAGS.sae_steps,
-                                                 seed=FLAGS.seed))
+    if FLAGS.sae_path:
+      sae = sae_lib.load_sae(FLAGS.sae_path)
+    else:
+      x, _ = _hidden_states(dense, packed, "train", 512)
+      sae = sae_lib.train_sae(x, sae_lib.SaeConfig(num_latents=cfg.model.num_prototypes,
+                                                   k=cfg.model.k, steps=FLAGS.sae_steps,
+                                                   seed=FLAGS.seed))
     sae_lib.save_sae(os.path.join(out_dir, "sae.npz"), sae)
     xv, tv = _hidden_states(dense, packed, "val", 256)
     sae_report = sae_lib.sae_metrics(sae, dense, xv, tv)
@@ -156,7 +161,7 @@ def main(argv):
 
 def _flag_values():
   names = ["workdir", "dense_workdir", "tasks", "limit", "synthetic_n", "controller", "lams",
-           "controller_steps", "cal_fraction", "sae", "sae_steps", "too_long", "seed"]
+           "controller_steps", "cal_fraction", "sae", "sae_steps", "sae_path", "too_long", "seed"]
   return {n: (",".join(FLAGS[n].value) if n in ("tasks", "lams") else FLAGS[n].value) for n in names
           if FLAGS[n].value is not None}
 

@@ -8,8 +8,8 @@ a PrismLM's active prototypes (a_{t,i}, p_i), or a TopK SAE's latents on the den
           codes' activations to the option scores
 
 The fit minimises the options' cross-entropy (softmax over an item's option scores against
-its gold) + λ||w||₁ with Adam followed by a soft-threshold (proximal) step, so unused weights
-are exactly 0; it runs on train/trainer.py's shared Trainer. A controller records the
+its gold) + λ||w||₁ with proximal Adam (prox_adam: the soft-threshold in Adam's metric),
+so unused weights are exactly 0; it runs on train/trainer.py's shared Trainer. A controller records the
 fingerprint of the model (and SAE) it was fit on and refuses any other.
 """
 
@@ -19,6 +19,7 @@ import dataclasses
 import itertools
 import json
 from collections.abc import Sequence
+from typing import Any, NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -152,13 +153,34 @@ def _score_fn(kind: str, model, dict_KxD, data: CodeData):
   return score
 
 
-def _soft_threshold(t: float) -> optax.GradientTransformation:
-  """Proximal step of t·||w||₁ on the updated parameters (exact zeros)."""
-  def update(updates, state, params):
-    new = jax.tree.map(lambda p, u: p + u, params, updates)
-    shrunk = jax.tree.map(lambda x: jnp.sign(x) * jnp.maximum(jnp.abs(x) - t, 0.0), new)
-    return jax.tree.map(lambda s, p: s - p, shrunk, params), state
-  return optax.GradientTransformation(lambda _: optax.EmptyState(), update)
+class _ProxAdamState(NamedTuple):
+  count: jax.Array
+  mu: Any
+  nu: Any
+
+
+def prox_adam(lr: float, lam: float, b1: float = 0.9, b2: float = 0.999,
+              eps: float = 1e-8) -> optax.GradientTransformation:
+  """Adam on the data term with the L1 proximal step taken in Adam's own metric:
+  w ← soft(w − lr m̂/d, lr λ/d), d = √v̂ + eps. A weight stays exactly 0 while
+  |m̂| < λ, so λ is on the gradient's scale (plain Adam + a fixed threshold lr·λ would
+  not sparsify: Adam's steps are ~lr whatever the gradient's size)."""
+  def init(params):
+    zeros = lambda: jax.tree.map(jnp.zeros_like, params)  # two buffers: the step donates
+    return _ProxAdamState(jnp.zeros((), jnp.int32), zeros(), zeros())
+
+  def update(grads, state, params):
+    count = state.count + 1
+    mu = jax.tree.map(lambda m, g: b1 * m + (1 - b1) * g, state.mu, grads)
+    nu = jax.tree.map(lambda v, g: b2 * v + (1 - b2) * g * g, state.nu, grads)
+    t = count.astype(jnp.float32)
+
+    def step(p, m, v):
+      d = jnp.sqrt(v / (1 - b2 ** t)) + eps
+      x = p - lr * (m / (1 - b1 ** t)) / d
+      return jnp.sign(x) * jnp.maximum(jnp.abs(x) - lr * lam / d, 0.0) - p
+    return jax.tree.map(step, params, mu, nu), _ProxAdamState(count, mu, nu)
+  return optax.GradientTransformation(init, update)
 
 
 def fit_controller(kind: str, basis: str, model, dict_KxD, data: CodeData, fingerprint: str,
@@ -178,7 +200,7 @@ def fit_controller(kind: str, basis: str, model, dict_KxD, data: CodeData, finge
     return ce, {"ce": ce, "nnz": jnp.sum(w != 0).astype(jnp.float32),
                 "objective": ce + lam * jnp.sum(jnp.abs(w))}
 
-  tx = optax.chain(optax.adam(lr), _soft_threshold(lr * lam))
+  tx = prox_adam(lr, lam)
   result = Trainer(loss_fn, tx).fit({"w": jnp.zeros(dict_KxD.shape[0], jnp.float32)},
                                     itertools.repeat({}), steps=steps, log_every=log_every)
   w = np.asarray(result.state.params["w"], np.float32)

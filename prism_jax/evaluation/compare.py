@@ -22,7 +22,7 @@ from prism_jax.evaluation.tasks import ACC_NORM_TASKS, Item, chance
 @dataclasses.dataclass
 class ControlSetup:
   kind: str = "gains"  # controllers.KINDS
-  lams: tuple[float, ...] = (0.003, 0.01, 0.03, 0.1)  # picked on an inner calibration split
+  lams: tuple[float, ...] = (1e-4, 1e-3, 3e-3, 1e-2)  # picked on an inner calibration split
   lr: float = 0.05
   steps: int = 200
   cal_fraction: float = 0.5
