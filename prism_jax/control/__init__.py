@@ -1,0 +1,1 @@
+"""Control: sparse linear controllers over prototype or SAE codes, and the TopK SAE baseline."""
