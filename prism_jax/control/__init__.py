@@ -1,1 +1,2 @@
-"""Control of a trained PRISM model: prototype sets for a behaviour, their suppression, its evaluation."""
+"""Control of a trained model: suppression (prototype sets for a behaviour, their removal,
+its evaluation), sparse linear controllers over prototype or SAE codes, the TopK SAE."""

@@ -1,1 +1,2 @@
-"""Counterfactual evaluation of attribution: retrains on subsets, LDS, removal curves."""
+"""Evaluation: offline multiple choice (tasks, scoring harness, synthetic tasks, statistics)
+and counterfactual attribution quality (retrains on subsets, LDS, removal curves)."""

@@ -56,7 +56,15 @@ def controlled_logits(model: PrismLM, out: LMOutput, gains_K: jax.Array) -> jax.
     raise ValueError(f"out.protos has {protos.idx_Nxk.shape[0]} tokens, the logits "
                      f"{batch}x{seq}: pass the output of one forward pass")
   drop_Nxk = (1.0 - gains_K[protos.idx_Nxk]) * protos.act_Nxk
-  p_NxkxD = model.bank.protos[...][protos.idx_Nxk]
-  delta_NxD = jnp.einsum("nk,nkd->nd", drop_Nxk, p_NxkxD,
-                         precision=jax.lax.Precision.HIGHEST)
-  return logits_BxTxV - model.backbone.lm_head(delta_NxD.reshape(batch, seq, -1))
+  delta_NxV = code_logits(model, model.bank.protos[...], protos.idx_Nxk, drop_Nxk)
+  return logits_BxTxV - delta_NxV.reshape(batch, seq, -1)
+
+
+def code_logits(model, dict_KxD: jax.Array, idx_Nxk: jax.Array,
+                coef_Nxk: jax.Array) -> jax.Array:
+  """W Σ_j coef_{t,j} d_{idx_{t,j}}, (N, V): the logit share of a sparse code over a
+  dictionary (a PrismLM's prototypes; an SAE's decoder rows on a DenseLM's hidden state).
+  The edit above and the controllers (control/controllers.py) both go through it."""
+  d_NxkxD = jnp.asarray(dict_KxD)[idx_Nxk]
+  delta_NxD = jnp.einsum("nk,nkd->nd", coef_Nxk, d_NxkxD, precision=jax.lax.Precision.HIGHEST)
+  return model.backbone.lm_head(delta_NxD[None])[0]

@@ -1,0 +1,197 @@
+"""The scoring harness: option log-likelihoods as lm-evaluation-harness 0.4 computes them,
+batched and jitted over ragged options, for PrismLM and DenseLM with any project tokenizer.
+
+    enc = encode_items(items, tok, max_len=cfg.model.max_len)
+    scores = score_options(model, enc)                  # Scores: logprob per option
+    acc, acc_norm = accuracy(items, scores.logprob_O)
+
+Per option: trailing whitespace of the context moves to the continuation; continuation
+tokens are tok(ctx + cont)[len(tok(ctx)):] (an empty context is EOS); the score is the sum
+of their log-probabilities. Over-long options: the context is truncated from the left so
+context + continuation fit the model's window (lm-eval's `[-(max_len + 1):]`); an option
+whose continuation alone exceeds max_len is refused (OptionTooLongError).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from prism_jax.data import batch as batch_lib
+from prism_jax.evaluation.tasks import Item
+from prism_jax.losses import token_nll
+
+
+class OptionTooLongError(ValueError):
+  """An option's continuation does not fit the model's context window."""
+
+
+def move_whitespace(context: str, continuation: str) -> tuple[str, str]:
+  """lm-eval: trailing whitespace of the context becomes the continuation's head."""
+  n = len(context) - len(context.rstrip())
+  return (context[:-n], context[-n:] + continuation) if n else (context, continuation)
+
+
+def encode_pair(tok, context: str, continuation: str) -> tuple[list[int], list[int]]:
+  """(context ids, continuation ids) of one option, lm-eval's _encode_pair."""
+  context, continuation = move_whitespace(context, continuation)
+  if not context:
+    return [tok.eos_id], list(tok.encode(continuation))
+  whole = list(tok.encode(context + continuation))
+  ctx = list(tok.encode(context))
+  return ctx, whole[len(ctx):]
+
+
+def option_chars(continuation: str) -> int:
+  """acc_norm's length: the option text's characters (the " " delimiter not counted)."""
+  return len(continuation) - 1 if continuation.startswith(" ") else len(continuation)
+
+
+@dataclasses.dataclass
+class Encoded:
+  """Every option as one window: inputs (ragged), how many trailing targets score."""
+  inputs: list[np.ndarray]  # int32 (L_o,) with L_o <= max_len
+  targets: list[np.ndarray]
+  num_cont_O: np.ndarray  # continuation tokens of option o
+  item_O: np.ndarray  # the item option o belongs to
+  truncated_O: np.ndarray  # bool: the context was cut from the left
+
+
+def encode_items(items: Sequence[Item], tok, max_len: int) -> Encoded:
+  inputs, targets, num_cont, item_of, cut = [], [], [], [], []
+  for i, it in enumerate(items):
+    for ctx, cont in zip(it.contexts, it.continuations):
+      ctx_ids, cont_ids = encode_pair(tok, ctx, cont)
+      if not cont_ids:
+        raise ValueError(f"{it.task} item {it.doc_id}: continuation {cont!r} has no token "
+                         "of its own after tokenising context + continuation")
+      if len(cont_ids) > max_len:
+        raise OptionTooLongError(
+            f"{it.task} item {it.doc_id}: the continuation is {len(cont_ids)} tokens, "
+            f"longer than the model's max_len {max_len}; it cannot be scored")
+      seq = (ctx_ids + cont_ids)[-(max_len + 1):]  # left truncation of the context
+      inputs.append(np.asarray(seq[:-1], np.int32))
+      targets.append(np.asarray(seq[1:], np.int32))
+      num_cont.append(len(cont_ids))
+      item_of.append(i)
+      cut.append(len(ctx_ids) + len(cont_ids) > max_len + 1)
+  return Encoded(inputs, targets, np.asarray(num_cont), np.asarray(item_of), np.asarray(cut))
+
+
+def drop_too_long(items: Sequence[Item], tok, max_len: int) -> tuple[list[Item], int]:
+  """(items whose every continuation fits max_len, how many were dropped): the opt-in
+  alternative to encode_items' refusal (a tiny model's window cannot hold some options)."""
+  keep = [it for it in items
+          if all(len(encode_pair(tok, c, k)[1]) <= max_len
+                 for c, k in zip(it.contexts, it.continuations))]
+  return keep, len(items) - len(keep)
+
+
+@dataclasses.dataclass
+class Scores:
+  """logprob_O per option; with `collect`, the continuation tokens' rows (C of them, in
+  option order): unedited logits, targets, their option, z, and the prototype codes."""
+  logprob_O: np.ndarray
+  option_C: np.ndarray | None = None
+  logits_CxV: np.ndarray | None = None
+  targets_C: np.ndarray | None = None
+  z_CxD: np.ndarray | None = None
+  idx_Cxk: np.ndarray | None = None
+  act_Cxk: np.ndarray | None = None
+
+
+def _buckets(max_len: int) -> list[int]:
+  sizes, n = [], 16
+  while n < max_len:
+    sizes.append(n)
+    n *= 2
+  return sizes + [max_len]
+
+
+def _forward_fn(model):
+  graphdef, state = nnx.split(model)
+
+  @jax.jit
+  def fwd(state, inputs_BxT, targets_BxT, mask_BxT):
+    out = nnx.merge(graphdef, state)(inputs_BxT)
+    b, t, v = out.logits_BxTxV.shape
+    logp_BxT = -token_nll(out.logits_BxTxV.reshape(b * t, v),
+                          targets_BxT.reshape(-1)).reshape(b, t)
+    return jnp.where(mask_BxT, logp_BxT, 0.0).sum(1), out
+
+  return lambda *a: fwd(state, *a)
+
+
+def score_options(model, enc: Encoded, *, batch_rows: int = 32, collect: bool = False,
+                  progress=None) -> Scores:
+  """Sum of continuation log-probabilities per option (fp32), options bucketed by length
+  (powers of two up to max_len) into fixed (batch_rows, bucket) shapes."""
+  max_len = model.cfg.max_len
+  fwd = _forward_fn(model)
+  lengths = np.asarray([len(x) for x in enc.inputs])
+  if lengths.size and lengths.max() > max_len:
+    raise OptionTooLongError(f"an encoded option has {lengths.max()} tokens > max_len "
+                             f"{max_len}: encode with this model's max_len")
+  logprob = np.zeros(len(lengths), np.float64)
+  rows = {k: [] for k in ("option", "logits", "targets", "z", "idx", "act")}
+  bucket_of = np.searchsorted(np.asarray(_buckets(max_len)), lengths)
+  for b, size in enumerate(_buckets(max_len)):
+    members = np.flatnonzero(bucket_of == b)
+    for start in range(0, len(members), batch_rows):
+      opts = members[start:start + batch_rows]
+      batch = {k: np.zeros((len(opts), size), d) for k, d in
+               (("inputs", np.int32), ("targets", np.int32), ("mask", bool))}
+      for r, o in enumerate(opts):
+        n = lengths[o]
+        batch["inputs"][r, :n], batch["targets"][r, :n] = enc.inputs[o], enc.targets[o]
+        batch["mask"][r, n - enc.num_cont_O[o]:n] = True  # the continuation's targets
+      batch = batch_lib.pad_batch(batch, batch_rows)
+      lp_B, out = fwd(batch["inputs"], batch["targets"], batch["mask"])
+      logprob[opts] = np.asarray(lp_B, np.float64)[:len(opts)]
+      if collect:
+        mask = batch["mask"][:len(opts)]
+        sel = mask.reshape(-1)
+        rows["option"].append(np.repeat(opts, mask.sum(1)))
+        rows["logits"].append(np.asarray(out.logits_BxTxV[:len(opts)]).reshape(-1, out.logits_BxTxV.shape[-1])[sel])
+        rows["targets"].append(batch["targets"][:len(opts)].reshape(-1)[sel])
+        rows["z"].append(np.asarray(out.z_BxTxD[:len(opts)]).reshape(-1, out.z_BxTxD.shape[-1])[sel])
+        if out.protos is not None:
+          n_tok = len(opts) * size
+          rows["idx"].append(np.asarray(out.protos.idx_Nxk[:n_tok])[sel])
+          rows["act"].append(np.asarray(out.protos.act_Nxk[:n_tok])[sel])
+      if progress is not None:
+        progress(len(opts))
+  if not collect:
+    return Scores(logprob)
+  order = np.argsort(np.concatenate(rows["option"]), kind="stable")
+  cat = lambda k: np.concatenate(rows[k])[order] if rows[k] else None
+  return Scores(logprob, cat("option"), cat("logits"), cat("targets"), cat("z"), cat("idx"),
+                cat("act"))
+
+
+def per_item(items: Sequence[Item], values_O: np.ndarray) -> list[np.ndarray]:
+  """Option values split by item (options are laid out item by item)."""
+  cuts = np.cumsum([it.num_options for it in items])[:-1]
+  return np.split(np.asarray(values_O), cuts)
+
+
+def correct(items: Sequence[Item], scores_O: np.ndarray, norm: bool = False) -> np.ndarray:
+  """Per item 1.0 where argmax (acc) or argmax of score / option chars (acc_norm) is gold."""
+  out = []
+  for it, s in zip(items, per_item(items, scores_O)):
+    if norm:
+      s = s / np.asarray([max(option_chars(c), 1) for c in it.continuations], np.float64)
+    out.append(float(int(np.argmax(s)) == it.gold))
+  return np.asarray(out)
+
+
+def requests(items: Sequence[Item]) -> list[dict]:
+  """Every request as {task, doc_id, context, continuation, gold} (for --dump_requests)."""
+  return [{"task": it.task, "doc_id": it.doc_id, "context": c, "continuation": k,
+           "gold": it.gold, "option": j, "is_gold": j == it.gold}
+          for it in items for j, (c, k) in enumerate(zip(it.contexts, it.continuations))]
