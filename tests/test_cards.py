@@ -9,6 +9,7 @@ import os
 import jax.numpy as jnp
 import numpy as np
 import pytest
+from etils import epath
 
 from prism_jax import io_guard
 from prism_jax.analysis import cards as cards_lib
@@ -183,3 +184,15 @@ def test_bad_inputs(setup, tmp_path):
   (run_like / "checkpoints").mkdir(parents=True)
   with pytest.raises(io_guard.OutputDirError, match="training run directory"):
     cards.save(str(run_like))
+
+
+def test_cards_on_gcs(setup, gcs):
+  """Cards go to gs:// like every other output (issue 19): saved into the emulator's
+  bucket and loaded back equal, refused for another model as locally."""
+  del gcs  # the emulator's environment is set for the session
+  cards = setup[4]
+  where = cards.save("gs://bucket/cards_test")
+  assert where.startswith("gs://") and epath.Path(where).is_file()
+  assert cards_lib.CardSet.load("gs://bucket/cards_test", model=setup[3]).cards == cards.cards
+  with pytest.raises(cards_lib.CardsMismatchError, match="another model"):
+    cards_lib.CardSet.load("gs://bucket/cards_test", model=build_model(setup[1].model, 4))

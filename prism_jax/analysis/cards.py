@@ -40,7 +40,6 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
 import tempfile
 import time
 from collections.abc import Callable, Iterable, Sequence
@@ -49,7 +48,7 @@ from typing import NamedTuple
 import numpy as np
 from absl import logging
 
-from prism_jax import io_guard
+from prism_jax import io_guard, paths
 from prism_jax.analysis.card_stats import bank_map, neighbours, signatures, tfidf_labels
 from prism_jax.attribution import cache_build
 from prism_jax.attribution import cache_format as fmt
@@ -135,22 +134,19 @@ class CardSet:
     directory = io_guard.claim_output_dir(directory, CARDS_KIND)
     obj = {"format": FORMAT_VERSION, "identity": self.identity, "label_method": LABEL_METHOD,
            "map_method": self.map_method, "cards": [_card_to_json(c) for c in self.cards]}
-    path = os.path.join(directory, CARDS_FILE)
-    with open(path + ".tmp", "w", encoding="utf-8") as f:
-      json.dump(obj, f, ensure_ascii=False)
-    os.replace(path + ".tmp", path)
+    path = paths.join(directory, CARDS_FILE)
+    paths.write_text_atomic(path, json.dumps(obj, ensure_ascii=False))  # local or gs://
     return path
 
   @classmethod
   def load(cls, directory: str, model=None) -> "CardSet":
     """Reads a saved set; with `model`, refuses one built for another checkpoint."""
-    path = os.path.join(directory, CARDS_FILE)
-    if io_guard.read_kind(directory) != CARDS_KIND or not os.path.isfile(path):
-      raise FileNotFoundError(f"{os.path.abspath(directory)} is not a prototype-card "
+    path = paths.join(directory, CARDS_FILE)
+    if io_guard.read_kind(directory) != CARDS_KIND or not paths.path(path).is_file():
+      raise FileNotFoundError(f"{paths.resolve(directory)} is not a prototype-card "
                               f"directory (no {io_guard.MARKER} of kind {CARDS_KIND!r} "
                               f"and {CARDS_FILE})")
-    with open(path, encoding="utf-8") as f:
-      obj = json.load(f)
+    obj = json.loads(paths.path(path).read_text(encoding="utf-8"))
     if obj.get("format") != FORMAT_VERSION:
       raise ValueError(f"{path} has card format {obj.get('format')!r}, this code reads "
                        f"{FORMAT_VERSION}; rebuild the cards")
@@ -220,7 +216,7 @@ class _Index:
       self.row_offsets = np.asarray(cache.row_offsets, np.int64)
       self.num_tokens = cache.num_tokens
       return
-    drv = fmt.read_json(os.path.join(records_dir, fmt.METADATA))["identity"]["cache"]["driver"]
+    drv = fmt.read_json(paths.join(records_dir, fmt.METADATA))["identity"]["cache"]["driver"]
     rd = lambda n: fmt.store(records_dir, n, drv).read().result()
     self.offsets = np.asarray(rd("proto_offsets"), np.int64)
     proto_tokens, proto_acts = rd("proto_tokens"), rd("proto_acts")
@@ -251,7 +247,7 @@ def _records_index(model, cfg: Config, packed, records_dir: str, progress: bool,
   """Resumable records-only pass (idx/act/ids of every training token) + its inversion."""
   cache_build.write_records(model, cfg, packed, records_dir,
                             records_cfg or fmt.CacheConfig(rank=None), progress=progress)
-  if not os.path.exists(os.path.join(records_dir, "proto_offsets")):
+  if not paths.path(paths.join(records_dir, "proto_offsets")).exists():
     cache_build.index_pass(records_dir, fmt.CacheConfig().driver, cfg.model.num_prototypes)
   return _Index(records_dir=records_dir)
 
@@ -322,7 +318,7 @@ def build_cards(model, cfg: Config, packed, *, cache=None, top_m: int = 16, wind
     split = cache.metadata["identity"]["cache"]["split"]
   else:
     tmp = None if out_dir is not None else tempfile.TemporaryDirectory(prefix="cards_")
-    rec_dir = os.path.join(out_dir if tmp is None else tmp.name, "records")
+    rec_dir = paths.join(out_dir if tmp is None else tmp.name, "records")
     index, source = _records_index(model, cfg, packed, rec_dir, progress, records_cfg), "records"
     split = fmt.CacheConfig().split
   num_protos = cfg.model.num_prototypes

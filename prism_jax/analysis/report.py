@@ -21,13 +21,12 @@ report's (a run, a cache, any non-empty folder without the marker) is refused.
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Callable, Sequence
 
 import jax.numpy as jnp
 import numpy as np
 
-from prism_jax import faithfulness, io_guard
+from prism_jax import faithfulness, io_guard, paths
 from prism_jax.analysis import report_page
 from prism_jax.analysis.cards import LABEL_METHOD, CardSet
 from prism_jax.attribution import cache_format as fmt
@@ -80,8 +79,8 @@ def token_decomposition(model, seq: np.ndarray):
 def read_metrics(path: str | None) -> dict:
   """{"steps": [...], "series": {key: [...]}} of the val records of a metrics.jsonl."""
   steps, series = [], {k: [] for k in METRIC_KEYS}
-  if path and os.path.isfile(path):
-    with open(path) as f:
+  if path and paths.path(path).is_file():
+    with paths.open_file(path, "r") as f:
       for line in f:
         try:
           rec = json.loads(line)
@@ -178,8 +177,6 @@ def report_data(model, cfg: Config, decode: Callable, prompt_ids: Sequence[int],
 def write_report(out_dir: str, data: dict) -> str:
   """Writes <out_dir>/index.html (atomic) into a claimed report directory; returns its path."""
   out_dir = io_guard.claim_output_dir(out_dir, REPORT_KIND)
-  path = os.path.join(out_dir, REPORT_FILE)
-  with open(path + ".tmp", "w", encoding="utf-8") as f:
-    f.write(report_page.render(data))
-  os.replace(path + ".tmp", path)
+  path = paths.join(out_dir, REPORT_FILE)
+  paths.write_text_atomic(path, report_page.render(data))  # local or gs://
   return path

@@ -18,6 +18,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from prism_jax.evaluation import stats
+
 
 def subset_masks(num_train: int, num_subsets: int, alpha: float, seed: int) -> np.ndarray:
   """(M, E) bool: each subset keeps exactly round(α·E) training sequences at random."""
@@ -91,10 +93,7 @@ def bootstrap_ci(values_Q: np.ndarray, *, num_samples: int = 2000, level: float 
     raise ValueError("no finite value to average (every query's correlation is undefined)")
   if not 0.0 < level < 1.0:
     raise ValueError(f"level must be in (0, 1), got {level}")
-  idx = np.random.default_rng(seed).integers(0, len(v), (num_samples, len(v)))
-  means = v[idx].mean(1)
-  tail = (1.0 - level) / 2.0
-  return float(v.mean()), float(np.quantile(means, tail)), float(np.quantile(means, 1 - tail))
+  return stats.mean_ci(v, stats.bootstrap_index(len(v), num_samples, seed), level)
 
 
 def noise_ceiling(measured_a_QxM: np.ndarray, measured_b_QxM: np.ndarray) -> np.ndarray:
