@@ -24,6 +24,8 @@ Results JSON schema (docs/results/<topic>.json, written by the experiment that m
    ...}                                     # any other keys are ignored here
 
 Files are read in name order; rows without a "claim" follow the headlines in that order.
+Experiments that write their own shape (suppression, mc_eval, throughput, cards,
+cache_scale) are read through experiments/reproduce_sources.py's READERS.
 """
 
 import glob
@@ -34,6 +36,7 @@ import re
 from absl import flags
 
 from experiments import cli
+from experiments import reproduce_sources
 
 flags.DEFINE_string("results_dir", "docs/results", "directory of results JSON files")
 flags.DEFINE_string("results_md", "docs/RESULTS.md", "the markdown file to write into")
@@ -79,6 +82,15 @@ def load_rows(results_dir: str) -> list[dict]:
         data = json.load(f)
       except json.JSONDecodeError as e:
         raise ValueError(f"{path}: not valid JSON ({e})") from e
+    stem = os.path.splitext(os.path.basename(path))[0]
+    reader = reproduce_sources.READERS.get(stem)
+    if reader is None and stem.startswith(reproduce_sources.DETAIL_PREFIXES):
+      continue  # a variant of a headline file: its detail stays in RESULTS.md
+    if reader is not None:
+      try:
+        data = {"rows": reader(data)}
+      except (KeyError, IndexError, TypeError, StopIteration, ZeroDivisionError) as e:
+        raise ValueError(f"{path}: not the shape its reader expects ({e!r})") from e
     if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
       raise ValueError(f"{path}: needs a top-level {{\"rows\": [...]}} (see reproduce.py)")
     for i, row in enumerate(data["rows"]):

@@ -1,0 +1,113 @@
+"""Readers that turn an experiment's own results JSON into experiments.reproduce's rows.
+
+Each experiment writes its results in its own shape (docs/results/<topic>.json, with the
+"command" that wrote it); a reader here picks the numbers the paper-vs-ours table shows.
+A file with no reader must already hold schema rows (reproduce.py's docstring).
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+
+def _pct(x: float) -> str:
+  return f"{100 * x:+.1f}%"
+
+
+def suppression(data: dict) -> list[dict]:
+  """The planted behaviour (held-out half of its vocabulary): rate before -> after."""
+  by = {r["condition"]: r for r in data["rows"]}
+  before = by["unedited"]
+  edit = next(r for c, r in by.items() if c.startswith("suppress"))
+  rnd = [r for c, r in by.items() if c.startswith("random")]
+  ban = by.get("token ban")
+  cut = 1 - edit["rate"]["mean"] / before["rate"]["mean"]
+  note = (f"{edit['prototypes']} prototypes, {100 * edit['share_of_bank']:.1f}% of the bank; "
+          f"neutral perplexity {_pct(edit['ppl_change'])}")
+  if ban:
+    note += f"; token ban: rate {ban['rate']['mean']:.3g}"
+  if rnd:
+    note += f"; {len(rnd)} random sets: rate moved {data['random_over_suppression']:.2f}× as much"
+  return [{"metric": f"suppression ({data['behaviour']})", "claim": "suppression",
+           "ours": f"rate {before['rate']['mean']:.3g} → {edit['rate']['mean']:.3g} "
+                   f"(−{100 * cut:.1f}%)", "note": note, "command": data["command"]}]
+
+
+def suppression_other(data: dict) -> list[dict]:
+  """Another behaviour's suppression: the same row, not the headline claim."""
+  row = suppression(data)[0]
+  del row["claim"]
+  return [row]
+
+
+def mc_eval(data: dict) -> list[dict]:
+  """Controller gains in accuracy points, averaged over the synthetic and offline tasks."""
+  rows = data["rows"]
+
+  def mean_delta(key: str, synthetic: bool) -> float:
+    d = [r["delta"][key][0] for r in rows if r["task"].startswith("synthetic") == synthetic]
+    return 100 * sum(d) / len(d)
+
+  out = []
+  for synthetic, name in ((True, "synthetic tasks"), (False, "offline lm-eval tasks")):
+    n = sum(r["task"].startswith("synthetic") == synthetic for r in rows)
+    out.append({
+        "metric": f"controllers, {name} ({n})",
+        "ours": f"{mean_delta('prism+ctrl - prism', synthetic):+.2f} points "
+                f"(SAE controller {mean_delta('dense+sae_ctrl - dense', synthetic):+.2f})",
+        "note": f"{name} ({n}): mean held-out accuracy change; tiny models",
+        "command": data["command"]})
+  out[0]["claim"] = "controllers"
+  out.append({"metric": "PRISM − dense accuracy", "claim": "quality",
+              "ours": f"{mean_delta('prism - dense', False):+.2f} points over the 7 offline "
+                      f"tasks, {mean_delta('prism - dense', True):+.2f} over the 2 synthetic",
+              "note": "tiny models at equal tokens; the offline tasks are near chance",
+              "command": data["command"]})
+  return out
+
+
+def throughput(data: dict) -> list[dict]:
+  """PRISM/dense training tokens/s (process CPU time) of the current code, per config."""
+  out = []
+  for r in data["rows"]:
+    if r["code"] == "new":
+      out.append({"metric": f"PRISM/dense train tokens/s, {r['config']} (CPU)",
+                  "ours": round(r["ratio_cpu"], 3),
+                  "note": f"{r['config']}, process CPU time; analytic {r['analytic']:.3f}",
+                  "command": data["command"]})
+  small = [o for o in out if o["metric"].endswith("small (CPU)")]
+  (small or out)[0]["claim"] = "throughput"
+  return out
+
+
+def cards(data: dict) -> list[dict]:
+  return [{"metric": f"prototype cards of the demo model (K {data['K']}) from the cache",
+           "paper": "not reported",
+           "ours": f"{data['cards_wall_s']:.1f} s wall; {data['cards_equal_brute_force']}/"
+                   f"{data['K']} equal a brute-force ranking", "command": data["command"]}]
+
+
+def cache_scale(data: dict) -> list[dict]:
+  out = []
+  for r in data["rows"]:
+    if r["rank"] == 64:
+      out.append({"metric": "attribution cache, rank 64, 0.5B / 10B tokens",
+                  "paper": "not reported",
+                  "ours": f"{r['store_GB_0.5B']:.0f} GB / {r['store_GB_10B']:.0f} GB "
+                          f"({r['record_bytes_per_token']} bytes/token)",
+                  "command": data["command"]})
+  return out
+
+
+# File stem -> reader; stems not listed must hold schema rows.
+READERS: dict[str, Callable[[dict], list[dict]]] = {
+    "suppression": suppression,
+    "suppression_doctest": suppression_other,
+    "mc_eval": mc_eval,
+    "throughput": throughput,
+    "cards": cards,
+    "cache_scale": cache_scale,
+}
+# Variants recorded beside a headline file (other selections, the dense twin): detail in
+# RESULTS.md's sections, not rows of the table.
+DETAIL_PREFIXES = ("suppression_",)
