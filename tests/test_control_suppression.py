@@ -163,3 +163,16 @@ def test_cli_bad_input_is_one_line(tmp_path, module, args, fragment):
   errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]
   assert proc.returncode == 2 and len(errors) == 1 and fragment in errors[0], proc.stderr[-2000:]
   assert "Traceback" not in proc.stderr
+
+
+def test_set_save_load_on_gcs(gcs):
+  """A set saved beside a run in a bucket (issue 19's gs:// paths): loaded back equal,
+  refused for another bank."""
+  del gcs  # the emulator's environment is set for the session
+  model = _model()
+  pset = ProtoSet.create(model, [5, 2], [0.7, 0.1], method="keywords", query="q")
+  path = pset.save("gs://bucket/suppress_run/sets.json")
+  assert path == "gs://bucket/suppress_run/sets.json"
+  assert ProtoSet.load(path, model) == pset
+  with pytest.raises(ValueError, match="another model"):
+    ProtoSet.load(path, _model(seed=70000))

@@ -18,14 +18,13 @@ from __future__ import annotations
 import dataclasses
 import hashlib
 import json
-import os
 from collections.abc import Sequence
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
-from prism_jax import io_guard
+from prism_jax import io_guard, paths
 from prism_jax.generate import GenerationOutput, generate
 from prism_jax.model.lm import LMOutput, PrismLM
 from prism_jax.model.logit_edit import controlled_logits, suppression_gains
@@ -89,18 +88,17 @@ class ProtoSet:
   def save(self, path: str, name: str | None = None) -> str:
     """Writes the set as JSON at `path`; a directory (e.g. a run's) gets
     <path>/suppression_sets/<name or method>.json, claimed like every output directory."""
-    if os.path.isdir(path) and not path.endswith(".json"):
-      out_dir = io_guard.claim_output_dir(os.path.join(path, SETS_DIR), "suppression sets")
-      path = os.path.join(out_dir, f"{name or self.method}.json")
-    with open(path, "w") as f:
-      json.dump({"format": FORMAT, **dataclasses.asdict(self)}, f, indent=2)
+    if paths.path(path).is_dir() and not path.endswith(".json"):
+      out_dir = io_guard.claim_output_dir(paths.join(path, SETS_DIR), "suppression sets")
+      path = paths.join(out_dir, f"{name or self.method}.json")
+    paths.write_text_atomic(path, json.dumps({"format": FORMAT, **dataclasses.asdict(self)},
+                                             indent=2))  # local or gs://
     return path
 
   @classmethod
   def load(cls, path: str, model: PrismLM) -> "ProtoSet":
     """Reads a saved set; refuses one saved for another model (different bank)."""
-    with open(path) as f:
-      raw = json.load(f)
+    raw = json.loads(paths.path(path).read_text())
     if raw.get("format") != FORMAT:
       raise ValueError(f"{path} is not a suppression set (format {raw.get('format')!r})")
     pset = cls(tuple(raw["ids"]), tuple(raw["scores"]), raw["method"], raw["query"],

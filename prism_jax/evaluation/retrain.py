@@ -19,14 +19,14 @@ from __future__ import annotations
 
 import dataclasses
 import json
-import os
+import io
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from prism_jax import losses
+from prism_jax import losses, paths
 from prism_jax.config import Config
 from prism_jax.data import batch as batch_lib
 from prism_jax.train import loop as loop_lib
@@ -153,17 +153,17 @@ class RetrainStore:
   """<dir>/<name>.npz per finished retrain: {"loss_Q", "rows", "seed"} (+ meta JSON)."""
 
   def __init__(self, directory: str):
-    self.directory = directory
-    os.makedirs(directory, exist_ok=True)
+    self.directory = paths.resolve(directory)  # local or gs://
+    paths.path(self.directory).mkdir(parents=True, exist_ok=True)
 
   def path(self, name: str) -> str:
-    return os.path.join(self.directory, f"{name}.npz")
+    return paths.join(self.directory, f"{name}.npz")
 
   def has(self, name: str) -> bool:
-    return os.path.exists(self.path(name))
+    return paths.path(self.path(name)).exists()
 
   def load(self, name: str) -> np.ndarray:
-    with np.load(self.path(name)) as f:
+    with np.load(io.BytesIO(paths.path(self.path(name)).read_bytes())) as f:
       return np.asarray(f["loss_Q"], np.float64)
 
   def run(self, name: str, cfg: Config, packed, rows, seed: int, queries: Queries
@@ -173,9 +173,10 @@ class RetrainStore:
       return self.load(name)
     model, metrics = retrain(cfg, packed, rows, seed)
     loss_Q = measure(model, queries)
-    tmp = self.path(name) + ".tmp.npz"
-    np.savez(tmp, loss_Q=loss_Q, rows=np.asarray(rows, np.int64), seed=seed)
-    os.replace(tmp, self.path(name))  # atomic: a killed run never leaves half a result
-    with open(os.path.join(self.directory, f"{name}.json"), "w") as f:
-      json.dump({"seed": int(seed), "num_rows": int(len(rows)), "train": metrics}, f)
+    buf = io.BytesIO()
+    np.savez(buf, loss_Q=loss_Q, rows=np.asarray(rows, np.int64), seed=seed)
+    # atomic: a killed run never leaves half a result
+    paths.write_bytes_atomic(self.path(name), buf.getvalue())
+    paths.write_text_atomic(paths.join(self.directory, f"{name}.json"), json.dumps(
+        {"seed": int(seed), "num_rows": int(len(rows)), "train": metrics}))
     return loss_Q
