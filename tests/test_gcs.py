@@ -14,6 +14,7 @@ import sys
 import time
 
 import numpy as np
+import pytest
 from etils import epath
 
 from test_train_resume import KILL_SCRIPT, N, REPO, SETS, write_corpus
