@@ -35,7 +35,7 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   del argv
-  from prism_jax import io_guard  # pylint: disable=g-import-not-at-top
+  from prism_jax import io_guard, paths  # pylint: disable=g-import-not-at-top
   from prism_jax.analysis import cards as cards_lib  # pylint: disable=g-import-not-at-top
   from prism_jax.analysis import report  # pylint: disable=g-import-not-at-top
   from prism_jax.attribution import cache as cache_lib  # pylint: disable=g-import-not-at-top
@@ -50,18 +50,19 @@ def main(argv):
                      "report needs prototypes; train with --model=prism")
   prompt = tokenizer.encode(FLAGS.prompt)
   # Claimed before any work: a directory that is not a report's fails here, in seconds.
-  out_dir = io_guard.claim_output_dir(FLAGS.out or os.path.join(FLAGS.workdir, "report"),
+  out_dir = io_guard.claim_output_dir(FLAGS.out or paths.join(FLAGS.workdir, "report"),
                                       report.REPORT_KIND)
   packed = prepare_data(cfg.data, cfg.model.vocab_size, FLAGS.workdir)
   cache = None
   if FLAGS.attribution:
-    cache_dir = FLAGS.cache_dir or os.path.join(FLAGS.workdir, "attribution_cache")
+    cache_dir = FLAGS.cache_dir or paths.join(FLAGS.workdir, "attribution_cache")
     t0 = time.time()
     cache = cache_lib.build_cache(model, cfg, packed, cache_dir, cache_lib.CacheConfig())
     logging.info("attribution cache ready in %.1fs: %s", time.time() - t0, cache_dir)
-  cards_dir = FLAGS.cards_dir or os.path.join(FLAGS.workdir, "cards")
+  cards_dir = FLAGS.cards_dir or paths.join(FLAGS.workdir, "cards")
   t0 = time.time()
-  if os.path.isfile(os.path.join(cards_dir, cards_lib.CARDS_FILE)) and not FLAGS.rebuild_cards:
+  saved = paths.path(paths.join(cards_dir, cards_lib.CARDS_FILE)).is_file()  # local or gs://
+  if saved and not FLAGS.rebuild_cards:
     cards = cards_lib.CardSet.load(cards_dir, model=model)
     print(f"cards: reused {cards_dir} ({time.time() - t0:.1f} s to load)")
   else:
@@ -71,7 +72,7 @@ def main(argv):
           f"{time.time() - t0:.1f} s -> {cards_dir}")
   data = report.report_data(model, cfg, tokenizer.decode, prompt, cards, cache=cache,
                             packed=packed, max_new_tokens=FLAGS.max_new_tokens,
-                            metrics_path=os.path.join(FLAGS.workdir, "metrics.jsonl"),
+                            metrics_path=paths.join(FLAGS.workdir, "metrics.jsonl"),
                             eos_id=tokenizer.eos_id,
                             title="PRISM report: "
                             + os.path.basename(os.path.abspath(FLAGS.workdir)))
