@@ -93,9 +93,7 @@ def main(argv):
   from prism_jax.train.metrics import quiet_library_logs  # pylint: disable=g-import-not-at-top
   quiet_library_logs(40)
   logging.set_verbosity(logging.INFO)
-  model, cfg, tok = load_for_inference(FLAGS.workdir)
-  if cfg.model.kind != "prism":
-    raise ValueError(f"{FLAGS.workdir} is a dense run: cards need prototypes")
+  model, cfg, tok = load_for_inference(FLAGS.workdir, needs_prototypes="a card")
   packed = prepare_data(cfg.data, cfg.model.vocab_size, FLAGS.workdir)
   cache = cache_lib.build_cache(
       model, cfg, packed, FLAGS.cache_dir or os.path.join(FLAGS.workdir, "attribution_cache"))

@@ -44,10 +44,7 @@ def main(argv):
   from prism_jax.train.metrics import quiet_library_logs  # pylint: disable=g-import-not-at-top
   quiet_library_logs(40)
   logging.set_verbosity(logging.INFO)
-  model, cfg, tokenizer = load_for_inference(FLAGS.workdir)
-  if cfg.model.kind != "prism":
-    raise ValueError(f"{FLAGS.workdir} is a dense run (model.kind={cfg.model.kind!r}): a "
-                     "report needs prototypes; train with --model=prism")
+  model, cfg, tokenizer = load_for_inference(FLAGS.workdir, needs_prototypes="a report")
   prompt = tokenizer.encode(FLAGS.prompt)
   # Claimed before any work: a directory that is not a report's fails here, in seconds.
   out_dir = io_guard.claim_output_dir(FLAGS.out or paths.join(FLAGS.workdir, "report"),

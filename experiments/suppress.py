@@ -134,7 +134,6 @@ def main(argv):
   import numpy as np  # pylint: disable=g-import-not-at-top
   from prism_jax.control import behaviours, stats  # pylint: disable=g-import-not-at-top
   from prism_jax.control.suppression import ProtoSet  # pylint: disable=g-import-not-at-top
-  from prism_jax.model.lm import PrismLM  # pylint: disable=g-import-not-at-top
   from prism_jax.train.inference import load_for_inference  # pylint: disable=g-import-not-at-top
   b = behaviours.behaviour(FLAGS.behaviour)
   gen_kw = dict(num_samples=FLAGS.num_samples, max_new_tokens=FLAGS.max_new_tokens,
@@ -152,9 +151,7 @@ def main(argv):
     with open(out, "w") as f:
       json.dump(dense, f, indent=2)
     return
-  model, cfg, tokenizer = load_for_inference(FLAGS.workdir)
-  if not isinstance(model, PrismLM):
-    raise ValueError(f"{FLAGS.workdir} is a dense run: suppression needs PRISM prototypes")
+  model, cfg, tokenizer = load_for_inference(FLAGS.workdir, needs_prototypes="suppression")
   packed, val = _val_batch(FLAGS.workdir, cfg)
   ban_ids = behaviours.word_token_ids(tokenizer, b.select_words)
   sweep = sorted(int(n) for n in FLAGS.sweep)

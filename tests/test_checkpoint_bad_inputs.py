@@ -6,6 +6,7 @@ bit-exactly (into this 8-device mesh) and `load_for_inference` reads it back.
 """
 
 import filecmp
+import json
 import logging
 import os
 import shutil
@@ -74,6 +75,20 @@ def test_checkpoints_written_and_restorable(trained):
   assert step == 4
   assert np.array_equal(np.asarray(model.bank.protos[...]),
                         np.asarray(params["bank"]["protos"]))
+
+
+def test_dense_run_is_refused_where_prototypes_are_needed(trained, tmp_path):
+  _, workdir, _ = trained
+  model, _, _ = load_for_inference(workdir, needs_prototypes="a report")  # a PRISM run passes
+  assert hasattr(model, "bank")
+  run = _copy(workdir, tmp_path)
+  path = os.path.join(run, "config.json")
+  saved = json.load(open(path))
+  saved["model"]["kind"] = "dense"
+  json.dump(saved, open(path, "w"))
+  with pytest.raises(ValueError, match=r"is a dense run \(model.kind='dense'\): a report "
+                     "needs prototypes"):
+    load_for_inference(run, needs_prototypes="a report")
 
 
 def test_config_mismatch_is_refused_naming_fields(trained, tmp_path):

@@ -66,8 +66,18 @@ def load_params(workdir: str, cfg: Config | None = None, step: int | None = None
 
 
 def load_for_inference(workdir: str, step: int | None = None,
-                       mesh: jax.sharding.Mesh | None = None) -> tuple[Any, Config, Any]:
-  """(model, cfg, tokenizer) of a trained run: the NNX module with the checkpoint's params."""
+                       mesh: jax.sharding.Mesh | None = None,
+                       needs_prototypes: str | None = None) -> tuple[Any, Config, Any]:
+  """(model, cfg, tokenizer) of a trained run: the NNX module with the checkpoint's params.
+
+  `needs_prototypes` names what the caller does with the model ("a report", "suppression"):
+  a dense run is then refused with one error, before its checkpoint is read.
+  """
+  if needs_prototypes is not None:
+    kind = load_config(workdir).model.kind
+    if kind != "prism":
+      raise ValueError(f"{workdir} is a dense run (model.kind={kind!r}): {needs_prototypes} "
+                       "needs prototypes; train with --model=prism")
   graphdef, params, cfg, _ = load_params(workdir, step=step, mesh=mesh)
   model = nnx.merge(graphdef, params)
   return model, cfg, load_tokenizer(workdir, cfg)
