@@ -170,3 +170,5 @@ def test_bootstrap():
   np.testing.assert_allclose([fall.mean, fall.lo, fall.hi], 0.8, atol=1e-9)
   with pytest.raises(ValueError, match="never occurs"):
     stats.bootstrap_ratio_change(np.zeros(3), np.zeros(3))
+  with pytest.raises(ValueError, match="level must be in"):
+    stats.bootstrap_ratio_change(x, 0.5 * x, level=1.5)

@@ -71,3 +71,6 @@ def test_paired_bootstrap_matches_a_loop():
   assert lo <= m <= hi and m == pytest.approx(a.mean())
   with pytest.raises(ValueError, match="same items"):
     stats.paired_diff_ci(a, b[:10], index)
+  for level in (0.0, 1.0, 95):
+    with pytest.raises(ValueError, match="level must be in"):
+      stats.mean_ci(a, index, level)

@@ -15,18 +15,12 @@ class Estimate(NamedTuple):
   hi: float
 
 
-def _check_level(level: float) -> None:
-  if not 0.0 < level < 1.0:
-    raise ValueError(f"level must be in (0, 1), got {level}")
-
-
 def bootstrap_mean(values, *, num_resamples: int = 2000, level: float = 0.95,
                    seed: int = 0) -> Estimate:
   """The mean of `values` and its percentile-bootstrap CI at `level`."""
   x = np.asarray(values, np.float64).reshape(-1)
   if x.size == 0:
     raise ValueError("bootstrap of an empty sample")
-  _check_level(level)
   return Estimate(*eval_stats.mean_ci(x, eval_stats.bootstrap_index(x.size, num_resamples,
                                                                      seed), level))
 
@@ -40,8 +34,6 @@ def bootstrap_ratio_change(before, after, *, num_resamples: int = 2000, level: f
     raise ValueError(f"paired samples must have one equal, non-empty shape: {b.shape} {a.shape}")
   if b.mean() <= 0:
     raise ValueError("the behaviour never occurs before the edit: no rate to reduce")
-  _check_level(level)
   pick = eval_stats.bootstrap_index(b.size, num_resamples, seed)
   ratios = 1.0 - a[pick].mean(1) / np.maximum(b[pick].mean(1), 1e-12)
-  lo, hi = np.quantile(ratios, [(1 - level) / 2, (1 + level) / 2])
-  return Estimate(float(1.0 - a.mean() / b.mean()), float(lo), float(hi))
+  return Estimate(float(1.0 - a.mean() / b.mean()), *eval_stats.percentile_ci(ratios, level))

@@ -13,13 +13,19 @@ def bootstrap_index(n: int, resamples: int = 2000, seed: int = 0) -> np.ndarray:
   return np.random.default_rng(seed).integers(0, n, size=(resamples, n))
 
 
+def percentile_ci(stat_R: np.ndarray, level: float = 0.95) -> tuple[float, float]:
+  """(low, high): the central `level` interval of a statistic's bootstrap replicates."""
+  if not 0.0 < level < 1.0:
+    raise ValueError(f"level must be in (0, 1), got {level}")
+  lo, hi = np.quantile(stat_R, [(1 - level) / 2, (1 + level) / 2])
+  return float(lo), float(hi)
+
+
 def mean_ci(correct_n: np.ndarray, index_RxN: np.ndarray, level: float = 0.95
             ) -> tuple[float, float, float]:
   """(mean, low, high): percentile bootstrap CI of the mean of per-item values."""
   correct_n = np.asarray(correct_n, np.float64)
-  means_R = correct_n[index_RxN].mean(1)
-  lo, hi = np.quantile(means_R, [(1 - level) / 2, (1 + level) / 2])
-  return float(correct_n.mean()), float(lo), float(hi)
+  return (float(correct_n.mean()), *percentile_ci(correct_n[index_RxN].mean(1), level))
 
 
 def paired_diff_ci(a_n: np.ndarray, b_n: np.ndarray, index_RxN: np.ndarray,
