@@ -100,7 +100,7 @@ def retrain(cfg: Config, packed, rows, seed: int, *, progress: bool = False):
         return state
       loop.flush()
       # THE recipe's init: >= 2K hidden states from the next batches (train/loop.py).
-      toks, mask = loop_lib._proto_init_tokens(source, cfg, s)  # pylint: disable=protected-access
+      toks, mask = loop_lib.proto_init_tokens(source, cfg, s)
       return loop_lib.init_prototypes(graphdef, state, shardings, cfg, toks, mask)
 
     batches = (step_lib.device_batch(source.global_batch_at(s), mesh, tc.batch_size)

@@ -79,7 +79,7 @@ def init_prototypes(graphdef, state: TrainState, shardings: TrainState, cfg: Con
   return TrainState(state.step, params, opt_state)
 
 
-def _proto_init_tokens(loader, cfg: Config, step: int) -> tuple[np.ndarray, np.ndarray]:
+def proto_init_tokens(loader, cfg: Config, step: int) -> tuple[np.ndarray, np.ndarray]:
   """Global batches step, step+1, ... until there are >= 2K valid tokens (every process
   reads the same global rows so all processes pick the same prototypes)."""
   need = 2 * cfg.model.num_prototypes
@@ -220,7 +220,7 @@ def _run(cfg, workdir, mesh, ckpt, packed, train_loader, val_loader, callbacks, 
         return state
       loop.flush()
       with loop.paused():
-        toks, mask = _proto_init_tokens(train_loader, cfg, s)
+        toks, mask = proto_init_tokens(train_loader, cfg, s)
         state = init_prototypes(graphdef, state, shardings, cfg, toks, mask)
       loop.note(f"step {s}: prototypes set from {int(mask.sum())} hidden states (k-means++)")
       return state
