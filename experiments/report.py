@@ -27,6 +27,8 @@ flags.DEFINE_integer("max_new_tokens", 32, "tokens to generate (greedy)")
 flags.DEFINE_integer("top_m", 16, "training contexts per card")
 flags.DEFINE_bool("attribution", True, "build/use the attribution cache (attributed "
                   "training sequences per generated token)")
+flags.DEFINE_integer("detail_cards", 1024, "cards embedded in full (the sample's prototypes, "
+                     "their neighbours, the most used); the rest keep label and usage")
 flags.DEFINE_bool("rebuild_cards", False, "rebuild the cards even if a set is saved")
 flags.DEFINE_string("screenshot", None, "also write a PNG of the page (headless Chromium)")
 flags.mark_flags_as_required(["workdir", "prompt"])
@@ -70,7 +72,7 @@ def main(argv):
   data = report.report_data(model, cfg, tokenizer.decode, prompt, cards, cache=cache,
                             packed=packed, max_new_tokens=FLAGS.max_new_tokens,
                             metrics_path=paths.join(FLAGS.workdir, "metrics.jsonl"),
-                            eos_id=tokenizer.eos_id,
+                            eos_id=tokenizer.eos_id, detail_cards=FLAGS.detail_cards,
                             title="PRISM report: "
                             + os.path.basename(os.path.abspath(FLAGS.workdir)))
   path = report.write_report(out_dir, data)

@@ -107,6 +107,29 @@ def test_report_in_browser(page_setup):
   assert pixels.shape[0] > 500 and pixels.std() > 10.0, pixels.std()
 
 
+def test_slim_report_keeps_the_sample_cards_in_full(page_setup, tmp_path):
+  s = page_setup
+  cards, tok = s["cards"], s["tok"]
+  data = report.report_data(s["model"], s["cfg"], tok.decode, tok.encode(PROMPT), cards,
+                            max_new_tokens=1, eos_id=tok.eos_id, detail_cards=4)
+  shown = {p["id"] for t in data["tokens"] for p in t["protos"]}
+  full = {i for i, c in enumerate(data["cards"]) if not c.get("slim")}
+  near = [int(j) for i in sorted(shown) for j in cards.card(i).neighbours["ids"]]
+  expected = list(dict.fromkeys(sorted(shown) + near))[:max(4, len(shown))]
+  assert full == set(expected) and len(data["cards"]) == tiny_run.K
+  assert data["detail_cards"] == len(full) < tiny_run.K
+  slim = min(set(range(tiny_run.K)) - full)
+  assert data["cards"][slim]["label"] == cards.card(slim).label  # the list still searches it
+  with browser.open_page(report.write_report(str(tmp_path / "slim"), data)) as view:
+    view.page.locator(f'#map circle.pt[data-proto="{slim}"]').click()
+    assert f"details of {len(full)} of {tiny_run.K}" in view.page.locator("#card").inner_text()
+    view.page.locator("span.tok").first.click()  # a sample token's prototypes: full cards
+    assert view.page.locator("#detail tr.proto-row").count() == s["model"].cfg.k + 1
+  assert view.errors == [] and view.requests == []
+  with pytest.raises(ValueError, match="detail_cards must be >= 0"):
+    report.detailed_cards(cards, [0], -1)
+
+
 def test_page_makes_no_request_even_if_asked(page_setup, tmp_path):
   # The routing itself can fail: a page that fetches something must be caught.
   bad = tmp_path / "bad.html"

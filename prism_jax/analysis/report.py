@@ -97,7 +97,10 @@ def read_metrics(path: str | None) -> dict:
                                      if any(x is not None for x in v)}}
 
 
-def _card_json(c) -> dict:
+def _card_json(c, detail: bool = True) -> dict:
+  if not detail:  # enough for the map, the list and its search by label
+    return {"label": c.label, "terms": list(c.label_terms), "usage": c.usage,
+            "xy": list(c.map_xy), "slim": True, "contexts": []}
   return {"label": c.label, "terms": list(c.label_terms), "usage": c.usage, "xy": list(c.map_xy),
           "promoted": [list(p) for p in c.promoted[:CARD_LOGITS]],
           "demoted": [list(p) for p in c.demoted[:CARD_LOGITS]],
@@ -117,11 +120,33 @@ def _usage_hist(usage_K: np.ndarray, bins: int = 24) -> dict:
           "never": int((usage_K == 0).sum())}
 
 
+def detailed_cards(cards: CardSet, shown_ids, limit: int) -> list[int]:
+  """The cards whose contexts, signature and neighbours are embedded: all K when K <= limit,
+  else the sample's prototypes (always), then their neighbours, then the most used, up to
+  `limit`. The rest keep label, usage and map point (a full card is ~2 kB of page)."""
+  if limit < 0:
+    raise ValueError(f"detail_cards must be >= 0, got {limit}")
+  if len(cards) <= limit:
+    return list(range(len(cards)))
+  keep = dict.fromkeys(sorted(int(i) for i in shown_ids))
+  near = [int(j) for i in list(keep) for j in cards.card(i).neighbours["ids"]]
+  by_usage = np.argsort([-c.usage for c in cards.cards], kind="stable").tolist()
+  for i in near + by_usage:
+    if len(keep) >= limit:
+      break
+    keep.setdefault(int(i))
+  return list(keep)
+
+
 def report_data(model, cfg: Config, decode: Callable, prompt_ids: Sequence[int],
                 cards: CardSet, *, cache=None, packed=None, metrics_path: str | None = None,
                 max_new_tokens: int = 32, eos_id: int | None = None, top_sequences: int = 3,
-                title: str = "PRISM report") -> dict:
-  """Everything the page shows, as one JSON-able dict (report_page.render draws it)."""
+                title: str = "PRISM report", detail_cards: int = 1024) -> dict:
+  """Everything the page shows, as one JSON-able dict (report_page.render draws it).
+
+  `detail_cards` caps the cards embedded in full (see `detailed_cards`): at K 8192 all of
+  them would make a ~16 MB page.
+  """
   if cfg.model.kind != "prism" or not hasattr(model, "bank"):
     raise ValueError("a PRISM report needs a PRISM run (model.kind='prism'); this one is "
                      f"{cfg.model.kind!r} and has no prototypes")
@@ -158,6 +183,7 @@ def report_data(model, cfg: Config, decode: Callable, prompt_ids: Sequence[int],
         "attributions": atts[gen_j] if (atts is not None and gen_j >= 0) else []})
   usage = np.array([c.usage for c in cards.cards])
   text = decode(seq.tolist())
+  detail = set(detailed_cards(cards, np.unique(idx), detail_cards))
   return {
       "title": title, "subtitle": f"K={cfg.model.num_prototypes} prototypes, k="
       f"{cfg.model.k} active; sample: {text[:160]!r}",
@@ -169,7 +195,8 @@ def report_data(model, cfg: Config, decode: Callable, prompt_ids: Sequence[int],
       "attribution_note": ("top attributed training sequences are listed for generated "
                            "tokens" if atts is not None else
                            "no attribution cache given: no attributed training sequences"),
-      "cards": [_card_json(c) for c in cards.cards], "map_method": cards.map_method,
+      "cards": [_card_json(c, i in detail) for i, c in enumerate(cards.cards)],
+      "detail_cards": len(detail), "map_method": cards.map_method,
       "label_method": LABEL_METHOD, "usage_hist": _usage_hist(usage),
       "metrics": read_metrics(metrics_path)}
 

@@ -218,6 +218,16 @@ function histogram(svg, counts, W, H) {
 }
 function showCard(i) {
   const c = card(i), box = $('#card');
+  if (c.slim) {  // report_data(detail_cards=...) embedded only its label and usage
+    box.innerHTML = `<h2 id="card-${i}">card #${i} <span class="label">${esc(c.label)}` +
+      `</span></h2><div class="muted">usage ${(100 * c.usage).toFixed(3)}% of training ` +
+      `tokens. This page embeds the details of ${D.detail_cards} of ${D.cards.length} ` +
+      'cards (the sample\'s prototypes, their neighbours, the most used); the others are ' +
+      'in cards.json (CardSet.load).</div>';
+    document.querySelectorAll('circle.pt').forEach(p =>
+      p.setAttribute('r', +p.dataset.proto === i ? 6 : 3.2));
+    return;
+  }
   box.innerHTML = `<h2 id="card-${i}">card #${i} <span class="label">${esc(c.label)}</span>` +
     `</h2><div class="muted">usage ${(100 * c.usage).toFixed(3)}% of training tokens; ` +
     `automatic label, ${esc(D.label_method)}</div><h2>top training contexts</h2>` +
