@@ -16,6 +16,7 @@ import json
 import os
 import subprocess
 import sys
+import tempfile
 import time
 
 from absl import flags
@@ -84,8 +85,8 @@ def main(argv):
   from prism_jax import paths  # pylint: disable=g-import-not-at-top
   if FLAGS.num_processes < 2:
     raise ValueError(f"--num_processes={FLAGS.num_processes}: compare at least 2 with 1")
-  log_dir = os.path.abspath("cache_multihost_logs")
-  os.makedirs(log_dir, exist_ok=True)
+  log_dir = tempfile.mkdtemp(prefix="cache_multihost_")  # each process's log
+  print(f"build logs in {log_dir}")
   rows = []
   for count, name in ((1, "one"), (FLAGS.num_processes, "multi")):
     wall = _build(paths.join(FLAGS.out, name), count, log_dir)
