@@ -200,8 +200,9 @@ def _merge(parts, part_offsets, i: int, j: int) -> tuple[np.ndarray, np.ndarray]
     if hi > lo:
       reads.append((part["tokens"][lo:hi].read(), part["acts"][lo:hi].read()))
       protos.append(np.repeat(np.arange(i, j, dtype=np.int64), np.diff(offs[i:j + 1])))
-  if not reads:
-    return np.zeros(0, np.int64), np.zeros(0, np.float32)
+  if not reads:  # (a group always holds entries of some part; kept for safety)
+    return (np.zeros(0, parts[0]["tokens"].dtype.numpy_dtype),
+            np.zeros(0, np.float32))
   tok = np.concatenate([t.result() for t, _ in reads])
   act = np.concatenate([a.result() for _, a in reads])
   order = np.lexsort((tok, -act, np.concatenate(protos)))
