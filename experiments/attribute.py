@@ -2,14 +2,20 @@
 
   python -m experiments.attribute --workdir=DIR --prompt="The with statement" \
       [--max_new_tokens=16] [--top=3] [--rank=64] [--cache_dir=DIR/attribution_cache]
+  # the cache alone, by every host of a job at once (README "multi-host"):
+  python -m experiments.attribute --workdir=gs://b/run --build_only --distributed=on \
+      [--coordinator_address=h0:1234 --num_processes=N --process_id=I] [--stat_shards=64]
 
 The first call builds the attribution cache (resumable: rerun after an interruption); later
-calls reuse it, and refuse it if the checkpoint or config changed.
+calls reuse it, and refuse it if the checkpoint or config changed. Under jax.distributed
+(prism_jax/distributed.py's flags, as experiments.train) every process runs the same
+command, loads the checkpoint onto its own devices and writes its share of the cache
+(attribution/cache_shards.py); only process 0 prints.
 """
 
-import os
 import sys
 
+import jax
 from absl import flags
 
 from experiments import cli
@@ -25,31 +31,61 @@ flags.DEFINE_enum("coupling", "block_diagonal", ["block_diagonal", "co_usage"],
                   "preconditioner of the prototype blocks")
 flags.DEFINE_bool("rebuild", False, "rebuild the cache even if one exists (a cache of another "
                   "checkpoint/config is refused otherwise)")
-flags.mark_flags_as_required(["workdir", "prompt"])
+flags.DEFINE_bool("build_only", False, "build (or resume) the cache, print its size, stop "
+                  "(no --prompt needed)")
+flags.DEFINE_bool("cache_in_memory", True, "read the whole cache into memory (fastest); "
+                  "--nocache_in_memory reads only the chunks each query touches (a cache "
+                  "larger than this host's memory, e.g. in a bucket)")
+flags.DEFINE_integer("stat_shards", None, "cache.stat_shards (>= the process count; default "
+                     "64): pass-1 shards folded in order, so any process count <= it gives "
+                     "the same bits")
+flags.mark_flags_as_required(["workdir"])
 FLAGS = flags.FLAGS
+
+from prism_jax import distributed  # noqa: E402  (registers the multi-host flags)
+
+distributed.define_flags()
 
 
 def main(argv):
   del argv
-  from prism_jax import io_guard  # pylint: disable=g-import-not-at-top
+  if not FLAGS.build_only and not FLAGS.prompt:
+    raise ValueError("--prompt is required (or --build_only to only build the cache)")
+  distributed.initialize_from_flags()  # no-op for a single process
+  from prism_jax import io_guard, paths  # pylint: disable=g-import-not-at-top
   from prism_jax.attribution import cache as cache_lib  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution import cache_build  # pylint: disable=g-import-not-at-top
   from prism_jax.attribution import influence  # pylint: disable=g-import-not-at-top
   from prism_jax.data import prepare_data  # pylint: disable=g-import-not-at-top
   from prism_jax.train import load_for_inference  # pylint: disable=g-import-not-at-top
 
-  model, cfg, tokenizer = load_for_inference(FLAGS.workdir)
+  # every process holds the whole model on its own devices (the build splits the data)
+  mesh = None
+  if jax.process_count() > 1:
+    from prism_jax import sharding  # pylint: disable=g-import-not-at-top
+    mesh = sharding.make_mesh(devices=jax.local_devices())
+  model, cfg, tokenizer = load_for_inference(FLAGS.workdir, mesh=mesh)
   if cfg.model.kind != "prism":
     sys.exit("error: attribution needs a PRISM run (model.kind='prism')")
   packed = prepare_data(cfg.data, cfg.model.vocab_size, FLAGS.workdir)
-  cache_dir = FLAGS.cache_dir or os.path.join(FLAGS.workdir, "attribution_cache")
+  cache_dir = FLAGS.cache_dir or paths.join(FLAGS.workdir, "attribution_cache")
+  cache_cfg = cache_lib.CacheConfig(rank=FLAGS.rank, **(
+      {"stat_shards": FLAGS.stat_shards} if FLAGS.stat_shards is not None else {}))
   try:
-    cache = cache_lib.build_cache(model, cfg, packed, cache_dir,
-                                  cache_lib.CacheConfig(rank=FLAGS.rank),
-                                  overwrite=FLAGS.rebuild)
+    cache_build.write_cache(model, cfg, packed, cache_dir, cache_cfg, overwrite=FLAGS.rebuild)
   except cache_lib.CacheMismatchError as e:
     sys.exit(f"error: {e}\n(rerun with --rebuild to replace it)")
   except io_guard.OutputDirError as e:
     sys.exit(f"error: {e}")
+  if not distributed.is_main_process():
+    return
+  # --build_only reads no record: the cache may be far larger than this host's memory
+  cache = cache_lib.AttributionCache(cache_dir, model, cfg,
+                                     in_memory=FLAGS.cache_in_memory and not FLAGS.build_only)
+  if FLAGS.build_only:
+    print(f"cache: {cache.path}: {cache.num_tokens} tokens, "
+          f"{cache.nbytes_per_token():.0f} bytes/token, {jax.process_count()} process(es)")
+    return
   prompt = tokenizer.encode(FLAGS.prompt)
   if not prompt:
     sys.exit("error: the prompt encodes to no tokens")

@@ -4,6 +4,19 @@
 with its own documented setting: STORAGE_EMULATOR_HOST (gcsfs, so etils epath; the google clients),
 TENSORSTORE_GCS_HTTP_URL + GOOGLE_AUTH_TOKEN_FOR_TESTING (tensorstore's gcs kvstore, so
 orbax's arrays and the attribution cache). Subprocesses inherit the environment.
+
+The server runs through this file's `__main__` (`serve`), which patches one response of
+gcp-storage-emulator 2026.7.19: its media download sends no `x-goog-generation` header,
+which real GCS always sends. tensorstore's gcs kvstore takes a full or ranged read's
+generation from that header, so without it every read object gets generation 0, and the
+next conditional request on it (a cache revalidation `ifGenerationNotMatch`, or OCDBT's
+manifest read-modify-write `ifGenerationMatch`) is refused client-side with "Malformed
+StorageGeneration" (a GCS generation must be > 0). An OCDBT store that reads its
+manifest and then writes it fails every time ("Error writing gs://.../manifest.ocdbt:
+Malformed StorageGeneration", orbax's error in the gs:// resume test); an orbax save hits
+that only when a manifest's generation came from a read rather than its own write, which
+varies with timing: hence that test's intermittent failures.
+`test_gcs.py::test_emulator_reports_read_generations` pins the patched behaviour.
 """
 
 import contextlib
@@ -28,11 +41,8 @@ def free_port() -> int:
 def running():
   """Yields the emulator's environment (also set in os.environ until the block ends)."""
   port = free_port()
-  # Its own process (the package's CLI): served in a thread of the test process, writes
-  # from the subprocesses under test were seen to fail ("Malformed StorageGeneration").
-  server = subprocess.Popen([sys.executable, "-m", "gcp_storage_emulator", "start",
-                             "--host", "127.0.0.1", "--port", str(port), "--in-memory",
-                             "--default-bucket", BUCKET],
+  # Its own process (this file's `serve`), so the tests' own processes stay light.
+  server = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(port)],
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   try:
     deadline = time.time() + 30
@@ -66,3 +76,36 @@ def running():
     except subprocess.TimeoutExpired:
       server.kill()
       server.wait()
+
+
+def _with_generation_headers(download):
+  """The emulator's download handler, also answering GCS's x-goog-generation and
+  x-goog-metageneration headers (see the module docstring)."""
+
+  def patched(request, response, storage, *args, **kwargs):
+    download(request, response, storage, *args, **kwargs)
+    if response.status in (200, 206):
+      obj = storage.get_file_obj(request.params["bucket_name"],
+                                 request.params["object_id"])
+      response["x-goog-generation"] = str(obj["generation"])
+      response["x-goog-metageneration"] = str(obj["metageneration"])
+
+  return patched
+
+
+def serve(port: int) -> None:
+  """Runs the emulator (in memory, bucket BUCKET) on loopback:port until terminated."""
+  # pylint: disable=import-outside-toplevel
+  from gcp_storage_emulator import server as server_lib
+  from gcp_storage_emulator.handlers import objects
+  original = objects.download
+  patched = _with_generation_headers(original)
+  objects.download = patched  # objects.get(alt=media) calls it by its module name
+  server_lib.HANDLERS = tuple(  # the route table holds the function itself
+      (rx, {m: patched if h is original else h for m, h in handlers.items()})
+      for rx, handlers in server_lib.HANDLERS)
+  server_lib.create_server("127.0.0.1", port, in_memory=True, default_bucket=BUCKET).run()
+
+
+if __name__ == "__main__":
+  serve(int(sys.argv[1]))

@@ -1,6 +1,7 @@
 """The attribution cache built by 2 processes x 4 CPU devices (jax.distributed on loopback)
-into gs:// (the emulator) equals the 1-process build bit for bit and answers a query with
-identical scores; one process SIGKILLed mid-build and the job rerun resumes.
+into gs:// (the emulator) equals the 1-process build bit for bit (the inverted index too,
+each process writing its share) and answers a query with identical scores; one process
+SIGKILLed mid-build and the job rerun resumes.
 
 The same file is the worker: `python tests/test_cache_multihost.py worker PID PORT WORKDIR
 CACHE [DIE]`: it initialises jax.distributed, opens the packed data from gs://, builds the
@@ -50,14 +51,17 @@ def worker(pid: int, port: int, workdir: str, out: str, die: bool) -> None:
   cfg = _config(workdir)
 
   prog = f"{out}/{cache_shards.progress_name(pid)}"
+  index_writes = []
 
   def on_batch(pass_index, rows):  # dies mid pass 2, once its first chunks are written
     if die and pid == 1 and pass_index == 2 and cache_format.read_json(prog)["pass"] == 2:
       os.kill(os.getpid(), signal.SIGKILL)
+    if pass_index == 3:  # this process wrote its share of the inverted index
+      index_writes.append(rows)
 
   cache_lib.build_cache(build_model(cfg.model, 0), cfg, PackedData(PACKED), out, CACHE_CFG,
                         progress=False, on_batch=on_batch)
-  print("BUILT", flush=True)
+  print(f"BUILT, index writes {len(index_writes)}", flush=True)
 
 
 def _read_all(path):
@@ -144,6 +148,8 @@ def test_two_process_build_equals_one_process_and_resumes_after_a_kill(reference
     for p in procs:
       if p.poll() is None:
         p.kill()
+  for log in logs:  # both processes wrote a share of the index (cache_index.py)
+    assert "BUILT, index writes 0" not in log.read_text() and "BUILT" in log.read_text()
   got, meta_got = _read_all(out)
   want, meta_want = _read_all(one.path)
   assert meta_got == meta_want and sorted(got) == sorted(want)
@@ -174,6 +180,14 @@ def test_shares_are_chunk_aligned_and_cover_every_token():
   with pytest.raises(ValueError, match="stat_shards >= the process count"):
     cache_shards.check_processes(2, 3)
 
+
+def test_attribute_cli_needs_a_prompt_unless_build_only(tmp_path):
+  out = subprocess.run([sys.executable, "-m", "experiments.attribute",
+                        f"--workdir={tmp_path}"], cwd=REPO, capture_output=True, text=True,
+                       timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert out.returncode == 2
+  assert out.stderr.strip().splitlines() == [
+      "error: --prompt is required (or --build_only to only build the cache)"]
 
 if __name__ == "__main__":
   if len(sys.argv) in (6, 7) and sys.argv[1] == "worker":

@@ -3,7 +3,8 @@
 Training into gs://bucket/run (corpus, packed data, checkpoints, metrics all in the
 bucket), SIGKILLed after checkpoint N and resumed, logs the same per-step losses bit for
 bit as an uninterrupted local run. A gs:// path with no credentials and no emulator is one
-clear error naming the path.
+clear error naming the path. The emulator answers reads with their object's generation
+(gcs_emulator.py's patch), as GCS does: OCDBT (orbax's checkpoints) depends on it.
 """
 
 import json
@@ -14,7 +15,7 @@ import sys
 import time
 
 import numpy as np
-import pytest
+import tensorstore as ts
 from etils import epath
 
 from test_train_resume import KILL_SCRIPT, N, REPO, SETS, write_corpus
@@ -41,13 +42,6 @@ def _checkpoint_complete(workdir, step):
   return epath.Path(workdir, "checkpoints", str(step), "commit_success.txt").exists()
 
 
-# Known failure, not understood yet: against gcp-storage-emulator 2026.7.19, orbax's OCDBT
-# manifest write of a checkpoint sometimes fails inside tensorstore's gcs kvstore with
-# "Malformed StorageGeneration" (it passed on the issue-19 branch, then failed twice in a
-# row on the merged tree, and alone). Marked so CI reports it (XFAIL/XPASS) without
-# blocking; the cache-on-gs:// and multi-process tests below it still assert.
-@pytest.mark.xfail(reason="emulator: OCDBT manifest write -> Malformed StorageGeneration "
-                   "(intermittent; see the comment above)", strict=False)
 def test_train_into_bucket_sigkill_then_resume_matches_uninterrupted(gcs, tmp_path):
   local = write_corpus(tmp_path / "corpus.txt")
   data = "gs://bucket/corpus/corpus.txt"
@@ -106,3 +100,21 @@ def test_gs_path_without_credentials_is_one_clear_error(tmp_path):
   errors = [l for l in out.stderr.splitlines() if l.startswith("error:")]
   assert len(errors) == 1, out.stderr[-2000:]
   assert "gs://nobucket/run" in errors[0] and "credentials" in errors[0]
+
+
+def test_emulator_reports_read_generations(gcs):
+  """A read's generation is the object's (not 0), so conditional requests on it work; an
+  OCDBT store reopened by a fresh context (a resumed process) reads and then writes its
+  manifest. Without gcs_emulator's patch both fail with "Malformed StorageGeneration"."""
+  kv = ts.KvStore.open({"driver": "gcs", "bucket": "bucket", "path": "gen/"}).result()
+  written = kv.write("k", b"v1").result().generation
+  read = kv.read("k").result()
+  assert read.value == b"v1" and read.stamp.generation == written
+  assert kv.read("k", if_not_equal=written).result().state in ("unspecified", "value")
+  kv.write("k", b"v2", if_equal=written).result()
+  spec = {"driver": "ocdbt", "base": {"driver": "gcs", "bucket": "bucket", "path": "ocdbt/"}}
+  ts.KvStore.open(spec).result().write("a", b"1").result()
+  fresh = ts.KvStore.open(spec, context=ts.Context()).result()
+  assert fresh.read("a").result().value == b"1"
+  fresh.write("b", b"2").result()
+  assert ts.KvStore.open(spec, context=ts.Context()).result().read("b").result().value == b"2"

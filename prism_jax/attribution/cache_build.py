@@ -10,7 +10,9 @@ pieces). Passes, in row order:
   2. records of every valid training token; each row's token range is known from pass 1's
      per-row counts, so every batch is written at a fixed place; `progress.json` records the
      rows done *after* the write completed.
-  3. the inverted index (CSR) prototype -> tokens, by decreasing activation.
+  3. the inverted index (CSR) prototype -> tokens, by decreasing activation: each
+     process inverts its token share, then writes its share of the merged index
+     (cache_index.py).
 
 Each pass is a function (curvature_pass, records_pass, index_pass); `write_cache` runs all
 three, `write_records` the records alone (no curvature: g in a given basis, raw by default).
@@ -26,11 +28,14 @@ from absl import logging
 
 from prism_jax import io_guard, paths
 from prism_jax.attribution import cache_format as fmt
+from prism_jax.attribution import cache_index
 from prism_jax.attribution import cache_shards as shards
 from prism_jax.attribution import curvature as cv
 from prism_jax.attribution import curvature_stats as cs
 from prism_jax.config import Config
 from prism_jax.data import batch as batch_lib
+
+index_pass = cache_index.index_pass  # pass 3 (its own module: split over processes)
 
 
 class _Progress:
@@ -136,7 +141,8 @@ def write_cache(model, cfg: Config, packed, out_dir: str,
 
   Under jax.distributed every process calls this with the same arguments and writes its
   own share (cache_shards.py); one process builds the same bits alone.
-  `on_batch(pass_index, rows_done)` is called after every batch (tests, monitoring).
+  `on_batch(pass_index, rows_done)` is called after every batch (tests, monitoring); in
+  pass 3 after every index write, with the entries written.
   cache.build_cache wraps this and opens the result.
   """
   out_dir = paths.resolve(out_dir)
@@ -157,13 +163,12 @@ def write_cache(model, cfg: Config, packed, out_dir: str,
     prog = {"pass": 3, "rows_done": 0}
     if shards.process()[0] == 0:
       fmt.write_json(paths.join(out_dir, fmt.PROGRESS), prog)
-  if prog["pass"] == 3:
+  if prog["pass"] == 3:  # every process inverts its share (cache_index.py)
+    index_pass(out_dir, cache_cfg.driver, cfg.model.num_prototypes, on_block=(
+        (lambda done: on_batch(3, done)) if on_batch else None))
     if shards.process()[0] == 0:
-      index_pass(out_dir, cache_cfg.driver, cfg.model.num_prototypes)
-      ids = fmt.store(out_dir, "example_id", cache_cfg.driver).read().result()
-      # stored, so that opening the cache lazily reads no record chunk
-      meta["num_examples"] = int(ids.max()) + 1 if len(ids) and meta["sizes"]["num_tokens"] \
-          else 0
+      cache_index.cleanup(out_dir)  # (left by a kill after the index was complete)
+    meta = fmt.read_json(paths.join(out_dir, fmt.METADATA))  # with num_examples
     _finish(out_dir, meta, t_start, {"pass": 4, "rows_done": num_rows})
 
 
@@ -391,26 +396,3 @@ def _write_records(arrays, buf, lo: int, hi: int) -> None:
 def _save_pass1(path, acc, row_counts, rows_done, shard):
   shards.save_npz(path, row_counts=row_counts, rows_done=rows_done, shard=shard,
                   **acc.state())
-
-
-def index_pass(out_dir: str, driver: str, num_protos: int) -> None:
-  """Pass 3: the inverted index (CSR) prototype -> token indices, by decreasing activation
-  within each prototype (ties: token index), from the stored idx/act records."""
-  idx_Nxk = fmt.store(out_dir, "idx", driver).read().result()
-  act_Nxk = fmt.store(out_dir, "act", driver).read().result()
-  n, k = idx_Nxk.shape
-  proto = idx_Nxk.reshape(-1).astype(np.int64)
-  tok = np.repeat(np.arange(n, dtype=np.int64), k)
-  act = act_Nxk.reshape(-1)
-  keep = act > 0  # a ReLU-zero activation contributes nothing to any score
-  proto, tok, act = proto[keep], tok[keep], act[keep]
-  order = np.lexsort((tok, -act, proto))
-  counts = np.bincount(proto, minlength=num_protos)
-  offsets = np.concatenate([[0], np.cumsum(counts)]).astype(np.int64)
-  tok_dtype = np.int32 if n < 2 ** 31 else np.int64
-  fmt.write_array(out_dir, "proto_offsets", driver, offsets)
-  # proto_acts[j] = a_{t,i} of entry j: block-diagonal queries then never touch idx/act.
-  fmt.write_array(out_dir, "proto_tokens", driver, tok[order].astype(tok_dtype)
-                  if len(order) else np.zeros(1, tok_dtype))
-  fmt.write_array(out_dir, "proto_acts", driver, act[order].astype(np.float32)
-                  if len(order) else np.zeros(1, np.float32))

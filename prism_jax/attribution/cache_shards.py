@@ -12,6 +12,8 @@ which part is its own, so that any process count gives the same bits as one proc
   the tokens of its share (no chunk is written by two processes), running the batches of
   the global grid that touch it (a batch straddling two shares runs on both, each
   keeping its own tokens: records are per-token, so the bits are the same).
+- Pass 3 (the inverted index): each process inverts its pass-2 token share, then writes
+  a chunk-aligned share of the merged index (cache_index.py).
 - Progress: process 0 keeps progress.json (also the global pass), process p > 0
   progress-<p>.json; pass-1 snapshots pass1_state.npz / pass1_state-<p>.npz.
 """

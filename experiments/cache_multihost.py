@@ -1,0 +1,121 @@
+"""The README's multi-host cache build as commands: P processes of experiments.attribute
+--build_only on this machine (jax.distributed on loopback) vs one process, bit for bit.
+
+  python -m experiments.cache_multihost --workdir=RUN --out=DIR [--num_processes=2]
+      [--local_devices=4] [--stat_shards=8] [--json=docs/results/cache_multihost.json]
+
+RUN is a trained PRISM run (local or gs://: with an emulator, STORAGE_EMULATOR_HOST and
+TENSORSTORE_GCS_HTTP_URL as tests/gcs_emulator.py sets them); DIR receives the caches
+`one` and `multi`. Every process runs exactly the command a host of a pod would
+(`--distributed=on --coordinator_address=... --num_processes=P --process_id=i`). Prints a
+table: wall time, tokens, tokens/s per process, and whether every array and the metadata
+of the two caches are equal.
+"""
+
+import json
+import os
+import subprocess
+import sys
+import tempfile
+import time
+
+from absl import flags
+
+from experiments import cli
+
+flags.DEFINE_string("workdir", None, "trained PRISM run (local or gs://)")
+flags.DEFINE_string("out", None, "where the two caches go (local or gs://)")
+flags.DEFINE_integer("num_processes", 2, "processes of the multi-process build")
+flags.DEFINE_integer("local_devices", 4, "CPU devices per process")
+flags.DEFINE_integer("stat_shards", 8, "cache.stat_shards (>= num_processes)")
+flags.DEFINE_integer("timeout", 1200, "seconds per build")
+flags.DEFINE_string("json", None, "write the results here")
+flags.mark_flags_as_required(["workdir", "out"])
+FLAGS = flags.FLAGS
+
+
+def _attribute_cmd(cache_dir, extra):
+  return [sys.executable, "-m", "experiments.attribute", f"--workdir={FLAGS.workdir}",
+          f"--cache_dir={cache_dir}", "--build_only", "--rebuild",
+          f"--stat_shards={FLAGS.stat_shards}"] + extra
+
+
+def _build(cache_dir, count, log_dir):
+  """Wall seconds of a build by `count` processes (each its own log)."""
+  env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(FLAGS.local_devices))
+  env.pop("XLA_FLAGS", None)
+  if count == 1:
+    cmds = [_attribute_cmd(cache_dir, ["--distributed=off"])]
+  else:
+    import socket  # pylint: disable=g-import-not-at-top
+    with socket.socket() as s:
+      s.bind(("127.0.0.1", 0))
+      port = s.getsockname()[1]
+    cmds = [_attribute_cmd(cache_dir, ["--distributed=on",
+                                       f"--coordinator_address=127.0.0.1:{port}",
+                                       f"--num_processes={count}", f"--process_id={i}"])
+            for i in range(count)]
+  t0 = time.perf_counter()
+  logs = [os.path.join(log_dir, f"build{count}_{i}.log") for i in range(len(cmds))]
+  procs = [subprocess.Popen(c, env=env, stdout=open(l, "w"), stderr=subprocess.STDOUT)
+           for c, l in zip(cmds, logs)]
+  for p, l in zip(procs, logs):
+    if p.wait(timeout=FLAGS.timeout) != 0:
+      for q in procs:
+        q.kill()
+      raise RuntimeError(f"a build process failed; its log {l}:\n"
+                         + open(l).read()[-3000:])
+  print(open(logs[0]).read().strip().splitlines()[-1])  # process 0's size line
+  return time.perf_counter() - t0
+
+
+def _read_all(path):
+  from prism_jax import paths  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution import cache_format as fmt  # pylint: disable=g-import-not-at-top
+  meta = fmt.read_json(paths.join(path, fmt.METADATA))
+  meta.pop("build_seconds_last_run")
+  drv = meta["identity"]["cache"]["driver"]
+  arrays = {p.name: fmt.store(path, p.name, drv).read().result()
+            for p in paths.path(path).iterdir() if p.is_dir()}
+  return arrays, meta
+
+
+def main(argv):
+  del argv
+  from prism_jax import paths  # pylint: disable=g-import-not-at-top
+  if FLAGS.num_processes < 2:
+    raise ValueError(f"--num_processes={FLAGS.num_processes}: compare at least 2 with 1")
+  log_dir = tempfile.mkdtemp(prefix="cache_multihost_")  # each process's log
+  print(f"build logs in {log_dir}")
+  rows = []
+  for count, name in ((1, "one"), (FLAGS.num_processes, "multi")):
+    wall = _build(paths.join(FLAGS.out, name), count, log_dir)
+    rows.append({"processes": count, "wall_s": wall})
+  (one, meta_one), (multi, meta_multi) = (_read_all(paths.join(FLAGS.out, n))
+                                          for n in ("one", "multi"))
+  equal = meta_one == meta_multi and sorted(one) == sorted(multi) and all(
+      one[n].tobytes() == multi[n].tobytes() and one[n].shape == multi[n].shape for n in one)
+  tokens = int(meta_one["sizes"]["num_tokens"])
+  print(f"\n{tokens} tokens; devices per process {FLAGS.local_devices}\n")
+  print("| processes | build wall s (incl. start-up) | tokens/s per process | cache equal to "
+        "the 1-process build |\n| --- | --- | --- | --- |")
+  for r in rows:
+    r["tokens_per_s_per_process"] = tokens / r["wall_s"] / r["processes"]
+    print(f"| {r['processes']} | {r['wall_s']:.1f} | {r['tokens_per_s_per_process']:.0f} | "
+          f"{'bit for bit (' + str(len(one)) + ' arrays + metadata)' if equal else 'NO'} |")
+  if FLAGS.json:  # experiments/reproduce.py's schema: one row, the builds as detail
+    command = "python -m experiments.cache_multihost " + " ".join(sys.argv[1:])
+    row = {"metric": f"attribution cache built by {FLAGS.num_processes} processes vs 1",
+           "paper": "not reported", "command": command,
+           "ours": (f"bit for bit ({len(one)} arrays + metadata)" if equal else "differs"),
+           "note": f"{tokens} tokens, {FLAGS.local_devices} CPU devices per process"}
+    with open(FLAGS.json, "w") as f:
+      json.dump({"rows": [row], "command": command, "num_tokens": tokens,
+                 "equal_bit_for_bit": bool(equal), "builds": rows, "arrays": sorted(one)},
+                f, indent=1)
+  if not equal:
+    raise SystemExit("error: the multi-process cache differs from the 1-process cache")
+
+
+if __name__ == "__main__":
+  cli.run(main)
