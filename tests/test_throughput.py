@@ -286,3 +286,15 @@ def test_flops_count_the_proto_head_only_when_the_loss_computes_it():
   assert flops.flops_per_token(cfg.model, t) == without  # no loss: the four terms
   dense = flops.flops_per_token(dataclasses.replace(cfg.model, kind="dense"), t, cfg.loss)
   assert dense["proto_lm_head"] == 0 and dense["proto_fwd"] == 0
+
+
+def test_bench_train_times_byte_with_and_without_the_aux_head():
+  from experiments import bench_train  # pylint: disable=import-outside-toplevel
+  assert bench_train.kinds("byte") == ("dense", "prism_proto0", "prism")
+  assert bench_train.kinds("small") == ("dense", "prism")
+  lam = {k: bench_train.make_config("byte", k).loss.lambda_proto for k in ("prism_proto0", "prism")}
+  assert lam == {"prism_proto0": 0.0, "prism": 1.0}
+  assert bench_train.make_config("byte", "dense").model.kind == "dense"
+  # the analytic 0.929 without the aux head, 0.898 with it (3 x 2·D·V per token)
+  assert round(bench_train.analytic_ratio("byte", "prism_proto0"), 3) == 0.929
+  assert round(bench_train.analytic_ratio("byte", "prism"), 3) == 0.898

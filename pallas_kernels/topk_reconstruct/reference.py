@@ -113,13 +113,12 @@ def topk_mixture(cos_NxK: jax.Array, protos_KxD: jax.Array, k: int, mixture: str
   if fixed_weights:
     act_Nxk = jax.lax.stop_gradient(act_Nxk)
   return Mixture(sim_Nxk, idx_Nxk.astype(jnp.int32), act_Nxk,
-                 reconstruct(act_Nxk, idx_Nxk, protos_KxD))
+                 reconstruct(act_Nxk, protos_KxD[idx_Nxk]))
 
 
-def reconstruct(act_Nxk: jax.Array, idx_Nxk: jax.Array, protos_KxD: jax.Array) -> jax.Array:
-  """z_hat = sum_j act_j protos[idx_j] (the reference's one contraction)."""
-  return jnp.einsum("nk,nkd->nd", act_Nxk, protos_KxD[idx_Nxk],
-                    precision=jax.lax.Precision.HIGHEST)
+def reconstruct(act_Nxk: jax.Array, rows_NxkxD: jax.Array) -> jax.Array:
+  """z_hat = sum_j act_j rows_j, rows = protos[idx] (the reference's one contraction)."""
+  return jnp.einsum("nk,nkd->nd", act_Nxk, rows_NxkxD, precision=jax.lax.Precision.HIGHEST)
 
 
 def wide_dtype(*xs) -> jnp.dtype:

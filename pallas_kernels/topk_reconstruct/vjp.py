@@ -123,11 +123,12 @@ def _stats_bwd(k, opts, res, cts):
 stats.defvjp(_stats_fwd, _stats_bwd)
 
 
-def _stats_grads(opts, z_NxD, p_KxD, out, cts, pair_terms=()):
+def _stats_grads(opts, z_NxD, p_KxD, out, cts, pair_terms=(), rows_NxkxD=None):
   """Cotangents of (sim, ., col_max_cos, . [, row_min_sq, ., col_min_sq, .]) -> float32
   dz, dp. `pair_terms` ((w_Nxk, x_NxD), ...) join the active pairs' scatter-add into the
   bank (row idx[n, j] += w[n, j] x[n]), so a caller's z_hat gradient costs no second set
-  of k scatters (see `_layer_bwd`)."""
+  of k scatters (see `_layer_bwd`). `rows_NxkxD` (p[idx], the XLA path's) replaces the
+  k row gathers of dz."""
   z = z_NxD.astype(jnp.float32)
   p = p_KxD.astype(jnp.float32)
   sq_z, inv_z = launch.norms(z)
@@ -142,7 +143,10 @@ def _stats_grads(opts, z_NxD, p_KxD, out, cts, pair_terms=()):
   # d cos/dz = a b p - cos a^2 z, d cos/dp = a b z - cos b^2 p  (a = 1/|z|, b = 1/|p|).
   seq = sequential(opts)
   gb_Nxk = g_sim * inv_p[idx]
-  dz = inv_z[:, None] * _mix(gb_Nxk, idx, p_KxD, seq)  # gathers in p's dtype
+  if rows_NxkxD is None:
+    dz = inv_z[:, None] * _mix(gb_Nxk, idx, p_KxD, seq)  # gathers in p's dtype
+  else:
+    dz = inv_z[:, None] * jnp.sum(gb_Nxk[:, :, None] * rows_NxkxD, 1)
   dz -= (inv_z ** 2 * live_z * jnp.sum(g_sim * sim, -1))[:, None] * z
   flat_idx = idx.reshape(-1)
   dp = _scatter_mix(((gb_Nxk * inv_z[:, None], z_NxD),) + tuple(pair_terms), idx,
@@ -207,25 +211,32 @@ def layer(z_NxD, p_KxD, valid_N, k, opts, mixture):
 def _layer_fwd(z_NxD, p_KxD, valid_N, k, opts, mixture):
   out = _forward_stats(z_NxD, p_KxD, valid_N, k, opts)
   act_Nxk = mixture_weights(out[0], mixture)
-  if opts.backend == "xla":  # the reference's contraction: its z_hat to the bit
-    z_hat_NxD = reference.reconstruct(act_Nxk, out[1], p_KxD.astype(act_Nxk.dtype))
+  rows_NxkxD = None
+  if opts.backend == "xla":
+    # The reference's contraction (its z_hat to the bit); without a kernel the N x k x D
+    # rows exist anyway, so the backward reuses them instead of gathering them twice more.
+    rows_NxkxD = p_KxD.astype(act_Nxk.dtype)[out[1]]
+    z_hat_NxD = reference.reconstruct(act_Nxk, rows_NxkxD)
   else:
     z_hat_NxD = _mix(act_Nxk, out[1], p_KxD, sequential(opts))  # float32, see _mix
-  return (out, act_Nxk, z_hat_NxD), (z_NxD, p_KxD, valid_N, out, act_Nxk)
+  return (out, act_Nxk, z_hat_NxD), (z_NxD, p_KxD, valid_N, out, act_Nxk, rows_NxkxD)
 
 
 def _layer_bwd(k, opts, mixture, res, cts):
   """z_hat's backward (`_gather_mix_bwd`) and the mixture's folded into `_stats_grads`: row
   idx[n, j] of dp gets act[n, j] g_zhat[n] + c[n, j] z[n] in one scatter-add."""
   del k
-  z_NxD, p_KxD, valid_N, out, act_Nxk = res
+  z_NxD, p_KxD, valid_N, out, act_Nxk, rows_NxkxD = res
   cts_out, g_act_Nxk, g_zhat_NxD = cts
   sim_Nxk, idx_Nxk = out[0], out[1]
-  g_act_Nxk = g_act_Nxk + _dot_rows(g_zhat_NxD, idx_Nxk, p_KxD, sequential(opts))
+  if rows_NxkxD is None:
+    g_act_Nxk = g_act_Nxk + _dot_rows(g_zhat_NxD, idx_Nxk, p_KxD, sequential(opts))
+  else:
+    g_act_Nxk = g_act_Nxk + jnp.sum(g_zhat_NxD[:, None, :] * rows_NxkxD, -1)
   _, mixture_vjp = jax.vjp(lambda s: mixture_weights(s, mixture), sim_Nxk)
   g_sim_Nxk = cts_out[0] + mixture_vjp(g_act_Nxk)[0]
   dz, dp = _stats_grads(opts, z_NxD, p_KxD, out, (g_sim_Nxk,) + tuple(cts_out[1:]),
-                        ((act_Nxk, g_zhat_NxD),))
+                        ((act_Nxk, g_zhat_NxD),), rows_NxkxD)
   return dz.astype(z_NxD.dtype), dp.astype(p_KxD.dtype), jnp.zeros_like(valid_N)
 
 
