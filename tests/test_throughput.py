@@ -11,7 +11,8 @@
   default) gives the XLA reference's outputs and, to float32 rounding, its autodiff
   gradients, ties, masks and meshes included, with one N x K x D matmul where autodiff has 3;
 - flops counts the λ_proto head where the loss computes it;
-- experiments.bench_train refuses a baseline that is not a checkout.
+- experiments.bench_train refuses a baseline that is not a checkout, times byte at λ_proto 0
+  and 1 with their analytic ratios; experiments.sparse_backward_drift refuses a dense model.
 """
 
 import dataclasses
@@ -298,3 +299,12 @@ def test_bench_train_times_byte_with_and_without_the_aux_head():
   # the issue's analytic 0.929 without the aux head, 0.898 with it (3 x 2·D·V per token)
   assert round(bench_train.analytic_ratio("byte", "prism_proto0"), 3) == 0.929
   assert round(bench_train.analytic_ratio("byte", "prism"), 3) == 0.898
+
+
+def test_sparse_backward_drift_refuses_a_dense_model():
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  res = subprocess.run([sys.executable, "-m", "experiments.sparse_backward_drift",
+                        "--kind=dense"], cwd=repo, capture_output=True, text=True,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"), check=False)
+  assert res.returncode == 2
+  assert res.stderr.strip().splitlines()[-1].startswith("error: --config='byte' --kind='dense'")
