@@ -60,7 +60,7 @@ def main(argv):
   impl = api.resolve_implementation(None)
   kind, peaks = benchmark.device_peaks()
   shapes = _SHAPES.value
-  if impl == "xla":
+  if impl in ("xla", "xla_sparse"):  # no Pallas backend
     impl = "pallas_interpret"
     shapes = shapes or ["micro"]
     print(f"backend {jax.default_backend()} ({kind}): no Pallas backend, running the "

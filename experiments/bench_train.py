@@ -14,10 +14,13 @@ shared machine hits all alike. Per block the worker measures wall and process CP
 (user + system of all its threads: robust to other jobs sharing the cores); reported
 tokens/s = tokens per step / the median over blocks of the per-step time.
 Configs run on random tokens (speed does not depend on the text): `byte` is issue 11's
-byte-level config (4 layers / 4 heads / d 128 / ctx 64 / batch 12, K 512, k 8, the tiny
-preset's λ_proto 1), `small` GPT-2 124M with K 8192, k 16 at batch 1 x 256, `tiny` the
-tiny preset (16 x 128). The analytic ratio is dense / PRISM train FLOPs per token from
-prism_jax.flops (the paper's objective; "+aux" adds the λ_proto LM head W z_hat).
+byte-level config (4 layers / 4 heads / d 128 / ctx 64 / batch 12, K 512, k 8), timed with
+two PRISM losses beside its one dense twin: λ_proto 0 (the issue's measurement: the
+paper's four terms) and the tiny preset's λ_proto 1 (plus the auxiliary CE of W z_hat);
+`small` GPT-2 124M with K 8192, k 16 at batch 1 x 256 (its preset's λ_proto 0), `tiny`
+the tiny preset (16 x 128). Each PRISM row has its own analytic ratio, dense / PRISM
+train FLOPs per token from prism_jax.flops for that row's loss (the λ_proto head counted
+where the loss computes it).
 """
 
 from __future__ import annotations
@@ -44,7 +47,6 @@ flags.DEFINE_bool("worker", False, "internal: serve timing requests on stdin/std
 FLAGS = flags.FLAGS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-KINDS = ("dense", "prism")
 # (preset, overrides): the loss is the preset's (tiny: λ_proto 1; small: λ_proto 0).
 CONFIGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "byte": ("tiny", ("data.tokenizer=byte", "model.vocab_size=258", "model.max_len=64",
@@ -53,15 +55,27 @@ CONFIGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "tiny": ("tiny", ()),
     "small": ("small", ("data.seq_len=256", "train.batch_size=1")),
 }
+# The models timed per config: the dense twin and PRISM variants (name -> loss overrides).
+VARIANTS: dict[str, dict[str, tuple[str, ...]]] = {
+    "byte": {"prism_proto0": ("loss.lambda_proto=0",), "prism": ()},
+}
+
+
+def kinds(name: str) -> tuple[str, ...]:
+  """Models timed at config `name`: "dense", then its PRISM variants."""
+  return ("dense",) + tuple(VARIANTS.get(name, {"prism": ()}))
 
 
 def make_config(name: str, kind: str):
-  """The Config of `name` for model kind `kind` (random-init bank: no dense warm-up)."""
+  """The Config of `name` for model `kind` (a `kinds` entry; random-init bank: no dense
+  warm-up)."""
   from prism_jax.config import preset  # pylint: disable=g-import-not-at-top
   from prism_jax.train import apply_overrides  # pylint: disable=g-import-not-at-top
   base, sets = CONFIGS[name]
-  return apply_overrides(preset(base), list(sets) + ["model.proto_init=normal",
-                                                     f"model.kind={kind}", "train.steps=100"])
+  loss = VARIANTS.get(name, {}).get(kind, ())
+  model = "dense" if kind == "dense" else "prism"
+  return apply_overrides(preset(base), list(sets) + list(loss) + [
+      "model.proto_init=normal", f"model.kind={model}", "train.steps=100"])
 
 
 def steps_per_block(name: str) -> int:
@@ -101,7 +115,7 @@ def serve() -> None:
   """Worker: builds every (config, kind) runner, then answers "config kind n" lines."""
   runners = {}
   for name in FLAGS.configs:
-    for kind in KINDS:
+    for kind in kinds(name):
       runners[name, kind] = Runner(make_config(name, kind))
       runners[name, kind].block(FLAGS.warmup)  # compile + warm-up, untimed
   print(json.dumps({"ready": True}), flush=True)
@@ -139,15 +153,13 @@ class Worker:
     self.proc.wait()
 
 
-def analytic_ratios(name: str) -> tuple[float, float]:
-  """dense / PRISM train FLOPs per token: the paper's objective, and with the λ_proto head."""
+def analytic_ratio(name: str, kind: str) -> float:
+  """dense / PRISM train FLOPs per token (prism_jax.flops) for PRISM variant `kind`'s loss."""
   from prism_jax.flops import flops_per_token  # pylint: disable=g-import-not-at-top
-  cfgs = {k: make_config(name, k) for k in KINDS}
-  seq = cfgs["prism"].data.seq_len
-  f = {k: flops_per_token(c.model, seq) for k, c in cfgs.items()}
-  aux = 3 * f["prism"]["lm_head_fwd"] if cfgs["prism"].loss.lambda_proto > 0 else 0.0
-  return f["dense"]["train"] / f["prism"]["train"], f["dense"]["train"] / (
-      f["prism"]["train"] + aux)
+  cfgs = {k: make_config(name, k) for k in ("dense", kind)}
+  seq = cfgs[kind].data.seq_len
+  f = {k: flops_per_token(c.model, seq, c.loss)["train"] for k, c in cfgs.items()}
+  return f["dense"] / f[kind]
 
 
 def bench(configs: list[str]) -> list[dict]:
@@ -160,59 +172,66 @@ def bench(configs: list[str]) -> list[dict]:
     w.read()  # ready: compiled and warmed up
   print(f"workers ready (compile + warm-up {time.perf_counter() - t0:.0f} s, untimed)",
         flush=True)
-  order = [(c, k) for c in codes for k in KINDS]
-  samples = {(name, c, k): [] for name in configs for c, k in order}
-  losses = {}
+  samples = {(name, c, k): [] for name in configs for c in codes for k in kinds(name)}
+  losses, load = {}, []
   for name in configs:
     n = steps_per_block(name)
+    order = [(c, k) for c in codes for k in kinds(name)]
     for r in range(FLAGS.rounds):
       # Alternate the order (A B C D, D C B A, ...): no slot always runs first or last.
       for c, k in (order if r % 2 == 0 else order[::-1]):
         res = workers[c].time(name, k, n)
         samples[name, c, k].append((res["wall"] / n, res["cpu"] / n))
         losses[name, c, k] = res["loss"]
-      print(f"{name}: round {r + 1}/{FLAGS.rounds}", flush=True)
+      load.append(os.getloadavg()[0])
+      print(f"{name}: round {r + 1}/{FLAGS.rounds} (load average {load[-1]:.2f})", flush=True)
   for w in workers.values():
     w.close()
+  print(f"1-min load average over the rounds: min {min(load):.2f}, median "
+        f"{np.median(load):.2f}, max {max(load):.2f}", flush=True)
   rows = []
   for name in configs:
-    cfg = make_config(name, "prism")
-    tokens = cfg.train.batch_size * cfg.data.seq_len
-    analytic, analytic_aux = analytic_ratios(name)
     for c in codes:
       rate = {}
-      for k in KINDS:
+      for k in kinds(name):
+        cfg = make_config(name, k)
+        tokens = cfg.train.batch_size * cfg.data.seq_len
         med = np.median(np.asarray(samples[name, c, k]), axis=0)
         rate[k] = {"wall": tokens / med[0], "cpu": tokens / med[1]}
-      rows.append(dict(config=name, code=c, batch=cfg.train.batch_size, seq_len=cfg.data.seq_len,
-                       steps=FLAGS.rounds * steps_per_block(name),
-                       dense_tok_s_wall=rate["dense"]["wall"], dense_tok_s_cpu=rate["dense"]["cpu"],
-                       prism_tok_s_wall=rate["prism"]["wall"], prism_tok_s_cpu=rate["prism"]["cpu"],
-                       ratio_wall=rate["prism"]["wall"] / rate["dense"]["wall"],
-                       ratio_cpu=rate["prism"]["cpu"] / rate["dense"]["cpu"],
-                       analytic=analytic, analytic_aux=analytic_aux,
-                       dense_loss=losses[name, c, "dense"], prism_loss=losses[name, c, "prism"]))
+      for k in kinds(name)[1:]:  # one row per PRISM variant, beside the shared dense twin
+        cfg = make_config(name, k)
+        rows.append(dict(
+            config=name, variant=k, lambda_proto=cfg.loss.lambda_proto, code=c,
+            batch=cfg.train.batch_size, seq_len=cfg.data.seq_len,
+            steps=FLAGS.rounds * steps_per_block(name),
+            dense_tok_s_wall=rate["dense"]["wall"], dense_tok_s_cpu=rate["dense"]["cpu"],
+            prism_tok_s_wall=rate[k]["wall"], prism_tok_s_cpu=rate[k]["cpu"],
+            ratio_wall=rate[k]["wall"] / rate["dense"]["wall"],
+            ratio_cpu=rate[k]["cpu"] / rate["dense"]["cpu"], analytic=analytic_ratio(name, k),
+            dense_loss=losses[name, c, "dense"], prism_loss=losses[name, c, k],
+            load_avg_min_median_max=[min(load), float(np.median(load)), max(load)]))
   return rows
 
 
 def format_table(rows: list[dict]) -> str:
-  head = ("| config | code | batch x seq | timed steps/model | dense tok/s wall / CPU | "
-          "PRISM tok/s wall / CPU | PRISM/dense wall / CPU | analytic (+aux) | "
+  head = ("| config | λ_proto | code | batch x seq | timed steps/model | dense tok/s wall / CPU"
+          " | PRISM tok/s wall / CPU | PRISM/dense wall / CPU | analytic | "
           "dense new/old wall / CPU |")
-  lines = [head, "|" + "---|" * 9]
-  old = {r["config"]: r for r in rows if r["code"] == "old"}
+  lines = [head, "|" + "---|" * 10]
+  old = {(r["config"], r["variant"]): r for r in rows if r["code"] == "old"}
   for r in rows:
     speedup = "-"
-    if r["code"] == "new" and r["config"] in old:
-      o = old[r["config"]]
+    if r["code"] == "new" and (r["config"], r["variant"]) in old:
+      o = old[r["config"], r["variant"]]
       speedup = (f"{r['dense_tok_s_wall'] / o['dense_tok_s_wall']:.2f}x / "
                  f"{r['dense_tok_s_cpu'] / o['dense_tok_s_cpu']:.2f}x")
     lines.append(
-        f"| {r['config']} | {r['code']} | {r['batch']} x {r['seq_len']} | {r['steps']} | "
+        f"| {r['config']} | {r['lambda_proto']:g} | {r['code']} | {r['batch']} x "
+        f"{r['seq_len']} | {r['steps']} | "
         f"{r['dense_tok_s_wall']:,.0f} / {r['dense_tok_s_cpu']:,.0f} | "
         f"{r['prism_tok_s_wall']:,.0f} / {r['prism_tok_s_cpu']:,.0f} | "
         f"{r['ratio_wall']:.3f} / {r['ratio_cpu']:.3f} | "
-        f"{r['analytic']:.3f} ({r['analytic_aux']:.3f}) | {speedup} |")
+        f"{r['analytic']:.3f} | {speedup} |")
   return "\n".join(lines)
 
 

@@ -20,7 +20,13 @@ usual "2 x matmul params" count, as in Kaplan et al. 2020 / PaLM's MFU appendix)
                 + K                         top-k selection (one comparison per candidate)
                 + 2·k·D                     reconstruction ẑ = Σ a_i p_i
                 + 2·D                       residual r = z − ẑ and head input r + ẑ
+                + 2·D·V                     only with loss.lambda_proto > 0: the auxiliary
+                                            LM head W ẑ of its CE (issue 11)
   forward     = backbone (+ proto head for PRISM);   train = 3 × forward
+
+The similarity's backward is counted as 2 × its forward (the dense N×K×D matmuls of the
+objective as written), though the kernels and "xla_sparse" take it through the N·k active
+pairs and the extrema only; the count is the paper's objective, not a lower bound.
 
 Embedding lookups, LayerNorms, softmax, biases and the once-per-batch ‖p_i‖ are left out:
 they are O(D) or amortised per token and below 0.1% at every preset.
@@ -32,7 +38,7 @@ from typing import Any
 
 import jax
 
-from prism_jax.config import ModelConfig
+from prism_jax.config import LossConfig, ModelConfig
 
 # Dense (non-sparse) bf16 peak FLOP/s per jax device (a TPU v4+ chip or one GPU).
 PEAK_BF16_FLOPS: dict[str, float] = {
@@ -94,12 +100,14 @@ def param_counts(cfg: ModelConfig) -> dict[str, float]:
   }
 
 
-def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
+def flops_per_token(cfg: ModelConfig, seq_len: int,
+                    loss: LossConfig | None = None) -> dict[str, float]:
   """Forward / training FLOPs per token at sequence length `seq_len` (module docstring).
 
   Keys: backbone_fwd (layers + LM head), of which attention_fwd and lm_head_fwd;
   proto_fwd (0 for dense) with its parts proto_similarity, proto_norms, proto_topk,
-  proto_reconstruction, proto_residual; fwd = backbone_fwd + proto_fwd; train = 3 * fwd.
+  proto_reconstruction, proto_residual, proto_lm_head (W ẑ: `loss.lambda_proto` > 0, else
+  0; None counts no aux head); fwd = backbone_fwd + proto_fwd; train = 3 * fwd.
   """
   if seq_len <= 0:
     raise ValueError(f"seq_len must be positive, got {seq_len}")
@@ -115,6 +123,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int) -> dict[str, float]:
       "proto_topk": num_protos,
       "proto_reconstruction": 2 * k * d,
       "proto_residual": 2 * d,
+      "proto_lm_head": lm_head if loss is not None and loss.lambda_proto > 0 else 0,
   }
   if cfg.kind == "dense":
     parts = {name: 0 for name in parts}

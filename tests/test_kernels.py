@@ -163,7 +163,7 @@ def test_gradients_match_autodiff_of_reference(distance, mixture, opts):
 
 
 def test_implementation_switch():
-  assert api.resolve_implementation(None) == "xla"  # CPU: the fast XLA reference
+  assert api.resolve_implementation(None) == "xla_sparse"  # CPU: XLA with the sparse backward
   assert api.resolve_implementation("pallas_interpret") == "pallas_interpret"
   with pytest.raises(ValueError, match="implementation"):
     api.resolve_implementation("cuda")

@@ -8,7 +8,7 @@ from typing import NamedTuple
 class KernelOptions(NamedTuple):
   """Static kernel choices (hashable: a custom_vjp non-differentiable argument)."""
   distance: str = "cosine"
-  backend: str = "tpu"  # "tpu" | "gpu"
+  backend: str = "tpu"  # "tpu" | "gpu" | "xla" (no kernel: the dense similarity, vjp.py)
   interpret: bool = False
   block_n: int | None = None
   block_k: int | None = None

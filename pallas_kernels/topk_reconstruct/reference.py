@@ -50,6 +50,19 @@ def similarity(z_NxD: jax.Array, protos_KxD: jax.Array) -> Similarity:
                     dot_NxK * inv_norm(sqnorm_z_N)[:, None] * inv_norm(sqnorm_p_K)[None, :])
 
 
+def _first_extremum(x: jax.Array, axis: int, largest: bool) -> tuple[jax.Array, jax.Array]:
+  """(value, int32 index) of the first max (or min) along `axis`: first_max's pick, the
+  index jnp.argmax / argmin return (NaN counts as the extremum), by two plain reductions
+  (the extremum, then the lowest index holding it): XLA:CPU runs argmax's variadic
+  (value, index) reduce ~5x slower, ~10 ms over an N x K = 256 x 8192 matrix."""
+  best = jnp.max(x, axis, keepdims=True) if largest else jnp.min(x, axis, keepdims=True)
+  hit = (x == best) | jnp.isnan(x)
+  iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, axis % x.ndim)
+  arg = jnp.min(jnp.where(jax.lax.stop_gradient(hit), iota, x.shape[axis]), axis, keepdims=True)
+  return (jnp.squeeze(jnp.take_along_axis(x, arg, axis=axis), axis),
+          jnp.squeeze(arg, axis))
+
+
 def first_max(x: jax.Array, axis: int) -> jax.Array:
   """max along `axis` whose gradient goes to the first (lowest-index) maximum only.
 
@@ -57,8 +70,7 @@ def first_max(x: jax.Array, axis: int) -> jax.Array:
   one element per row/column without the N x K matrix, so every implementation breaks ties
   of the extremum statistics the same documented way: lowest prototype id (rows), lowest
   token id (columns), as lax.top_k and jnp.argmax do."""
-  arg = jnp.argmax(x, axis=axis, keepdims=True)
-  return jnp.squeeze(jnp.take_along_axis(x, arg, axis=axis), axis)
+  return _first_extremum(x, axis, largest=True)[0]
 
 
 def first_min(x: jax.Array, axis: int) -> jax.Array:
@@ -74,36 +86,14 @@ def mixture_weights(sim_Nxk: jax.Array, mixture: str) -> jax.Array:
   return act_Nxk
 
 
-# Largest k that `top_k` selects by k masked argmax passes on CPU (XLA:CPU lowers
-# lax.top_k to a full sort of every row: O(K log K) per token against k·K for the passes).
-ARGMAX_TOPK_MAX_K = 32
-
-
-def _total_order_key(x: jax.Array) -> jax.Array:
-  """Signed integers ordered as lax.top_k orders floats (total order: -0.0 < +0.0)."""
-  int_dtype = {2: jnp.int16, 4: jnp.int32, 8: jnp.int64}[x.dtype.itemsize]
-  bits = jax.lax.bitcast_convert_type(x, int_dtype)
-  return jnp.where(bits < 0, bits ^ jnp.iinfo(int_dtype).max, bits)
-
-
 def top_k(x_NxK: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-  """lax.top_k along the last axis (values by decreasing size, ties to the lower index),
-  the same values and indices; on CPU for k <= ARGMAX_TOPK_MAX_K as k argmax passes over
-  a total-order integer key, each masking the entry it took (the gradient goes to the
-  selected entries, as top_k's)."""
-  if jax.default_backend() != "cpu" or k > ARGMAX_TOPK_MAX_K or k >= x_NxK.shape[-1]:
-    return jax.lax.top_k(x_NxK, k)
-  iota = jax.lax.broadcasted_iota(jnp.int32, x_NxK.shape, x_NxK.ndim - 1)
-  key = _total_order_key(jax.lax.stop_gradient(x_NxK))
-  floor = jnp.iinfo(key.dtype).min  # below every float's key: a taken entry
-  picks = []
-  for _ in range(k):
-    # argmax returns the first maximum: ties go to the lower index, as in lax.top_k.
-    idx_N = jnp.argmax(key, axis=-1).astype(jnp.int32)
-    picks.append(idx_N)
-    key = jnp.where(iota == idx_N[..., None], floor, key)
-  idx_Nxk = jnp.stack(picks, axis=-1)
-  return jnp.take_along_axis(x_NxK, idx_Nxk, axis=-1), idx_Nxk
+  """lax.top_k along the last axis (values by decreasing size, ties to the lower index).
+  On CPU its outputs pass an optimization barrier: XLA:CPU runs lax.top_k as its TopK
+  custom call (one partial selection per row) when the outputs stay unfused, and falls back
+  to a full O(K log K) sort of every row when a consumer fusion (the mixture's row
+  gathers) would absorb them: at K 8192 the sort costs ~8x the selection."""
+  out = jax.lax.top_k(x_NxK, k)
+  return jax.lax.optimization_barrier(out) if jax.default_backend() == "cpu" else out
 
 
 class Mixture(NamedTuple):
@@ -122,12 +112,17 @@ def topk_mixture(cos_NxK: jax.Array, protos_KxD: jax.Array, k: int, mixture: str
   act_Nxk = mixture_weights(sim_Nxk, mixture)
   if fixed_weights:
     act_Nxk = jax.lax.stop_gradient(act_Nxk)
-  z_hat_NxD = jnp.einsum("nk,nkd->nd", act_Nxk, protos_KxD[idx_Nxk],
-                         precision=jax.lax.Precision.HIGHEST)
-  return Mixture(sim_Nxk, idx_Nxk.astype(jnp.int32), act_Nxk, z_hat_NxD)
+  return Mixture(sim_Nxk, idx_Nxk.astype(jnp.int32), act_Nxk,
+                 reconstruct(act_Nxk, protos_KxD[idx_Nxk]))
 
 
-def _wide(*xs) -> jnp.dtype:
+def reconstruct(act_Nxk: jax.Array, rows_NxkxD: jax.Array) -> jax.Array:
+  """z_hat = sum_j act_j rows_j, rows = protos[idx] (the reference's one contraction)."""
+  return jnp.einsum("nk,nkd->nd", act_Nxk, rows_NxkxD, precision=jax.lax.Precision.HIGHEST)
+
+
+def wide_dtype(*xs) -> jnp.dtype:
+  """The dtype the reference computes in: the inputs' widened to at least float32."""
   return jnp.promote_types(jnp.result_type(*xs), jnp.float32)
 
 
@@ -136,7 +131,7 @@ def topk_reconstruct_xla(z_NxD: jax.Array, protos_KxD: jax.Array, k: int, *,
                          mask_N: jax.Array | None = None):
   """Pure-JAX reference: (idx, act, sim, z_hat, row_max_cos, col_max_cos, row_min_dist,
   col_min_dist) in float32 (float64 for float64 inputs). The oracle of every kernel."""
-  dtype = _wide(z_NxD, protos_KxD)
+  dtype = wide_dtype(z_NxD, protos_KxD)
   z, p = z_NxD.astype(dtype), protos_KxD.astype(dtype)
   s = similarity(z, p)
   cos_NxK = s.cos_NxK
@@ -158,6 +153,24 @@ def topk_reconstruct_xla(z_NxD: jax.Array, protos_KxD: jax.Array, k: int, *,
 
 
 topk_reconstruct_reference = topk_reconstruct_xla  # the name the kernel tests use
+
+
+def kernel_stats_xla(z_NxD, protos_KxD, valid_N, k: int, distance: str = "cosine"):
+  """The kernels' statistics (launch.kernel_stats' tuple: sim_Nxk, idx_Nxk, col_max_cos_K,
+  col_arg_cos_K[, row_min_sq_N, row_arg_sq_N, col_min_sq_K, col_arg_sq_K]) from the dense
+  N x K similarity, with `topk_reconstruct_xla`'s values (the same ops): the forward of
+  the XLA path whose backward is vjp.py's sparse one (implementation "xla_sparse")."""
+  dtype = wide_dtype(z_NxD, protos_KxD)
+  s = similarity(z_NxD.astype(dtype), protos_KxD.astype(dtype))
+  valid_Nx1 = valid_N.astype(bool)[:, None]
+  sim_Nxk, idx_Nxk = top_k(s.cos_NxK, k)
+  out = (sim_Nxk, idx_Nxk.astype(jnp.int32))
+  out += _first_extremum(jnp.where(valid_Nx1, s.cos_NxK, -jnp.inf), 0, largest=True)
+  if distance == "sqeuclidean":
+    sqdist_NxK = s.sqdist()
+    out += _first_extremum(sqdist_NxK, 1, largest=False)
+    out += _first_extremum(jnp.where(valid_Nx1, sqdist_NxK, jnp.inf), 0, largest=False)
+  return out
 
 
 def argstats_reference(z_NxD, protos_KxD, *, distance="cosine", mask_N=None):

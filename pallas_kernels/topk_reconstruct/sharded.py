@@ -67,8 +67,10 @@ def _splitting(mesh, axes: tuple[str, ...], num_tokens: int) -> tuple[str, ...]:
 
 
 def _gather_best(x_K, axes, largest: bool):
+  """The best of the shards' column statistics, its gradient on the first best shard (the
+  lowest token id on exact ties across shards, as first_max; jnp.max would split it)."""
   g = jax.lax.all_gather(x_K, axes, axis=0, tiled=False)
-  return jnp.max(g, axis=0) if largest else jnp.min(g, axis=0)
+  return first_max(g, 0) if largest else first_min(g, 0)
 
 
 def shard_stats(stats_fn, z_NxD, p_KxD, valid_N, axes: tuple[str, ...], sqeuclid: bool):
@@ -163,7 +165,7 @@ def _local_kernel(z_nxD, protos_KmxD, mask_n, *, k, mixture, distance, token_axe
                                                 model_axis)
   local_nxk, owned_nxk = _owned(idx_nxk, offset, num_local)
   z_hat_part = vjp.gather_mix(jnp.where(owned_nxk, act_nxk, 0.0), local_nxk,  # float32
-                              protos_KmxD, opts.backend == "tpu")
+                              protos_KmxD, vjp.sequential(opts))
   z_hat_nxD = jax.lax.psum(z_hat_part, model_axis)
   row_max_cos_n = sim_nxk[:, 0]
   # The kernel's column statistics cover this shard's tokens: reduce over token shards.

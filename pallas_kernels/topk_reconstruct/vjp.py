@@ -10,6 +10,11 @@ gather-reduce into dz and a scatter-add into the bank.
               (act[n, j] g_zhat[n]) and through the cosines (c[n, j] z[n]) hit the same rows
               idx[n, j], so they are summed per row and scatter-added once (k scatters of N
               rows instead of 2k; the scatters dominate the backward's memory traffic).
+
+With `opts.backend == "xla"` the statistics come from the dense N x K similarity
+(reference.kernel_stats_xla, the XLA reference's values) instead of a kernel, and the
+backward is the same sparse one: O(N k D) gathers and scatters in place of autodiff's two
+N x K x D matmuls and its N x K elementwise chain (implementation "xla_sparse", api.py).
 """
 
 from __future__ import annotations
@@ -21,6 +26,18 @@ import jax.numpy as jnp
 
 from pallas_kernels.topk_reconstruct import launch, reference
 from pallas_kernels.topk_reconstruct.reference import mixture_weights
+
+
+def _forward_stats(z_NxD, p_KxD, valid_N, k: int, opts):
+  """launch.kernel_stats' tuple: from the kernel, or (backend "xla") the dense similarity."""
+  if opts.backend == "xla":
+    return reference.kernel_stats_xla(z_NxD, p_KxD, valid_N, k, opts.distance)
+  return launch.kernel_stats(z_NxD, p_KxD, valid_N, k, opts)
+
+
+def sequential(opts) -> bool:
+  """Row gathers one at a time in a loop: TPU's XLA does not fuse gathers (see _mix)."""
+  return opts.backend == "tpu" or (opts.backend == "xla" and jax.default_backend() == "tpu")
 
 
 def _mix(w_Nxk, idx_Nxk, p_KxD, sequential: bool):
@@ -88,11 +105,11 @@ gather_mix.defvjp(_gather_mix_fwd, _gather_mix_bwd)
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4))
 def stats(z_NxD, p_KxD, valid_N, k, opts):
-  return launch.kernel_stats(z_NxD, p_KxD, valid_N, k, opts)
+  return _forward_stats(z_NxD, p_KxD, valid_N, k, opts)
 
 
 def _stats_fwd(z_NxD, p_KxD, valid_N, k, opts):
-  out = launch.kernel_stats(z_NxD, p_KxD, valid_N, k, opts)
+  out = _forward_stats(z_NxD, p_KxD, valid_N, k, opts)
   return out, (z_NxD, p_KxD, valid_N, out)
 
 
@@ -106,11 +123,12 @@ def _stats_bwd(k, opts, res, cts):
 stats.defvjp(_stats_fwd, _stats_bwd)
 
 
-def _stats_grads(opts, z_NxD, p_KxD, out, cts, pair_terms=()):
+def _stats_grads(opts, z_NxD, p_KxD, out, cts, pair_terms=(), rows_NxkxD=None):
   """Cotangents of (sim, ., col_max_cos, . [, row_min_sq, ., col_min_sq, .]) -> float32
   dz, dp. `pair_terms` ((w_Nxk, x_NxD), ...) join the active pairs' scatter-add into the
   bank (row idx[n, j] += w[n, j] x[n]), so a caller's z_hat gradient costs no second set
-  of k scatters (see `_layer_bwd`)."""
+  of k scatters (see `_layer_bwd`). `rows_NxkxD` (p[idx], the XLA path's) replaces the
+  k row gathers of dz."""
   z = z_NxD.astype(jnp.float32)
   p = p_KxD.astype(jnp.float32)
   sq_z, inv_z = launch.norms(z)
@@ -123,9 +141,12 @@ def _stats_grads(opts, z_NxD, p_KxD, out, cts, pair_terms=()):
 
   # Cosine pairs: the N*k active pairs, then the K per-prototype maxima.
   # d cos/dz = a b p - cos a^2 z, d cos/dp = a b z - cos b^2 p  (a = 1/|z|, b = 1/|p|).
-  seq = opts.backend == "tpu"
+  seq = sequential(opts)
   gb_Nxk = g_sim * inv_p[idx]
-  dz = inv_z[:, None] * _mix(gb_Nxk, idx, p_KxD, seq)  # gathers in p's dtype
+  if rows_NxkxD is None:
+    dz = inv_z[:, None] * _mix(gb_Nxk, idx, p_KxD, seq)  # gathers in p's dtype
+  else:
+    dz = inv_z[:, None] * jnp.sum(gb_Nxk[:, :, None] * rows_NxkxD, 1)
   dz -= (inv_z ** 2 * live_z * jnp.sum(g_sim * sim, -1))[:, None] * z
   flat_idx = idx.reshape(-1)
   dp = _scatter_mix(((gb_Nxk * inv_z[:, None], z_NxD),) + tuple(pair_terms), idx,
@@ -137,29 +158,47 @@ def _stats_grads(opts, z_NxD, p_KxD, out, cts, pair_terms=()):
   g_c = jnp.where(ok, g_cmax, 0.0)
   c_c = jnp.where(ok, col_max, 0.0)
   a_c = inv_z[col_arg]
-  z_c = z[col_arg]
-  dz = dz.at[col_arg].add((g_c * a_c * inv_p)[:, None] * p
-                          - (g_c * c_c * a_c ** 2 * live_z[col_arg])[:, None] * z_c)
-  dp += (g_c * a_c * inv_p)[:, None] * z_c - (g_c * c_c * inv_p ** 2 * live_p)[:, None] * p
+  gab_K = g_c * a_c * inv_p
+  col_dz, col_dp = _column_pairs(z, p, col_arg, gab_K, -g_c * c_c * a_c ** 2 * live_z[col_arg],
+                                 gab_K, -g_c * c_c * inv_p ** 2 * live_p)
+  dz += col_dz
+  dp += col_dp
 
   if opts.distance == "sqeuclidean":
     _, row_arg, col_min, col_min_arg = out[4:]
     g_rmin, g_cmin = cts[4], cts[6]
     # d max(|z|^2+|p|^2-2 z.p, 0) = 2(z-p) dz + 2(p-z) dp, halved on the clamp's tie (as
     # jnp.maximum), zero below it.
-    def pair_grad(g, n_ids, k_ids):
-      zn, pk = z[n_ids], p[k_ids]
+    def pair_coef(g, zn, pk, n_ids, k_ids):
       x = sq_z[n_ids] + sq_p[k_ids] - 2.0 * jnp.einsum(
           "md,md->m", zn, pk, precision=jax.lax.Precision.HIGHEST)
-      gate = jnp.where(x > 0.0, 1.0, jnp.where(x == 0.0, 0.5, 0.0))
-      return (2.0 * g * gate)[:, None] * (zn - pk)
-    dz += pair_grad(g_rmin, jnp.arange(z.shape[0]), row_arg)
-    dp = dp.at[row_arg].add(-pair_grad(g_rmin, jnp.arange(z.shape[0]), row_arg))
-    okc = jnp.isfinite(col_min)
-    gq = pair_grad(jnp.where(okc, g_cmin, 0.0), col_min_arg, jnp.arange(p.shape[0]))
-    dz = dz.at[col_min_arg].add(gq)
-    dp -= gq
+      return 2.0 * g * jnp.where(x > 0.0, 1.0, jnp.where(x == 0.0, 0.5, 0.0))
+    p_row = p[row_arg]
+    g_row = pair_coef(g_rmin, z, p_row, slice(None), row_arg)[:, None] * (z - p_row)
+    dz += g_row
+    dp = dp.at[row_arg].add(-g_row)
+    z_col = z[col_min_arg]
+    c_K = pair_coef(jnp.where(jnp.isfinite(col_min), g_cmin, 0.0), z_col, p, col_min_arg,
+                    slice(None))
+    col_dz, col_dp = _column_pairs(z, p, col_min_arg, -c_K, c_K, -c_K, c_K, z_col)
+    dz += col_dz
+    dp += col_dp
   return dz, dp
+
+
+def _column_pairs(z_NxD, p_KxD, arg_K, alpha_K, beta_K, gamma_K, delta_K, z_arg_KxD=None):
+  """Gradient terms of the K (token arg[i], prototype i) pairs of a column statistic:
+  dz[arg[i]] += alpha_i p_i + beta_i z[arg[i]],  dp_i += gamma_i z[arg[i]] + delta_i p_i.
+  The z side is one K-row scatter of alpha p, its operand materialised first on CPU
+  (XLA:CPU runs a scatter whose update is a fused expression ~5x slower: 15 ms at
+  K 8192, D 768), plus a scalar scatter of beta that scales z once per token."""
+  scaled_KxD = alpha_K[:, None] * p_KxD
+  if jax.default_backend() == "cpu":
+    scaled_KxD = jax.lax.optimization_barrier(scaled_KxD)
+  beta_N = jnp.zeros(z_NxD.shape[0], z_NxD.dtype).at[arg_K].add(beta_K)
+  dz = jnp.zeros_like(z_NxD).at[arg_K].add(scaled_KxD) + beta_N[:, None] * z_NxD
+  z_arg_KxD = z_NxD[arg_K] if z_arg_KxD is None else z_arg_KxD
+  return dz, gamma_K[:, None] * z_arg_KxD + delta_K[:, None] * p_KxD
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(3, 4, 5))
@@ -170,24 +209,34 @@ def layer(z_NxD, p_KxD, valid_N, k, opts, mixture):
 
 
 def _layer_fwd(z_NxD, p_KxD, valid_N, k, opts, mixture):
-  out = launch.kernel_stats(z_NxD, p_KxD, valid_N, k, opts)
+  out = _forward_stats(z_NxD, p_KxD, valid_N, k, opts)
   act_Nxk = mixture_weights(out[0], mixture)
-  z_hat_NxD = _mix(act_Nxk, out[1], p_KxD, opts.backend == "tpu")  # float32, see _mix
-  return (out, act_Nxk, z_hat_NxD), (z_NxD, p_KxD, valid_N, out, act_Nxk)
+  rows_NxkxD = None
+  if opts.backend == "xla":
+    # The reference's contraction (its z_hat to the bit); without a kernel the N x k x D
+    # rows exist anyway, so the backward reuses them instead of gathering them twice more.
+    rows_NxkxD = p_KxD.astype(act_Nxk.dtype)[out[1]]
+    z_hat_NxD = reference.reconstruct(act_Nxk, rows_NxkxD)
+  else:
+    z_hat_NxD = _mix(act_Nxk, out[1], p_KxD, sequential(opts))  # float32, see _mix
+  return (out, act_Nxk, z_hat_NxD), (z_NxD, p_KxD, valid_N, out, act_Nxk, rows_NxkxD)
 
 
 def _layer_bwd(k, opts, mixture, res, cts):
   """z_hat's backward (`_gather_mix_bwd`) and the mixture's folded into `_stats_grads`: row
   idx[n, j] of dp gets act[n, j] g_zhat[n] + c[n, j] z[n] in one scatter-add."""
   del k
-  z_NxD, p_KxD, valid_N, out, act_Nxk = res
+  z_NxD, p_KxD, valid_N, out, act_Nxk, rows_NxkxD = res
   cts_out, g_act_Nxk, g_zhat_NxD = cts
   sim_Nxk, idx_Nxk = out[0], out[1]
-  g_act_Nxk = g_act_Nxk + _dot_rows(g_zhat_NxD, idx_Nxk, p_KxD, opts.backend == "tpu")
+  if rows_NxkxD is None:
+    g_act_Nxk = g_act_Nxk + _dot_rows(g_zhat_NxD, idx_Nxk, p_KxD, sequential(opts))
+  else:
+    g_act_Nxk = g_act_Nxk + jnp.sum(g_zhat_NxD[:, None, :] * rows_NxkxD, -1)
   _, mixture_vjp = jax.vjp(lambda s: mixture_weights(s, mixture), sim_Nxk)
   g_sim_Nxk = cts_out[0] + mixture_vjp(g_act_Nxk)[0]
   dz, dp = _stats_grads(opts, z_NxD, p_KxD, out, (g_sim_Nxk,) + tuple(cts_out[1:]),
-                        ((act_Nxk, g_zhat_NxD),))
+                        ((act_Nxk, g_zhat_NxD),), rows_NxkxD)
   return dz.astype(z_NxD.dtype), dp.astype(p_KxD.dtype), jnp.zeros_like(valid_N)
 
 

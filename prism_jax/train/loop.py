@@ -208,7 +208,8 @@ def _run(cfg, workdir, mesh, ckpt, packed, train_loader, val_loader, callbacks, 
                                            _train_sample_loader(packed, cfg, mesh),
                                            num_batches=eval_fn.num_batches)
     thr = metrics_lib.Throughput(cfg.model, cfg.data.seq_len,
-                                 tc.batch_size * cfg.data.seq_len, mesh.devices.size)
+                                 tc.batch_size * cfg.data.seq_len, mesh.devices.size,
+                                 loss_cfg=cfg.loss)
     saving = trainer.Checkpointing(ckpt, tc.ckpt_every, train_loader.state, cfg)
     loop = trainer.Loop(start=start, steps=tc.steps, log_every=tc.log_every,
                         workdir=workdir, checkpointing=saving, throughput=thr,

@@ -1,8 +1,8 @@
 """Metric writers (JSONL always, TensorBoard via tensorboardX) and throughput accounting.
 
 Throughput: tokens/s counts every position of every row (B*T per step); TFLOP/s uses
-`prism_jax.flops.flops_per_token(model_cfg, T)["train"]` (3x forward, prototype head
-included); MFU is reported only where `prism_jax.flops.device_peak_flops` knows the peak.
+`prism_jax.flops.flops_per_token(model_cfg, T, loss_cfg)["train"]` (3x forward, prototype
+head and the λ_proto LM head included); MFU is reported only where `prism_jax.flops.device_peak_flops` knows the peak.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ import jax
 from absl import logging
 
 from prism_jax import flops, paths
-from prism_jax.config import ModelConfig
+from prism_jax.config import LossConfig, ModelConfig
 
 METRICS_FILE = "metrics.jsonl"
 UPLOAD_EVERY_S = 30.0  # an object-store metrics file is re-uploaded at most this often
@@ -124,12 +124,13 @@ class Throughput:
   """
 
   def __init__(self, model_cfg: ModelConfig | None, seq_len: int, tokens_per_step: int,
-               num_devices: int, device=None):
-    """`model_cfg` None (a loss that is not the model's): tokens/s only, no TFLOP/s."""
+               num_devices: int, device=None, loss_cfg: LossConfig | None = None):
+    """`model_cfg` None (a loss that is not the model's): tokens/s only, no TFLOP/s;
+    `loss_cfg` adds the λ_proto head's FLOPs when the loss computes it."""
     self.tokens_per_step = tokens_per_step
     self.num_devices = num_devices
     self.flops_per_token = (None if model_cfg is None else
-                            float(flops.flops_per_token(model_cfg, seq_len)["train"]))
+                            float(flops.flops_per_token(model_cfg, seq_len, loss_cfg)["train"]))
     peak = flops.device_peak_flops(device or jax.devices()[0])
     self.peak_total = peak * num_devices if peak else None
     self._t0 = None
