@@ -49,10 +49,11 @@ LEVERS: dict[str, tuple[str, ...]] = {
     "before": ("model.mixture=normalized", "model.mixture_scale=none", "model.k=8",
                "model.num_prototypes=512", "model.residual_dropout=0.0",
                "loss.lambda_rec=0.05", "loss.rec_ramp_steps=0", "loss.lambda_r1=0.1",
-               "loss.lambda_r2=1.0", "loss.lambda_proto=0.0"),
+               "loss.lambda_r2=1.0", "loss.lambda_proto=0.0", "loss.lambda_rlogit=0.0"),
     "scale": ("model.mixture_scale=learned",),
     "raw": ("model.mixture=raw",),
-    "k4": ("model.k=4",), "k16": ("model.k=16",),
+    "k4": ("model.k=4",), "k16": ("model.k=16",), "k32": ("model.k=32",),
+    "K1024": ("model.num_prototypes=1024",),
     "proto0.3": ("loss.lambda_proto=0.3",), "proto1": ("loss.lambda_proto=1.0",),
     "proto3": ("loss.lambda_proto=3.0",),
     "rdrop0.25": ("model.residual_dropout=0.25",), "rdrop0.5": ("model.residual_dropout=0.5",),
@@ -61,6 +62,9 @@ LEVERS: dict[str, tuple[str, ...]] = {
     "rec3": ("loss.lambda_rec=3.0",),
     "ramp": ("loss.rec_ramp_steps=300",),  # λ_rec from 0 to its value over 300 steps
     "r2_2": ("loss.lambda_r2=2.0",),
+    # Logit-space residual penalty var_v(W r) / var_v(W z) (losses.residual_logit_share).
+    "rlogit0.3": ("loss.lambda_rlogit=0.3",), "rlogit1": ("loss.lambda_rlogit=1.0",),
+    "rlogit3": ("loss.lambda_rlogit=3.0",),
 }
 
 
