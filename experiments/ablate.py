@@ -51,7 +51,8 @@ LEVERS: dict[str, tuple[str, ...]] = {
     "before": ("model.mixture=normalized", "model.mixture_scale=none", "model.k=8",
                "model.num_prototypes=512", "model.residual_dropout=0.0",
                "loss.lambda_rec=0.05", "loss.rec_ramp_steps=0", "loss.lambda_r1=0.1",
-               "loss.lambda_r2=1.0", "loss.lambda_proto=0.0", "loss.lambda_rlogit=0.0"),
+               "loss.lambda_r2=1.0", "loss.lambda_proto=0.0", "loss.lambda_rlogit=0.0",
+               "loss.lambda_proto_kl=0.0"),
     "scale": ("model.mixture_scale=learned",),
     "raw": ("model.mixture=raw",),
     "k4": ("model.k=4",), "k16": ("model.k=16",), "k32": ("model.k=32",),
@@ -67,6 +68,8 @@ LEVERS: dict[str, tuple[str, ...]] = {
     # Logit-space residual penalty var_v(W r) / var_v(W z) (losses.residual_logit_share).
     "rlogit0.3": ("loss.lambda_rlogit=0.3",), "rlogit1": ("loss.lambda_rlogit=1.0",),
     "rlogit3": ("loss.lambda_rlogit=3.0",),
+    # KL of the prototype path to the model's (stop-gradient) distribution (losses.proto_kl).
+    "pkl1": ("loss.lambda_proto_kl=1.0",), "pkl3": ("loss.lambda_proto_kl=3.0",),
 }
 
 

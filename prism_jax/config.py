@@ -112,8 +112,11 @@ class LossConfig:
   prototypes explain also decides the prediction; `lambda_rlogit` weighs a logit-space
   residual penalty RLOGIT = mean_t var_v((W r_t)_v) / var_v((W z_t)_v), the residual's share
   of the logits' spread over the vocabulary (REC measured where the argmax is taken: a
-  residual along directions W ignores costs nothing); `rec_ramp_steps` > 0 ramps λ_rec
-  linearly from 0 at step 0 to `lambda_rec` at that step (the paper's λ_rec is constant).
+  residual along directions W ignores costs nothing); `lambda_proto_kl` weighs
+  KL(sg(softmax W z) ‖ softmax W z_hat), the prototype path distilled towards the model's
+  own distribution (its argmax included) rather than towards the targets; `rec_ramp_steps`
+  > 0 ramps λ_rec linearly from 0 at step 0 to `lambda_rec` at that step (the paper's λ_rec
+  is constant).
   """
 
   # Defaults from the tiny-preset sweep (docs/RESULTS.md): R2 (token coverage) needs the
@@ -125,9 +128,11 @@ class LossConfig:
   rec_ramp_steps: int = 0  # 0 = constant λ_rec
   lambda_proto: float = 0.0
   lambda_rlogit: float = 0.0
+  lambda_proto_kl: float = 0.0
 
   def __post_init__(self):
-    for name in ("lambda_rec", "lambda_r1", "lambda_r2", "lambda_proto", "lambda_rlogit"):
+    for name in ("lambda_rec", "lambda_r1", "lambda_r2", "lambda_proto", "lambda_rlogit",
+                 "lambda_proto_kl"):
       _check(float(getattr(self, name)) >= 0.0, f"loss.{name} must be >= 0")
     _check(isinstance(self.rec_ramp_steps, int) and self.rec_ramp_steps >= 0,
            f"loss.rec_ramp_steps must be an int >= 0, got {self.rec_ramp_steps!r}")
@@ -136,7 +141,7 @@ class LossConfig:
   @property
   def needs_proto_logits(self) -> bool:
     """Whether total_loss needs W z_hat (the prototype path's logits)."""
-    return self.lambda_proto > 0 or self.lambda_rlogit > 0
+    return self.lambda_proto > 0 or self.lambda_rlogit > 0 or self.lambda_proto_kl > 0
 
 
 @dataclasses.dataclass(frozen=True)
