@@ -145,7 +145,7 @@ def analytic_ratios(name: str) -> tuple[float, float]:
   cfgs = {k: make_config(name, k) for k in KINDS}
   seq = cfgs["prism"].data.seq_len
   f = {k: flops_per_token(c.model, seq) for k, c in cfgs.items()}
-  aux = 3 * f["prism"]["lm_head_fwd"] if cfgs["prism"].loss.lambda_proto > 0 else 0.0
+  aux = 3 * f["prism"]["lm_head_fwd"] if cfgs["prism"].loss.needs_proto_logits else 0.0
   return f["dense"]["train"] / f["prism"]["train"], f["dense"]["train"] / (
       f["prism"]["train"] + aux)
 
