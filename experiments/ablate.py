@@ -12,7 +12,9 @@ R̄1, R̄2, residual share, dead prototypes, and the process's CPU seconds for t
 variant is a VARIANTS name or LEVERS joined by "+" (issue 11's levers), with an optional
 seed suffix "@s1". Runs are sequential; a finished variant's result is cached in
 <workdir>/<variant>/ablation.json, so re-running only trains what is missing. Prints a
-markdown table (and writes it to --out).
+markdown table (and writes it to --out). With --results_json, the --headline variants (the
+default, one per seed) become this base's row of that docs/results file (reproduce.py's
+schema; the other base's row is kept).
 """
 import json
 import os
@@ -49,10 +51,12 @@ LEVERS: dict[str, tuple[str, ...]] = {
     "before": ("model.mixture=normalized", "model.mixture_scale=none", "model.k=8",
                "model.num_prototypes=512", "model.residual_dropout=0.0",
                "loss.lambda_rec=0.05", "loss.rec_ramp_steps=0", "loss.lambda_r1=0.1",
-               "loss.lambda_r2=1.0", "loss.lambda_proto=0.0"),
+               "loss.lambda_r2=1.0", "loss.lambda_proto=0.0", "loss.lambda_rlogit=0.0",
+               "loss.lambda_proto_kl=0.0"),
     "scale": ("model.mixture_scale=learned",),
     "raw": ("model.mixture=raw",),
-    "k4": ("model.k=4",), "k16": ("model.k=16",),
+    "k4": ("model.k=4",), "k16": ("model.k=16",), "k32": ("model.k=32",),
+    "K1024": ("model.num_prototypes=1024",),
     "proto0.3": ("loss.lambda_proto=0.3",), "proto1": ("loss.lambda_proto=1.0",),
     "proto3": ("loss.lambda_proto=3.0",),
     "rdrop0.25": ("model.residual_dropout=0.25",), "rdrop0.5": ("model.residual_dropout=0.5",),
@@ -61,6 +65,11 @@ LEVERS: dict[str, tuple[str, ...]] = {
     "rec3": ("loss.lambda_rec=3.0",),
     "ramp": ("loss.rec_ramp_steps=300",),  # λ_rec from 0 to its value over 300 steps
     "r2_2": ("loss.lambda_r2=2.0",),
+    # Logit-space residual penalty var_v(W r) / var_v(W z) (losses.residual_logit_share).
+    "rlogit0.3": ("loss.lambda_rlogit=0.3",), "rlogit1": ("loss.lambda_rlogit=1.0",),
+    "rlogit3": ("loss.lambda_rlogit=3.0",),
+    # KL of the prototype path to the model's (stop-gradient) distribution (losses.proto_kl).
+    "pkl1": ("loss.lambda_proto_kl=1.0",), "pkl3": ("loss.lambda_proto_kl=3.0",),
 }
 
 
@@ -104,6 +113,9 @@ flags.DEFINE_list("variants", ["dense", "prism", "normalized", "plain", "lam0.01
 flags.DEFINE_multi_string("set", [], "extra overrides applied to every variant")
 flags.DEFINE_string("out", None, "also write the markdown table to this file")
 flags.DEFINE_bool("overrides_column", True, "print each variant's overrides in the table")
+flags.DEFINE_string("results_json", None, "record the --headline variants as this base's row "
+                    "of this results JSON (e.g. docs/results/faithfulness.json)")
+flags.DEFINE_list("headline", [], "the default's variants (one per seed) for --results_json")
 FLAGS = flags.FLAGS
 
 COLUMNS = ("val CE", "vs dense", "proto CE ratio", "agreement", "centred proto share",
@@ -195,8 +207,55 @@ def seed_spread(results: list[dict]) -> list[str]:
   return lines
 
 
+def headline_row(results: list[dict], names: list[str], base: str, command: str) -> dict:
+  """The results-JSON row of the default: each bar's value per seed ("a / b")."""
+  by = {r["variant"]: r for r in results}
+  missing = [n for n in names if n not in by]
+  if missing:
+    raise ValueError(f"--headline {missing} not among --variants")
+  dense = {r["variant"].partition("@s")[2] or "0": r["loss"] for r in results
+           if r["variant"].partition("@s")[0] == "dense"}
+  rs = [by[n] for n in names]
+  vs_dense = [r["loss"] / dense.get(r["variant"].partition("@s")[2] or "0", dense.get("0"))
+              - 1 for r in rs] if dense else []
+  join = lambda vals, fmt: " / ".join(fmt(v) for v in vals)
+  ours = (f"agreement {join([r['agreement'] for r in rs], lambda v: f'{100 * v:.1f}%')}, "
+          f"proto CE ratio {join([r['proto_ce_ratio'] for r in rs], '{:.3f}'.format)}, "
+          f"full CE vs dense {join(vs_dense, lambda v: f'{100 * v:+.1f}%')}, "
+          f"R̄1 {join([r['r1_bar'] for r in rs], '{:.3f}'.format)}, "
+          f"R̄2 {join([r['r2_bar'] for r in rs], '{:.3f}'.format)}")
+  keep = ("loss", "proto_ce_ratio", "agreement", "centred_proto_share", "r1_bar", "r2_bar",
+          "residual_share", "dead_prototypes", "acc_full", "acc_proto", "acc_resid", "cpu_s")
+  return {"metric": f"faithfulness, {base} ({names[0].partition('@s')[0]}, {len(rs)} seeds)",
+          "ours": ours, "paper": "not reported", "command": command,
+          "note": "bars: agreement >= 90%, ratio <= 1.05, vs dense <= +2%, R̄ >= 0.9",
+          "base": base, "variants": names, "vs_dense": vs_dense,
+          "metrics": [{k: r.get(k) for k in keep} for r in rs]}
+
+
+def write_results_json(path: str, row: dict) -> None:
+  """Replaces this base's row; the tiny row answers reproduce.py's "faithfulness" claim."""
+  rows = []
+  if os.path.exists(path):
+    with open(path) as f:
+      rows = [r for r in json.load(f)["rows"] if r.get("base") != row["base"]]
+  rows = sorted(rows + [row], key=lambda r: list(BASES).index(r["base"]))
+  for r in rows:
+    r.pop("claim", None)
+    if r["base"] == "tiny":
+      r["claim"] = "faithfulness"
+  with open(path, "w") as f:
+    json.dump({"rows": rows}, f, indent=1, ensure_ascii=False)
+    f.write("\n")
+
+
 def main(argv):
   del argv
+  if bool(FLAGS.headline) != bool(FLAGS.results_json):
+    sys.exit("error: --results_json and --headline (the default's variants) go together")
+  if set(FLAGS.headline) - set(FLAGS.variants):
+    sys.exit(f"error: --headline {sorted(set(FLAGS.headline) - set(FLAGS.variants))} not "
+             "among --variants")
   for name in FLAGS.variants:
     try:
       variant_overrides(name)
@@ -211,6 +270,10 @@ def main(argv):
   if FLAGS.out:
     with open(FLAGS.out, "w") as f:
       f.write(table + "\n")
+  if FLAGS.results_json:
+    command = "python -m experiments.ablate " + " ".join(sys.argv[1:])
+    write_results_json(FLAGS.results_json,
+                       headline_row(results, FLAGS.headline, FLAGS.base, command))
 
 
 if __name__ == "__main__":

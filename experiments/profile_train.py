@@ -137,7 +137,7 @@ def profile(name: str, reps: int) -> list[tuple]:
   mask = jnp.ones(targets.shape, bool)
   ce = lambda m, h: losses.cross_entropy(m.lm_head(h).reshape(-1, mc.vocab_size), targets, mask)
   piece(rows, "LM head + CE", bb, ce, z, reps=reps)
-  if cfg.loss.lambda_proto > 0:
+  if cfg.loss.needs_proto_logits:  # W z_hat for λ_proto / λ_proto_kl / λ_rlogit
     piece(rows, "LM head + CE of W z_hat (λ_proto)", bb, ce, z, reps=reps)
   z_NxD = z.reshape(batch * seq, -1)
   piece(rows, "prototype layer (all of it)", model.bank, lambda m, h: m(h, mask), z_NxD,

@@ -79,7 +79,8 @@ def throughput(data: dict) -> list[dict]:
   out = []
   for r in data["rows"]:
     if r["code"] == "new":
-      out.append({"metric": f"PRISM/dense train tokens/s, {r['config']} (CPU)",
+      loss = {"prism_paper": ", the paper's four loss terms"}.get(r.get("variant"), "")
+      out.append({"metric": f"PRISM/dense train tokens/s, {r['config']}{loss} (CPU)",
                   "ours": round(r["ratio_cpu"], 3),
                   "note": f"{r['config']}, process CPU time; analytic {r['analytic']:.3f}",
                   "command": data["command"]})

@@ -15,7 +15,7 @@ from absl import flags
 from experiments import bench_train, cli
 
 flags.DEFINE_string("config", "byte", "a bench_train config")
-flags.DEFINE_string("kind", "prism_proto0", "a bench_train model of that config")
+flags.DEFINE_string("kind", "prism_paper", "a bench_train model of that config")
 flags.DEFINE_list("checkpoints", ["1", "5", "10", "50", "100", "170"], "steps to compare at")
 FLAGS = flags.FLAGS
 

@@ -20,8 +20,9 @@ usual "2 x matmul params" count, as in Kaplan et al. 2020 / PaLM's MFU appendix)
                 + K                         top-k selection (one comparison per candidate)
                 + 2·k·D                     reconstruction ẑ = Σ a_i p_i
                 + 2·D                       residual r = z − ẑ and head input r + ẑ
-                + 2·D·V                     only with loss.lambda_proto > 0: the auxiliary
-                                            LM head W ẑ of its CE (issue 11)
+                + 2·D·V                     only when the loss needs W ẑ
+                                            (loss.needs_proto_logits: λ_proto, λ_proto_kl,
+                                            λ_rlogit; issue 11): the prototype path's head
   forward     = backbone (+ proto head for PRISM);   train = 3 × forward
 
 The similarity's backward is counted as 2 × its forward (the dense N×K×D matmuls of the
@@ -106,8 +107,8 @@ def flops_per_token(cfg: ModelConfig, seq_len: int,
 
   Keys: backbone_fwd (layers + LM head), of which attention_fwd and lm_head_fwd;
   proto_fwd (0 for dense) with its parts proto_similarity, proto_norms, proto_topk,
-  proto_reconstruction, proto_residual, proto_lm_head (W ẑ: `loss.lambda_proto` > 0, else
-  0; None counts no aux head); fwd = backbone_fwd + proto_fwd; train = 3 * fwd.
+  proto_reconstruction, proto_residual, proto_lm_head (W ẑ: when `loss.needs_proto_logits`,
+  else 0; None counts no aux head); fwd = backbone_fwd + proto_fwd; train = 3 * fwd.
   """
   if seq_len <= 0:
     raise ValueError(f"seq_len must be positive, got {seq_len}")
@@ -123,7 +124,7 @@ def flops_per_token(cfg: ModelConfig, seq_len: int,
       "proto_topk": num_protos,
       "proto_reconstruction": 2 * k * d,
       "proto_residual": 2 * d,
-      "proto_lm_head": lm_head if loss is not None and loss.lambda_proto > 0 else 0,
+      "proto_lm_head": lm_head if loss is not None and loss.needs_proto_logits else 0,
   }
   if cfg.kind == "dense":
     parts = {name: 0 for name in parts}

@@ -1,10 +1,13 @@
 """The four-term PRISM objective (PRISM.md §2) as pure functions.
 
-  L = CE + λ_rec REC + λ_1 R1 + λ_2 R2  [+ λ_proto CE(W z_hat): issue 11, beyond the paper]
+  L = CE + λ_rec REC + λ_1 R1 + λ_2 R2  [+ λ_proto CE(W z_hat) + λ_rlogit RLOGIT
+                                          + λ_proto_kl PKL: issue 11, beyond the paper]
   CE  = mean_t -log softmax(ℓ_t)[y_t]
   REC = mean_t ‖r_t‖² / ‖z_t‖²        (relative; plain ‖r_t‖² as an option)
   R1  = mean_i min_t dist(p_i, z_t)   every prototype near some real token of the batch
   R2  = mean_t min_i dist(z_t, p_i)   every token near some prototype
+  RLOGIT = mean_t var_v((W r_t)_v) / var_v(ℓ_t,v)   the residual's share of the logit spread
+  PKL = mean_t KL(sg(softmax ℓ_t) ‖ softmax W z_hat_t)  the prototype path towards the model
 
 All means run over valid tokens only (mask_N is False on padding/EOS). R1 needs the column
 minima over the *whole global batch*: pass them already reduced across data shards.
@@ -67,6 +70,27 @@ def r2_clustering(row_min_dist_N: jax.Array, mask_N: jax.Array) -> jax.Array:
   return _masked_mean(row_min_dist_N, mask_N)
 
 
+def residual_logit_share(logits_NxV: jax.Array, proto_logits_NxV: jax.Array,
+                         mask_N: jax.Array) -> jax.Array:
+  """RLOGIT: mean_t var_v((W r_t)_v) / var_v(ℓ_t,v), with W r = ℓ − W z_hat (exact in value:
+  no second head). Centring is inside the variance, so a shift common to all logits, which
+  no softmax sees, costs nothing. As REC under straight-through routing, the gradient
+  moves z (and W) towards the mixture, not the bank."""
+  logits = logits_NxV.astype(jnp.float32)
+  var_r_N = jnp.var(logits - proto_logits_NxV.astype(jnp.float32), axis=-1)
+  return _masked_mean(var_r_N / jnp.maximum(jnp.var(logits, axis=-1), EPS), mask_N)
+
+
+def proto_kl(logits_NxV: jax.Array, proto_logits_NxV: jax.Array,
+             mask_N: jax.Array) -> jax.Array:
+  """PKL: mean_t KL(p_t ‖ q_t), p = softmax of the model's logits ℓ (stop-gradient: the
+  full model is the teacher, not moved), q = softmax W z_hat. Zero where the prototype path
+  predicts the model's whole distribution, its argmax included."""
+  logp_NxV = jax.nn.log_softmax(jax.lax.stop_gradient(logits_NxV.astype(jnp.float32)), -1)
+  logq_NxV = jax.nn.log_softmax(proto_logits_NxV.astype(jnp.float32), -1)
+  return _masked_mean(jnp.sum(jnp.exp(logp_NxV) * (logp_NxV - logq_NxV), -1), mask_N)
+
+
 def rec_weight(cfg: LossConfig, step: jax.Array | int | None) -> jax.Array | float:
   """λ_rec at `step`: constant, or ramped linearly from 0 over `rec_ramp_steps`."""
   if cfg.rec_ramp_steps == 0 or step is None:
@@ -82,7 +106,8 @@ def total_loss(out: LMOutput, targets_BxT: jax.Array, mask_BxT: jax.Array,
   """Weighted objective and a metrics dict (all scalars, fp32). Dense models get CE only.
 
   `step` sets λ_rec when it is ramped; `proto_logits_BxTxV` (W z_hat, from
-  `PrismLM.proto_path_logits`) is needed when `cfg.lambda_proto` > 0.
+  `PrismLM.proto_path_logits`) is needed when `cfg.needs_proto_logits` (λ_proto,
+  λ_rlogit or λ_proto_kl > 0).
   """
   batch, seq, vocab = out.logits_BxTxV.shape
   mask_N = mask_BxT.reshape(batch * seq)
@@ -96,13 +121,25 @@ def total_loss(out: LMOutput, targets_BxT: jax.Array, mask_BxT: jax.Array,
     r1 = r1_clustering(p.col_min_dist_K)
     r2 = r2_clustering(p.row_min_dist_N, mask_N)
     loss = ce + rec_weight(cfg, step) * rec + cfg.lambda_r1 * r1 + cfg.lambda_r2 * r2
+    if cfg.needs_proto_logits and proto_logits_BxTxV is None:
+      lever = next(n for n in ("lambda_proto", "lambda_rlogit", "lambda_proto_kl")
+                   if getattr(cfg, n) > 0)
+      raise ValueError(f"loss.{lever} > 0 needs proto_logits_BxTxV (W z_hat)")
     if cfg.lambda_proto > 0:
-      if proto_logits_BxTxV is None:
-        raise ValueError("loss.lambda_proto > 0 needs proto_logits_BxTxV (W z_hat)")
       ce_proto = cross_entropy(proto_logits_BxTxV.reshape(-1, vocab), targets_BxT.reshape(-1),
                                mask_N)
       loss = loss + cfg.lambda_proto * ce_proto
       metrics["proto_ce"] = ce_proto
+    if cfg.lambda_rlogit > 0:
+      rlogit = residual_logit_share(out.logits_BxTxV.reshape(-1, vocab),
+                                    proto_logits_BxTxV.reshape(-1, vocab), mask_N)
+      loss = loss + cfg.lambda_rlogit * rlogit
+      metrics["rlogit"] = rlogit
+    if cfg.lambda_proto_kl > 0:
+      pkl = proto_kl(out.logits_BxTxV.reshape(-1, vocab), proto_logits_BxTxV.reshape(-1, vocab),
+                     mask_N)
+      loss = loss + cfg.lambda_proto_kl * pkl
+      metrics["proto_kl"] = pkl
     sq_r = _masked_mean(jnp.sum(jnp.square(p.residual_NxD), -1), mask_N)
     sq_z = _masked_mean(jnp.sum(jnp.square(z_NxD), -1), mask_N)
     metrics.update(rec=rec, r1=r1, r2=r2, residual_share=sq_r / jnp.maximum(sq_z, EPS),

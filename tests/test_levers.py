@@ -1,4 +1,5 @@
-"""Issue 11's faithfulness levers: learned mixture scale, residual dropout, λ_proto, λ_rec ramp."""
+"""Issue 11's faithfulness levers: learned mixture scale, residual dropout, λ_proto, λ_rec ramp,
+λ_rlogit, λ_proto_kl."""
 
 import dataclasses
 
@@ -122,11 +123,83 @@ def test_lambda_proto_and_rec_ramp_vs_float64():
     losses.total_loss(out, jnp.asarray(targets), jnp.asarray(mask), cfg)
 
 
+def test_lambda_rlogit_vs_float64():
+  model, toks, rng = setup(6)
+  targets = rng.integers(0, CFG.vocab_size, (B, T))
+  mask = rng.random((B, T)) < 0.8
+  out = model(toks, mask_BxT=jnp.asarray(mask))
+  proto_logits = model.proto_path_logits(out.protos, B, T)
+  base = LossConfig(lambda_rec=0.4, lambda_r1=0.2, lambda_r2=0.6)
+  cfg = dataclasses.replace(base, lambda_rlogit=0.9)
+  assert cfg.needs_proto_logits and not base.needs_proto_logits
+  _, ref = losses.total_loss(out, jnp.asarray(targets), jnp.asarray(mask), base)
+  loss, metrics = losses.total_loss(out, jnp.asarray(targets), jnp.asarray(mask), cfg,
+                                    proto_logits_BxTxV=proto_logits)
+  z, z_hat, w = np_head(model, toks)
+  m = mask.reshape(-1)
+  # The residual's share of each token's logit variance over the vocabulary, W r = W(z - z_hat).
+  ratio_N = ((z - z_hat) @ w.T).var(axis=1) / (z @ w.T).var(axis=1)
+  assert 0.01 < ratio_N[m].mean() < 10.0  # a fresh model: neither term negligible
+  np.testing.assert_allclose(float(metrics["rlogit"]), ratio_N[m].mean(), rtol=1e-4)
+  want = float(ref["loss"]) + 0.9 * ratio_N[m].mean()
+  np.testing.assert_allclose(float(loss), want, rtol=1e-5)
+  assert "proto_ce" not in metrics  # λ_proto stays off
+  with pytest.raises(ValueError, match="loss.lambda_rlogit > 0 needs proto_logits_BxTxV"):
+    losses.total_loss(out, jnp.asarray(targets), jnp.asarray(mask), cfg)
+
+
+def test_lambda_proto_kl_vs_float64_and_teacher_not_moved():
+  model, toks, rng = setup(8)
+  targets = rng.integers(0, CFG.vocab_size, (B, T))
+  mask = rng.random((B, T)) < 0.8
+  out = model(toks, mask_BxT=jnp.asarray(mask))
+  # A fresh model's logits are nearly flat (KL ~1e-4): scaled up, as a trained model's are.
+  scale = 40.0
+  out = out._replace(logits_BxTxV=scale * out.logits_BxTxV)
+  proto_logits = scale * model.proto_path_logits(out.protos, B, T)
+  base = LossConfig(lambda_rec=0.4, lambda_r1=0.2, lambda_r2=0.6)
+  cfg = dataclasses.replace(base, lambda_proto_kl=1.3)
+  _, ref = losses.total_loss(out, jnp.asarray(targets), jnp.asarray(mask), base)
+  loss, metrics = losses.total_loss(out, jnp.asarray(targets), jnp.asarray(mask), cfg,
+                                    proto_logits_BxTxV=proto_logits)
+  z, z_hat, w = np_head(model, toks)
+  log_softmax = lambda x: x - x.max(1, keepdims=True) - np.log(
+      np.exp(x - x.max(1, keepdims=True)).sum(1, keepdims=True))
+  logp, logq = log_softmax(scale * z @ w.T), log_softmax(scale * z_hat @ w.T)
+  m = mask.reshape(-1)
+  kl_N = (np.exp(logp) * (logp - logq)).sum(1)
+  assert kl_N[m].mean() > 0.05
+  np.testing.assert_allclose(float(metrics["proto_kl"]), kl_N[m].mean(), rtol=1e-4)
+  np.testing.assert_allclose(float(loss), float(ref["loss"]) + 1.3 * kl_N[m].mean(), rtol=1e-5)
+  # The model's distribution is the teacher: no gradient reaches the full logits.
+  logits_NxV = out.logits_BxTxV.reshape(B * T, -1)
+  proto_NxV = proto_logits.reshape(B * T, -1)
+  g_full, g_proto = jax.grad(losses.proto_kl, argnums=(0, 1))(logits_NxV, proto_NxV,
+                                                              jnp.asarray(m))
+  assert float(jnp.abs(g_full).max()) == 0.0 and float(jnp.abs(g_proto).max()) > 1e-4
+  with pytest.raises(ValueError, match="loss.lambda_proto_kl > 0 needs proto_logits_BxTxV"):
+    losses.total_loss(out, jnp.asarray(targets), jnp.asarray(mask), cfg)
+
+
+def test_rlogit_ignores_a_shift_common_to_all_logits():
+  rng = np.random.default_rng(7)
+  logits_NxV = jnp.asarray(rng.normal(size=(6, 11)), jnp.float32)
+  proto_NxV = jnp.asarray(rng.normal(size=(6, 11)), jnp.float32)
+  shift_Nx1 = jnp.asarray(rng.normal(size=(6, 1)) * 5, jnp.float32)
+  mask_N = jnp.ones(6, bool)
+  a = losses.residual_logit_share(logits_NxV, proto_NxV, mask_N)
+  b = losses.residual_logit_share(logits_NxV, proto_NxV - shift_Nx1, mask_N)
+  np.testing.assert_allclose(float(a), float(b), rtol=1e-5)
+  assert float(losses.residual_logit_share(logits_NxV, logits_NxV + shift_Nx1, mask_N)) < 1e-6
+
+
 @pytest.mark.parametrize("cls,overrides,match", [
     (ModelConfig, dict(residual_dropout=1.0), r"model.residual_dropout must be in \[0, 1\)"),
     (ModelConfig, dict(residual_dropout=-0.1), r"model.residual_dropout must be in \[0, 1\)"),
     (ModelConfig, dict(mixture_scale="per_token"), "model.mixture_scale='per_token'"),
     (LossConfig, dict(lambda_proto=-1.0), "loss.lambda_proto must be >= 0"),
+    (LossConfig, dict(lambda_rlogit=-0.5), "loss.lambda_rlogit must be >= 0"),
+    (LossConfig, dict(lambda_proto_kl=-2.0), "loss.lambda_proto_kl must be >= 0"),
     (LossConfig, dict(rec_ramp_steps=-5), "loss.rec_ramp_steps must be an int >= 0"),
     (LossConfig, dict(rec_ramp_steps=2.5), "loss.rec_ramp_steps must be an int >= 0"),
 ])

@@ -10,9 +10,10 @@
 - implementation "xla_sparse" (the XLA forward with the kernels' sparse backward, CPU's
   default) gives the XLA reference's outputs and, to float32 rounding, its autodiff
   gradients, ties, masks and meshes included, with one N x K x D matmul where autodiff has 3;
-- flops counts the λ_proto head where the loss computes it;
-- experiments.bench_train refuses a baseline that is not a checkout, times byte at λ_proto 0
-  and 1 with their analytic ratios; experiments.sparse_backward_drift refuses a dense model.
+- flops counts the prototype path's head W z_hat where the loss computes it (λ_proto,
+  λ_proto_kl, λ_rlogit);
+- experiments.bench_train refuses a baseline that is not a checkout, times byte with the
+  paper's four loss terms and with the tiny preset's loss, each with its analytic ratio; experiments.sparse_backward_drift refuses a dense model.
 """
 
 import dataclasses
@@ -279,9 +280,11 @@ def test_model_gradients_xla_sparse_vs_xla():
 def test_flops_count_the_proto_head_only_when_the_loss_computes_it():
   cfg = preset("tiny")
   t, d, v = cfg.data.seq_len, cfg.model.d_model, cfg.model.vocab_size
-  assert cfg.loss.lambda_proto > 0  # the tiny preset trains the aux head
+  assert cfg.loss.needs_proto_logits  # the tiny preset's loss computes W z_hat
   with_aux = flops.flops_per_token(cfg.model, t, cfg.loss)
-  without = flops.flops_per_token(cfg.model, t, LossConfig(lambda_proto=0.0))
+  without = flops.flops_per_token(cfg.model, t, LossConfig())
+  for lever in ("lambda_proto", "lambda_proto_kl", "lambda_rlogit"):
+    assert flops.flops_per_token(cfg.model, t, LossConfig(**{lever: 0.5})) == with_aux
   assert with_aux["proto_lm_head"] == 2 * d * v and without["proto_lm_head"] == 0
   assert with_aux["train"] - without["train"] == 3 * 2 * d * v
   assert flops.flops_per_token(cfg.model, t) == without  # no loss: the four terms
@@ -291,13 +294,14 @@ def test_flops_count_the_proto_head_only_when_the_loss_computes_it():
 
 def test_bench_train_times_byte_with_and_without_the_aux_head():
   from experiments import bench_train  # pylint: disable=import-outside-toplevel
-  assert bench_train.kinds("byte") == ("dense", "prism_proto0", "prism")
+  assert bench_train.kinds("byte") == ("dense", "prism_paper", "prism")
   assert bench_train.kinds("small") == ("dense", "prism")
-  lam = {k: bench_train.make_config("byte", k).loss.lambda_proto for k in ("prism_proto0", "prism")}
-  assert lam == {"prism_proto0": 0.0, "prism": 1.0}
+  aux = {k: bench_train.make_config("byte", k).loss.needs_proto_logits
+         for k in ("prism_paper", "prism")}
+  assert aux == {"prism_paper": False, "prism": True}
   assert bench_train.make_config("byte", "dense").model.kind == "dense"
   # the issue's analytic 0.929 without the aux head, 0.898 with it (3 x 2·D·V per token)
-  assert round(bench_train.analytic_ratio("byte", "prism_proto0"), 3) == 0.929
+  assert round(bench_train.analytic_ratio("byte", "prism_paper"), 3) == 0.929
   assert round(bench_train.analytic_ratio("byte", "prism"), 3) == 0.898
 
 

@@ -73,7 +73,7 @@ def _model_loss(model, batch, cfg: Config, step=None) -> tuple[jax.Array, dict[s
   out = model(batch["inputs"], mask_BxT=batch["mask"], dropout_key=_dropout_key(cfg, step),
               **extra)
   proto_logits = None
-  if out.protos is not None and cfg.loss.lambda_proto > 0:
+  if out.protos is not None and cfg.loss.needs_proto_logits:
     proto_logits = model.proto_path_logits(out.protos, *batch["inputs"].shape)
   return losses.total_loss(out, batch["targets"], batch["mask"], cfg.loss, step=step,
                            proto_logits_BxTxV=proto_logits)
