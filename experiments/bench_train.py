@@ -15,9 +15,10 @@ shared machine hits all alike. Per block the worker measures wall and process CP
 tokens/s = tokens per step / the median over blocks of the per-step time.
 Configs run on random tokens (speed does not depend on the text): `byte` is issue 11's
 byte-level config (4 layers / 4 heads / d 128 / ctx 64 / batch 12, K 512, k 8, the tiny
-preset's λ_proto 1), `small` GPT-2 124M with K 8192, k 16 at batch 1 x 256, `tiny` the
+preset's W z_hat term: λ_proto_kl 1, λ_proto 1 before issue 11's second round), `small` GPT-2 124M with K 8192, k 16 at batch 1 x 256, `tiny` the
 tiny preset (16 x 128). The analytic ratio is dense / PRISM train FLOPs per token from
-prism_jax.flops (the paper's objective; "+aux" adds the λ_proto LM head W z_hat).
+prism_jax.flops (the paper's objective; "+aux" adds the LM head W z_hat of λ_proto /
+λ_proto_kl).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ FLAGS = flags.FLAGS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KINDS = ("dense", "prism")
-# (preset, overrides): the loss is the preset's (tiny: λ_proto 1; small: λ_proto 0).
+# (preset, overrides): the loss is the preset's (tiny: λ_proto_kl 1; small: no W z_hat term).
 CONFIGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "byte": ("tiny", ("data.tokenizer=byte", "model.vocab_size=258", "model.max_len=64",
                       "data.seq_len=64", "train.batch_size=12", "train.lr=1e-3",
