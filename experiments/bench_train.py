@@ -16,9 +16,9 @@ tokens/s = tokens per step / the median over blocks of the per-step time.
 Configs run on random tokens (speed does not depend on the text): `byte` is issue 11's
 byte-level config (4 layers / 4 heads / d 128 / ctx 64 / batch 12, K 512, k 8, the tiny
 preset's W z_hat term: λ_proto_kl 1, λ_proto 1 before issue 11's second round), `small`
-GPT-2 124M with K 8192, k 16 at batch 1 x 256, `tiny` the tiny preset (16 x 128). The analytic ratio is dense / PRISM train FLOPs per token from
-prism_jax.flops (the paper's objective; "+aux" adds the LM head W z_hat of λ_proto /
-λ_proto_kl).
+GPT-2 124M with K 8192, k 16 at batch 1 x 256, `tiny` the tiny preset (16 x 128). The
+analytic ratio is dense / PRISM train FLOPs per token from prism_jax.flops (the paper's
+objective; "+aux" adds the LM head W z_hat of λ_proto / λ_proto_kl).
 """
 
 from __future__ import annotations
