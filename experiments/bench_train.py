@@ -15,12 +15,13 @@ shared machine hits all alike. Per block the worker measures wall and process CP
 tokens/s = tokens per step / the median over blocks of the per-step time.
 Configs run on random tokens (speed does not depend on the text): `byte` is issue 11's
 byte-level config (4 layers / 4 heads / d 128 / ctx 64 / batch 12, K 512, k 8), timed with
-two PRISM losses beside its one dense twin: λ_proto 0 (the issue's measurement: the
-paper's four terms) and the tiny preset's λ_proto 1 (plus the auxiliary CE of W z_hat);
-`small` GPT-2 124M with K 8192, k 16 at batch 1 x 256 (its preset's λ_proto 0), `tiny`
-the tiny preset (16 x 128). Each PRISM row has its own analytic ratio, dense / PRISM
-train FLOPs per token from prism_jax.flops for that row's loss (the λ_proto head counted
-where the loss computes it).
+two PRISM losses beside its one dense twin: `prism_paper` (the issue's measurement: the
+paper's four terms) and `prism`, the tiny preset's loss (its faithfulness term, λ_proto_kl 1
+since issue 11's second round, λ_proto 1 before, needs the prototype path's head W z_hat);
+`small` GPT-2 124M with K 8192, k 16 at batch 1 x 256 (its preset's loss: no W z_hat),
+`tiny` the tiny preset (16 x 128). Each PRISM row has its own analytic ratio, dense / PRISM
+train FLOPs per token from prism_jax.flops for that row's loss (W z_hat counted where the
+loss computes it).
 """
 
 from __future__ import annotations
@@ -47,7 +48,7 @@ flags.DEFINE_bool("worker", False, "internal: serve timing requests on stdin/std
 FLAGS = flags.FLAGS
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# (preset, overrides): the loss is the preset's (tiny: λ_proto 1; small: λ_proto 0).
+# (preset, overrides): the loss is the preset's (tiny: λ_proto_kl 1; small: no W z_hat term).
 CONFIGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "byte": ("tiny", ("data.tokenizer=byte", "model.vocab_size=258", "model.max_len=64",
                       "data.seq_len=64", "train.batch_size=12", "train.lr=1e-3",
