@@ -26,6 +26,8 @@ loss computes it).
 
 from __future__ import annotations
 
+import dataclasses
+
 import json
 import os
 import subprocess
@@ -75,10 +77,14 @@ def make_config(name: str, kind: str):
   warm-up)."""
   from prism_jax.config import preset  # pylint: disable=g-import-not-at-top
   from prism_jax.train import apply_overrides  # pylint: disable=g-import-not-at-top
+  from prism_jax.config import LossConfig  # pylint: disable=g-import-not-at-top
   base, sets = CONFIGS[name]
-  loss = VARIANTS.get(name, {}).get(kind, ())
+  # A loss term switched off that an older checkout (--baseline) does not have is off there.
+  known = {f"loss.{f.name}" for f in dataclasses.fields(LossConfig)}
+  loss = [s for s in VARIANTS.get(name, {}).get(kind, ())
+          if s.split("=")[0] in known or float(s.split("=")[1]) != 0]
   model = "dense" if kind == "dense" else "prism"
-  return apply_overrides(preset(base), list(sets) + list(loss) + [
+  return apply_overrides(preset(base), list(sets) + loss + [
       "model.proto_init=normal", f"model.kind={model}", "train.steps=100"])
 
 
