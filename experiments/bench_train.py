@@ -61,7 +61,8 @@ CONFIGS: dict[str, tuple[str, tuple[str, ...]]] = {
 # The models timed per config: the dense twin and PRISM variants (name -> loss overrides).
 VARIANTS: dict[str, dict[str, tuple[str, ...]]] = {
     # the paper's four loss terms (the issue's measurement), and the tiny preset's loss, whose
-    # faithfulness term (issue 11) adds the prototype path's head W z_hat
+    # faithfulness term (issue 11) adds the prototype path's head W z_hat. Spelled out, not
+    # LossConfig.PROTO_LOGIT_TERMS: this module also drives an older checkout's library.
     "byte": {"prism_paper": ("loss.lambda_proto=0", "loss.lambda_proto_kl=0",
                              "loss.lambda_rlogit=0"), "prism": ()},
 }

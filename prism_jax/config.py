@@ -105,7 +105,7 @@ class ModelConfig:
 @dataclasses.dataclass(frozen=True)
 class LossConfig:
   """Weights of L = CE + λ_rec(step) REC + λ_1 R1 + λ_2 R2 [+ λ_proto CE_proto
-  + λ_rlogit RLOGIT] (PRISM.md §2).
+  + λ_rlogit RLOGIT + λ_proto_kl PKL] (PRISM.md §2).
 
   Beyond the paper's four terms (issue 11, faithfulness): `lambda_proto` weighs an auxiliary
   cross-entropy of the prototype path alone, CE(W z_hat), so that the part of the logit that
@@ -130,9 +130,11 @@ class LossConfig:
   lambda_rlogit: float = 0.0
   lambda_proto_kl: float = 0.0
 
+  # The terms that read the prototype path's logits W z_hat (one head serves them all).
+  PROTO_LOGIT_TERMS = ("lambda_proto", "lambda_rlogit", "lambda_proto_kl")
+
   def __post_init__(self):
-    for name in ("lambda_rec", "lambda_r1", "lambda_r2", "lambda_proto", "lambda_rlogit",
-                 "lambda_proto_kl"):
+    for name in ("lambda_rec", "lambda_r1", "lambda_r2") + self.PROTO_LOGIT_TERMS:
       _check(float(getattr(self, name)) >= 0.0, f"loss.{name} must be >= 0")
     _check(isinstance(self.rec_ramp_steps, int) and self.rec_ramp_steps >= 0,
            f"loss.rec_ramp_steps must be an int >= 0, got {self.rec_ramp_steps!r}")
@@ -141,7 +143,7 @@ class LossConfig:
   @property
   def needs_proto_logits(self) -> bool:
     """Whether total_loss needs W z_hat (the prototype path's logits)."""
-    return self.lambda_proto > 0 or self.lambda_rlogit > 0 or self.lambda_proto_kl > 0
+    return any(getattr(self, name) > 0 for name in self.PROTO_LOGIT_TERMS)
 
 
 @dataclasses.dataclass(frozen=True)

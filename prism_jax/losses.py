@@ -110,8 +110,9 @@ def total_loss(out: LMOutput, targets_BxT: jax.Array, mask_BxT: jax.Array,
   λ_rlogit or λ_proto_kl > 0).
   """
   batch, seq, vocab = out.logits_BxTxV.shape
-  mask_N = mask_BxT.reshape(batch * seq)
-  ce = cross_entropy(out.logits_BxTxV.reshape(-1, vocab), targets_BxT.reshape(-1), mask_N)
+  mask_N, targets_N = mask_BxT.reshape(batch * seq), targets_BxT.reshape(-1)
+  logits_NxV = out.logits_BxTxV.reshape(-1, vocab)
+  ce = cross_entropy(logits_NxV, targets_N, mask_N)
   metrics = {"ce": ce}
   loss = ce
   if out.protos is not None:
@@ -121,23 +122,21 @@ def total_loss(out: LMOutput, targets_BxT: jax.Array, mask_BxT: jax.Array,
     r1 = r1_clustering(p.col_min_dist_K)
     r2 = r2_clustering(p.row_min_dist_N, mask_N)
     loss = ce + rec_weight(cfg, step) * rec + cfg.lambda_r1 * r1 + cfg.lambda_r2 * r2
-    if cfg.needs_proto_logits and proto_logits_BxTxV is None:
-      lever = next(n for n in ("lambda_proto", "lambda_rlogit", "lambda_proto_kl")
-                   if getattr(cfg, n) > 0)
-      raise ValueError(f"loss.{lever} > 0 needs proto_logits_BxTxV (W z_hat)")
+    if cfg.needs_proto_logits:
+      if proto_logits_BxTxV is None:
+        lever = next(n for n in cfg.PROTO_LOGIT_TERMS if getattr(cfg, n) > 0)
+        raise ValueError(f"loss.{lever} > 0 needs proto_logits_BxTxV (W z_hat)")
+      proto_NxV = proto_logits_BxTxV.reshape(-1, vocab)
     if cfg.lambda_proto > 0:
-      ce_proto = cross_entropy(proto_logits_BxTxV.reshape(-1, vocab), targets_BxT.reshape(-1),
-                               mask_N)
+      ce_proto = cross_entropy(proto_NxV, targets_N, mask_N)
       loss = loss + cfg.lambda_proto * ce_proto
       metrics["proto_ce"] = ce_proto
     if cfg.lambda_rlogit > 0:
-      rlogit = residual_logit_share(out.logits_BxTxV.reshape(-1, vocab),
-                                    proto_logits_BxTxV.reshape(-1, vocab), mask_N)
+      rlogit = residual_logit_share(logits_NxV, proto_NxV, mask_N)
       loss = loss + cfg.lambda_rlogit * rlogit
       metrics["rlogit"] = rlogit
     if cfg.lambda_proto_kl > 0:
-      pkl = proto_kl(out.logits_BxTxV.reshape(-1, vocab), proto_logits_BxTxV.reshape(-1, vocab),
-                     mask_N)
+      pkl = proto_kl(logits_NxV, proto_NxV, mask_N)
       loss = loss + cfg.lambda_proto_kl * pkl
       metrics["proto_kl"] = pkl
     sq_r = _masked_mean(jnp.sum(jnp.square(p.residual_NxD), -1), mask_N)

@@ -2,7 +2,8 @@
 
 Throughput: tokens/s counts every position of every row (B*T per step); TFLOP/s uses
 `prism_jax.flops.flops_per_token(model_cfg, T, loss_cfg)["train"]` (3x forward, prototype
-head and the λ_proto LM head included); MFU is reported only where `prism_jax.flops.device_peak_flops` knows the peak.
+head included, and the W z_hat head where the loss needs it); MFU is reported only where
+`prism_jax.flops.device_peak_flops` knows the peak.
 """
 
 from __future__ import annotations
