@@ -28,6 +28,14 @@ def setup(seed, **model_overrides):
   return model, toks, rng
 
 
+def loss_inputs(seed):
+  """A fresh model, its tokens, random targets, a random mask and the model's output."""
+  model, toks, rng = setup(seed)
+  targets = rng.integers(0, CFG.vocab_size, (B, T))
+  mask = rng.random((B, T)) < 0.8
+  return model, toks, targets, mask, model(toks, mask_BxT=jnp.asarray(mask))
+
+
 def np_head(model, toks, scale=1.0):
   """Float64 z, z_hat (normalised mixture times `scale`) and W."""
   z, _ = model.backbone(toks)
@@ -98,10 +106,7 @@ def test_residual_dropout_mask_is_deterministic_from_the_step():
 
 
 def test_lambda_proto_and_rec_ramp_vs_float64():
-  model, toks, rng = setup(5)
-  targets = rng.integers(0, CFG.vocab_size, (B, T))
-  mask = rng.random((B, T)) < 0.8
-  out = model(toks, mask_BxT=jnp.asarray(mask))
+  model, toks, targets, mask, out = loss_inputs(5)
   proto_logits = model.proto_path_logits(out.protos, B, T)
   base = LossConfig(lambda_rec=0.4, lambda_r1=0.2, lambda_r2=0.6)
   cfg = dataclasses.replace(base, lambda_proto=0.7, rec_ramp_steps=40)
@@ -124,10 +129,7 @@ def test_lambda_proto_and_rec_ramp_vs_float64():
 
 
 def test_lambda_rlogit_vs_float64():
-  model, toks, rng = setup(6)
-  targets = rng.integers(0, CFG.vocab_size, (B, T))
-  mask = rng.random((B, T)) < 0.8
-  out = model(toks, mask_BxT=jnp.asarray(mask))
+  model, toks, targets, mask, out = loss_inputs(6)
   proto_logits = model.proto_path_logits(out.protos, B, T)
   base = LossConfig(lambda_rec=0.4, lambda_r1=0.2, lambda_r2=0.6)
   cfg = dataclasses.replace(base, lambda_rlogit=0.9)
@@ -149,10 +151,7 @@ def test_lambda_rlogit_vs_float64():
 
 
 def test_lambda_proto_kl_vs_float64_and_teacher_not_moved():
-  model, toks, rng = setup(8)
-  targets = rng.integers(0, CFG.vocab_size, (B, T))
-  mask = rng.random((B, T)) < 0.8
-  out = model(toks, mask_BxT=jnp.asarray(mask))
+  model, toks, targets, mask, out = loss_inputs(8)
   # A fresh model's logits are nearly flat (KL ~1e-4): scaled up, as a trained model's are.
   scale = 40.0
   out = out._replace(logits_BxTxV=scale * out.logits_BxTxV)
