@@ -64,9 +64,8 @@ def main(argv):
   if jax.process_count() > 1:
     from prism_jax import sharding  # pylint: disable=g-import-not-at-top
     mesh = sharding.make_mesh(devices=jax.local_devices())
-  model, cfg, tokenizer = load_for_inference(FLAGS.workdir, mesh=mesh)
-  if cfg.model.kind != "prism":
-    sys.exit("error: attribution needs a PRISM run (model.kind='prism')")
+  model, cfg, tokenizer = load_for_inference(FLAGS.workdir, mesh=mesh,
+                                             needs_prototypes="attribution")
   packed = prepare_data(cfg.data, cfg.model.vocab_size, FLAGS.workdir)
   cache_dir = FLAGS.cache_dir or paths.join(FLAGS.workdir, "attribution_cache")
   cache_cfg = cache_lib.CacheConfig(rank=FLAGS.rank, **(

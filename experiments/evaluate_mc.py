@@ -79,9 +79,8 @@ def main(argv):
 
   from prism_jax.evaluation import synthetic, tasks  # pylint: disable=g-import-not-at-top
   tasks.check_task_names(FLAGS.tasks, synthetic.SYNTHETIC_TASKS)
-  prism, cfg, tok = load_for_inference(FLAGS.workdir)
-  if cfg.model.kind != "prism":
-    raise ValueError(f"--workdir must be a PRISM run, got model.kind={cfg.model.kind!r}")
+  prism, cfg, tok = load_for_inference(FLAGS.workdir,
+                                       needs_prototypes="the prototype controllers")
   packed = prepare_data(cfg.data, cfg.model.vocab_size, FLAGS.workdir)
   all_items, dropped = {}, {}
   for name in FLAGS.tasks:
