@@ -7,6 +7,9 @@
 - losses.token_nll (logsumexp - iota-picked logit) and its gradient against float64 NumPy;
 - transformer.materialize (the CPU optimization barrier on the residual stream) changes no
   value: logits and gradients with it equal those without it to float32 rounding;
+- transformer.matmul (the backbone's linear maps, with XLA:CPU's fast weight-gradient
+  orientation on CPU): values and both gradients against float64 NumPy, and the model's
+  loss, logits and gradients equal plain autodiff of x @ w;
 - implementation "xla_sparse" (the XLA forward with the kernels' sparse backward, CPU's
   default) gives the XLA reference's outputs and, to float32 rounding, its autodiff
   gradients, ties, masks and meshes included, with one N x K x D matmul where autodiff has 3;
@@ -134,6 +137,35 @@ def test_materialize_changes_no_value(prism_model, monkeypatch):
   tokens = jnp.asarray(np.random.default_rng(2).integers(0, 61, size=(3, 16)), jnp.int32)
   (loss, logits), grads = _loss_and_grads(prism_model, tokens)
   monkeypatch.setattr(transformer, "materialize", lambda x: x)
+  (ref_loss, ref_logits), ref_grads = _loss_and_grads(prism_model, tokens)
+  np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
+  np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), rtol=1e-5, atol=1e-6)
+  for g, r in zip(jax.tree.leaves(grads), jax.tree.leaves(ref_grads)):
+    np.testing.assert_allclose(np.asarray(g), np.asarray(r), rtol=1e-4, atol=1e-6)
+
+
+@pytest.mark.parametrize("shape_in,shape_w", [((3, 5, 16), (16, 40)), ((37, 40), (40, 16)),
+                                              ((2, 4, 12), (12, 12))])
+def test_matmul_values_and_gradients_vs_float64(shape_in, shape_w):
+  rng = np.random.default_rng(sum(shape_in) + shape_w[1])
+  x, w = rng.standard_normal(shape_in), rng.standard_normal(shape_w)
+  g = rng.standard_normal(shape_in[:-1] + shape_w[1:])
+  y, vjp_fn = jax.vjp(transformer.matmul, jnp.asarray(x, jnp.float32), jnp.asarray(w, jnp.float32))
+  dx, dw = vjp_fn(jnp.asarray(g, jnp.float32))
+  x2, g2 = x.reshape(-1, shape_w[0]), g.reshape(-1, shape_w[1])
+  np.testing.assert_allclose(np.asarray(y), x @ w, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(dx), g @ w.T, rtol=1e-5, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(dw), x2.T @ g2, rtol=1e-5, atol=1e-5)
+  # On CPU the backward is the custom one (the check above would be vacuous else).
+  jaxpr = str(jax.make_jaxpr(jax.grad(lambda w: jnp.sum(transformer.matmul(
+      jnp.asarray(x, jnp.float32), w))))(jnp.asarray(w, jnp.float32)))
+  assert "optimization_barrier" in jaxpr
+
+
+def test_model_with_matmul_equals_plain_autodiff(prism_model, monkeypatch):
+  tokens = jnp.asarray(np.random.default_rng(4).integers(0, 61, size=(3, 16)), jnp.int32)
+  (loss, logits), grads = _loss_and_grads(prism_model, tokens)
+  monkeypatch.setattr(transformer, "matmul", lambda x, w: x @ w)
   (ref_loss, ref_logits), ref_grads = _loss_and_grads(prism_model, tokens)
   np.testing.assert_allclose(float(loss), float(ref_loss), rtol=1e-6)
   np.testing.assert_allclose(np.asarray(logits), np.asarray(ref_logits), rtol=1e-5, atol=1e-6)

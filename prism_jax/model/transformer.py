@@ -64,6 +64,37 @@ def materialize(x: jax.Array) -> jax.Array:
   return jax.lax.optimization_barrier(x) if jax.default_backend() == "cpu" else x
 
 
+def matmul(x_NxI: jax.Array, w_IxO: jax.Array) -> jax.Array:
+  """x @ w over the last axis of x. On CPU its weight gradient takes XLA:CPU's fast
+  orientation (the values are those of autodiff's x^T g; tests/test_throughput.py)."""
+  return _matmul_cpu(x_NxI, w_IxO) if jax.default_backend() == "cpu" else x_NxI @ w_IxO
+
+
+@jax.custom_vjp
+def _matmul_cpu(x, w):
+  return x @ w
+
+
+def _matmul_fwd(x, w):
+  return x @ w, (x, w)
+
+
+def _matmul_bwd(res, g):
+  x, w = res
+  x2, g2 = x.reshape(-1, x.shape[-1]), g.reshape(-1, g.shape[-1])
+  # XLA:CPU's x^T g over the token axis runs ~2x slower when its output has more rows than
+  # columns (the MLP's down-projection, d_mlp x d); computing (g^T x)^T behind a barrier (XLA
+  # would fold the transpose back into the dot) keeps the fast one.
+  if w.shape[0] > w.shape[1]:
+    dw = jax.lax.optimization_barrier(g2.T @ x2).T
+  else:
+    dw = jax.lax.optimization_barrier(x2.T @ g2)
+  return g @ w.T, dw
+
+
+_matmul_cpu.defvjp(_matmul_fwd, _matmul_bwd)
+
+
 class LayerNorm(nnx.Module):
 
   def __init__(self, d_model: int, bias: bool = True):
@@ -100,7 +131,9 @@ class Attention(nnx.Module):
                cache: KVCache | None = None, tap: Tap | None = None,
                dropout_key: jax.Array | None = None) -> tuple[jax.Array, KVCache | None]:
     dtype, bias = x_BxTxD.dtype, self.cfg.bias
-    qkv = jnp.einsum("btd,dchk->btchk", x_BxTxD, self.qkv_kernel[...].astype(dtype))
+    w_Dx3xHxDh = self.qkv_kernel[...].astype(dtype)
+    qkv = matmul(x_BxTxD, w_Dx3xHxDh.reshape(w_Dx3xHxDh.shape[0], -1)).reshape(
+        x_BxTxD.shape[:2] + w_Dx3xHxDh.shape[1:])
     qkv = linear(tap, "qkv", x_BxTxD, qkv + _bias(self.qkv_bias, dtype), bias=bias)
     q_BxTxHxDh, k_BxTxHxDh, v_BxTxHxDh = qkv[:, :, 0], qkv[:, :, 1], qkv[:, :, 2]
     if cache is None:
@@ -124,7 +157,9 @@ class Attention(nnx.Module):
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
     probs = dropout(probs, self.cfg.dropout, dropout_key)
     ctx_BxTxHxDh = jnp.einsum("bhts,bshk->bthk", probs, values)
-    out = jnp.einsum("bthk,hkd->btd", ctx_BxTxHxDh, self.out_kernel[...].astype(dtype))
+    w_HxDhxD = self.out_kernel[...].astype(dtype)
+    out = matmul(ctx_BxTxHxDh.reshape(ctx_BxTxHxDh.shape[:2] + (-1,)),
+                 w_HxDhxD.reshape(-1, w_HxDhxD.shape[-1]))
     out = linear(tap, "attn_out", ctx_BxTxHxDh, out + _bias(self.out_bias, dtype), bias=bias)
     return out, cache
 
@@ -142,9 +177,9 @@ class MLP(nnx.Module):
 
   def __call__(self, x_BxTxD: jax.Array, tap: Tap | None = None) -> jax.Array:
     dtype = x_BxTxD.dtype
-    h = x_BxTxD @ self.fc_kernel[...].astype(dtype) + _bias(self.fc_bias, dtype)
+    h = matmul(x_BxTxD, self.fc_kernel[...].astype(dtype)) + _bias(self.fc_bias, dtype)
     h = jax.nn.gelu(linear(tap, "mlp_fc", x_BxTxD, h, bias=self.bias), approximate=True)
-    out = h @ self.proj_kernel[...].astype(dtype) + _bias(self.proj_bias, dtype)
+    out = matmul(h, self.proj_kernel[...].astype(dtype)) + _bias(self.proj_bias, dtype)
     return linear(tap, "mlp_proj", h, out, bias=self.bias)
 
 

@@ -1,0 +1,60 @@
+"""Keep freed host memory in the process, so XLA:CPU's per-step buffers are not page-faulted
+in again every step.
+
+XLA:CPU allocates each execution's temporaries (every activation the backward pass keeps,
+every gradient) with malloc and frees them when the step ends. glibc serves allocations
+above its mmap threshold (dynamic, at most 32 MiB) with fresh mmap()s and gives freed heap
+tops back to the kernel above its trim threshold, so every step touches new pages: one
+minor page fault per 4 KiB, which at the byte-level config (d 128, 12 x 64 tokens) was about
+a third of the dense train step's time on CPU (docs/RESULTS.md, "Training throughput",
+round 3). Raising both thresholds keeps the memory in the heap for the next step.
+
+`retain_freed_memory()` is called by the trainer's step builder when JAX runs on CPU. It
+changes the whole process's allocator (the heap no longer shrinks after a peak) and is a
+no-op off glibc. Opt out with the environment variable PRISM_JAX_RETAIN_FREED_MEMORY=0.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import os
+
+ENV_VAR = "PRISM_JAX_RETAIN_FREED_MEMORY"
+# mallopt(3) parameters (glibc's malloc.h) and the largest value they take (an int).
+M_TRIM_THRESHOLD = -1
+M_MMAP_THRESHOLD = -3
+THRESHOLD = 2**31 - 1
+
+_applied: bool | None = None
+
+
+def _libc():
+  name = ctypes.util.find_library("c")
+  if name is None:
+    return None
+  try:
+    libc = ctypes.CDLL(name)
+  except OSError:
+    return None
+  return libc if hasattr(libc, "mallopt") else None  # mallopt: glibc (and musl has none)
+
+
+def retain_freed_memory() -> bool:
+  """Set glibc's trim and mmap thresholds to 2 GiB, once per process. True when they are
+  set (now or by an earlier call); False off glibc or when PRISM_JAX_RETAIN_FREED_MEMORY=0.
+  """
+  global _applied
+  if _applied is not None:
+    return _applied
+  if os.environ.get(ENV_VAR, "1").strip().lower() in ("0", "false", "no", "off"):
+    _applied = False
+    return False
+  libc = _libc()
+  if libc is None:
+    _applied = False
+    return False
+  libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
+  _applied = bool(libc.mallopt(M_MMAP_THRESHOLD, THRESHOLD)) and bool(
+      libc.mallopt(M_TRIM_THRESHOLD, THRESHOLD))
+  return _applied

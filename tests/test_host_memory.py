@@ -1,0 +1,81 @@
+"""train/host_memory: freed host memory stays in the process (no page faults on reuse).
+
+Each case runs in a fresh interpreter: the allocator setting is process-wide and one-way.
+The probe mallocs, writes and frees a 64 MiB buffer twice (plain malloc: numpy would ask
+for huge pages) and counts the minor page
+faults of the second round (getrusage): with the thresholds raised the second buffer reuses
+the heap's pages (~0 faults); glibc's defaults mmap it afresh (one fault per 4 KiB page).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import subprocess
+import sys
+
+import pytest
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+PAGES = (64 << 20) // 4096
+
+PROBE = r"""
+import ctypes, json, resource, sys
+libc = ctypes.CDLL("libc.so.6")
+libc.malloc.restype = ctypes.c_void_p
+libc.free.argtypes = (ctypes.c_void_p,)
+applied = None
+if sys.argv[1] == "retain":
+  from prism_jax.train import host_memory
+  applied = host_memory.retain_freed_memory()
+elif sys.argv[1] == "train_step":
+  import jax, optax
+  from prism_jax.train import host_memory, trainer
+  loss = lambda p, b: (jax.numpy.sum(p["w"] * b), {})
+  trainer.make_step(loss, optax.sgd(0.1))
+  applied = host_memory._applied
+def faults_of_one_round():
+  before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+  buf = libc.malloc(64 << 20)
+  ctypes.memset(buf, 1, 64 << 20)  # every page written
+  libc.free(buf)
+  return resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before
+faults_of_one_round()
+print(json.dumps({"applied": applied, "faults": faults_of_one_round()}))
+"""
+
+
+def run_probe(mode: str, **env) -> dict:
+  out = subprocess.run([sys.executable, "-c", PROBE, mode], cwd=REPO, capture_output=True,
+                       text=True, timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu", **env),
+                       check=True)
+  return json.loads(out.stdout.strip().splitlines()[-1])
+
+
+glibc_only = pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="glibc's mallopt")
+
+
+@glibc_only
+def test_freed_memory_is_reused_without_page_faults():
+  default = run_probe("none")
+  retained = run_probe("retain")
+  assert default["faults"] > PAGES // 2, default  # glibc's default: a fresh mmap per round
+  assert retained["applied"] is True
+  assert retained["faults"] < PAGES // 20, retained
+
+
+@glibc_only
+def test_the_train_step_builder_applies_it_on_cpu():
+  res = run_probe("train_step")
+  assert res["applied"] is True
+  assert res["faults"] < PAGES // 20, res
+
+
+@glibc_only
+def test_the_environment_variable_opts_out():
+  res = run_probe("retain", PRISM_JAX_RETAIN_FREED_MEMORY="0")
+  assert res["applied"] is False
+  assert res["faults"] > PAGES // 2, res
+  res = run_probe("train_step", PRISM_JAX_RETAIN_FREED_MEMORY="0")
+  assert res["applied"] is False
