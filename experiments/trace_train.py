@@ -1,0 +1,112 @@
+"""Where the whole train step's time goes: a jax.profiler trace joined to the compiled HLO.
+
+  taskset -c 0 python -m experiments.trace_train [--config=byte] [--kind=dense] [--steps=10]
+
+Builds bench_train's model (`--config`, `--kind`: "dense" or a PRISM variant), runs
+`--warmup` steps (bench_train's flag), times `--steps` untraced, then traces `--steps` and
+sums each executed op's time by phase (forward / backward: ops whose HLO op_name carries
+autodiff's `transpose(`; optimiser: the step's ops outside the model's jvp; other: the rest)
+and kind (matmul: YNNPACK fusions and dots, their reductions included; elementwise: XLA's
+own loop fusions, copies, ...), then lists the `--top` ops. Under `taskset -c 0` (one core)
+op times add up to the step's wall time; on more cores ops overlap. The untraced steps'
+system CPU time and minor page faults (getrusage) are printed beside their wall and CPU time.
+"""
+
+from __future__ import annotations
+
+import collections
+import glob
+import gzip
+import json
+import os
+import re
+import resource
+import tempfile
+
+from absl import flags
+
+from experiments import bench_train, cli
+
+flags.DEFINE_string("config", "byte", "a bench_train config")
+flags.DEFINE_string("kind", "dense", "a bench_train model of that config")
+flags.DEFINE_integer("steps", 10, "traced steps")
+flags.DEFINE_integer("top", 15, "ops to list")
+flags.DEFINE_string("trace_dir", None, "keep the trace here (default: a temporary dir)")
+FLAGS = flags.FLAGS
+
+OP_LINE = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\S+) .*?op_name=\"([^\"]*)\"", re.M)
+
+
+def classify(name: str, op_name: str) -> tuple[str, str]:
+  """(phase, kind) of an executed HLO op."""
+  if "transpose(" in op_name:
+    phase = "backward"
+  elif "jvp" in op_name:
+    phase = "forward"
+  elif "/" in op_name:
+    phase = "optimiser"
+  else:
+    phase = "other"
+  kind = "matmul" if name.startswith(("ynn_fusion", "dot", "xnn_fusion")) else "elementwise"
+  return phase, kind
+
+
+def trace_ops(runner, steps: int, trace_dir: str):
+  """(total traced µs, executions) per executed op name over `steps` steps."""
+  import jax  # pylint: disable=g-import-not-at-top
+  jax.profiler.start_trace(trace_dir)
+  runner.block(steps)
+  jax.profiler.stop_trace()
+  path = sorted(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True))[-1]
+  with gzip.open(path) as f:
+    events = json.load(f)["traceEvents"]
+  totals, runs = collections.Counter(), collections.Counter()
+  for e in events:
+    if e.get("ph") == "X" and "name" in e:
+      totals[e["name"]] += e.get("dur", 0)
+      runs[e["name"]] += 1
+  return totals, runs
+
+
+def main(argv):
+  del argv
+  if FLAGS.config not in bench_train.CONFIGS or FLAGS.kind not in bench_train.kinds(FLAGS.config):
+    raise ValueError(f"--config={FLAGS.config!r} --kind={FLAGS.kind!r}: choose a model of "
+                     f"bench_train's configs {sorted(bench_train.CONFIGS)}")
+  if FLAGS.steps < 1:
+    raise ValueError(f"--steps must be >= 1, got {FLAGS.steps}")
+  runner = bench_train.Runner(bench_train.make_config(FLAGS.config, FLAGS.kind))
+  runner.block(FLAGS.warmup)
+  hlo = runner.step.lower(runner.state, runner.batch).compile().as_text()
+  ops = {m.group(1): (m.group(2), m.group(3)) for m in OP_LINE.finditer(hlo)}
+  before = resource.getrusage(resource.RUSAGE_SELF)
+  wall, cpu = runner.block(FLAGS.steps)  # untraced timing
+  after = resource.getrusage(resource.RUSAGE_SELF)
+  sys_s, faults = after.ru_stime - before.ru_stime, after.ru_minflt - before.ru_minflt
+  with tempfile.TemporaryDirectory() as tmp:
+    totals, runs = trace_ops(runner, FLAGS.steps, FLAGS.trace_dir or tmp)
+  table = collections.Counter()
+  count = collections.Counter()
+  for name, us in totals.items():
+    if name in ops:
+      key = classify(name, ops[name][1])
+      table[key] += us
+      count[key] += runs[name]
+  n = FLAGS.steps
+  print(f"{FLAGS.config} {FLAGS.kind}: {1e3 * wall / n:.2f} ms/step wall, {1e3 * cpu / n:.2f} "
+        f"CPU (of which system {1e3 * sys_s / n:.2f}), {faults / n:,.0f} minor page faults/step, "
+        f"untraced; traced op time "
+        f"{sum(table.values()) / n / 1e3:.2f} ms/step")
+  print("| phase | kind | ms/step | ops/step |")
+  print("|---|---|---|---|")
+  for key in sorted(table):
+    print(f"| {key[0]} | {key[1]} | {table[key] / n / 1e3:.2f} | {count[key] / n:.0f} |")
+  print(f"\n| op | shape | HLO op_name | ms/step |\n|---|---|---|---|")
+  named = [(us, name) for name, us in totals.items() if name in ops]
+  for us, name in sorted(named, reverse=True)[:FLAGS.top]:
+    shape, op_name = ops[name]
+    print(f"| {name} | {shape.split('{')[0]} | {op_name[-48:]} | {us / n / 1e3:.2f} |")
+
+
+if __name__ == "__main__":
+  cli.run(main)
