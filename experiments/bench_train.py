@@ -73,6 +73,16 @@ def kinds(name: str) -> tuple[str, ...]:
   return ("dense",) + tuple(VARIANTS.get(name, {"prism": ()}))
 
 
+def check_model(name: str, kind: str, *, prism_only: bool = False) -> None:
+  """One error for a --config / --kind pair that is not a model `kinds(name)` times
+  (`prism_only`: its PRISM variants)."""
+  models = kinds(name) if name in CONFIGS else ()
+  if kind not in (models[1:] if prism_only else models):
+    raise ValueError(f"--config={name!r} --kind={kind!r}: choose a "
+                     f"{'PRISM ' if prism_only else ''}model of bench_train's configs "
+                     f"{sorted(CONFIGS)}")
+
+
 def make_config(name: str, kind: str):
   """The Config of `name` for model `kind` (a `kinds` entry; random-init bank: no dense
   warm-up)."""

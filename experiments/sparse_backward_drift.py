@@ -42,7 +42,7 @@ def block(runner, matmul, n: int) -> None:
     return
   from prism_jax.model import transformer  # pylint: disable=g-import-not-at-top
   custom, transformer.matmul = transformer.matmul, matmul
-  try:  # the step is traced on its first call, so the swap lasts exactly that long
+  try:  # the swap matters on the first call (the step is traced then); later calls reuse it
     runner.block(n)
   finally:
     transformer.matmul = custom
@@ -50,12 +50,7 @@ def block(runner, matmul, n: int) -> None:
 
 def main(argv):
   del argv
-  models = bench_train.kinds(FLAGS.config) if FLAGS.config in bench_train.CONFIGS else ()
-  allowed = models[1:] if FLAGS.backward == "sparse" else models
-  if FLAGS.kind not in allowed:
-    raise ValueError(f"--config={FLAGS.config!r} --kind={FLAGS.kind!r}: choose a "
-                     f"{'PRISM ' if FLAGS.backward == 'sparse' else ''}model of bench_train's "
-                     f"configs {sorted(bench_train.CONFIGS)}")
+  bench_train.check_model(FLAGS.config, FLAGS.kind, prism_only=FLAGS.backward == "sparse")
   steps = sorted({int(s) for s in FLAGS.checkpoints})
   if not steps or steps[0] < 1:
     raise ValueError(f"--checkpoints must be positive step counts, got {FLAGS.checkpoints}")

@@ -70,9 +70,7 @@ def trace_ops(runner, steps: int, trace_dir: str):
 
 def main(argv):
   del argv
-  if FLAGS.config not in bench_train.CONFIGS or FLAGS.kind not in bench_train.kinds(FLAGS.config):
-    raise ValueError(f"--config={FLAGS.config!r} --kind={FLAGS.kind!r}: choose a model of "
-                     f"bench_train's configs {sorted(bench_train.CONFIGS)}")
+  bench_train.check_model(FLAGS.config, FLAGS.kind)
   if FLAGS.steps < 1:
     raise ValueError(f"--steps must be >= 1, got {FLAGS.steps}")
   runner = bench_train.Runner(bench_train.make_config(FLAGS.config, FLAGS.kind))

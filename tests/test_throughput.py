@@ -16,7 +16,7 @@
 - flops counts the prototype path's head W z_hat where the loss computes it (λ_proto,
   λ_proto_kl, λ_rlogit);
 - experiments.bench_train refuses a baseline that is not a checkout, times byte with the
-  paper's four loss terms and with the tiny preset's loss, each with its analytic ratio; experiments.sparse_backward_drift refuses a dense model.
+  paper's four loss terms and with the tiny preset's loss, each with its analytic ratio; experiments.sparse_backward_drift refuses a dense model (and, with trace_train, bad flags).
 """
 
 import dataclasses
@@ -335,6 +335,23 @@ def test_bench_train_times_byte_with_and_without_the_aux_head():
   # the issue's analytic 0.929 without the aux head, 0.898 with it (3 x 2·D·V per token)
   assert round(bench_train.analytic_ratio("byte", "prism_paper"), 3) == 0.929
   assert round(bench_train.analytic_ratio("byte", "prism"), 3) == 0.898
+
+
+@pytest.mark.parametrize("module,args,message", [
+    ("trace_train", ["--kind=prism_fast"], "--config='byte' --kind='prism_fast': choose a model"),
+    ("trace_train", ["--config=huge"], "--config='huge' --kind='dense': choose a model"),
+    ("trace_train", ["--steps=0"], "--steps must be >= 1, got 0"),
+    ("sparse_backward_drift", ["--backward=matmul", "--kind=prism_fast"],
+     "--config='byte' --kind='prism_fast': choose a model"),
+])
+def test_trace_and_drift_refuse_bad_flags(module, args, message):
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  res = subprocess.run([sys.executable, "-m", f"experiments.{module}"] + args, cwd=repo,
+                       capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"),
+                       check=False)
+  assert res.returncode == 2
+  assert res.stderr.strip().splitlines()[-1] == "error: " + message + (
+      "" if "steps" in message else " of bench_train's configs ['byte', 'small', 'tiny']")
 
 
 def test_sparse_backward_drift_refuses_a_dense_model():
