@@ -11,7 +11,9 @@ train step of every config from the same seed (identical backbone; the real
 (untimed), then the parent interleaves timed blocks across code versions and models
 (old dense, new dense, new PRISM, old PRISM, then the reverse, ...), so load drift on a
 shared machine hits all alike. Per block the worker measures wall and process CPU time
-(user + system of all its threads: robust to other jobs sharing the cores); reported
+(user + system of all its threads: robust to other jobs sharing the cores) and minor page
+faults (printed under the table: XLA:CPU's per-step buffers faulted in afresh were round
+3's and 4's finding); reported
 tokens/s = tokens per step / the median over blocks of the per-step time.
 Configs run on random tokens (speed does not depend on the text): `byte` is issue 11's
 byte-level config (4 layers / 4 heads / d 128 / ctx 64 / batch 12, K 512, k 8), timed with
@@ -30,6 +32,7 @@ import dataclasses
 
 import json
 import os
+import resource
 import subprocess
 import sys
 import time
@@ -123,13 +126,17 @@ class Runner:
     self.loss = float("nan")
 
   def block(self, n: int) -> tuple[float, float]:
-    """(wall s, CPU s) of n steps, waiting for the last."""
+    """(wall s, CPU s) of n steps, waiting for the last; `self.faults`: their minor page
+    faults (the whole process's, getrusage)."""
+    f0 = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
     t0, c0 = time.perf_counter(), time.process_time()
     with self.jax.set_mesh(self.mesh):
       for _ in range(n):
         self.state, metrics = self.step(self.state, self.batch)
       self.loss = float(self.jax.device_get(metrics["loss"]))
-    return time.perf_counter() - t0, time.process_time() - c0
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    self.faults = resource.getrusage(resource.RUSAGE_SELF).ru_minflt - f0
+    return wall, cpu
 
 
 def serve() -> None:
@@ -142,8 +149,10 @@ def serve() -> None:
   print(json.dumps({"ready": True}), flush=True)
   for line in sys.stdin:
     name, kind, n = line.split()
-    wall, cpu = runners[name, kind].block(int(n))
-    print(json.dumps({"wall": wall, "cpu": cpu, "loss": runners[name, kind].loss}), flush=True)
+    runner = runners[name, kind]
+    wall, cpu = runner.block(int(n))
+    print(json.dumps({"wall": wall, "cpu": cpu, "loss": runner.loss, "faults": runner.faults}),
+          flush=True)
 
 
 class Worker:
@@ -202,7 +211,7 @@ def bench(configs: list[str]) -> list[dict]:
       # Alternate the order (A B C D, D C B A, ...): no slot always runs first or last.
       for c, k in (order if r % 2 == 0 else order[::-1]):
         res = workers[c].time(name, k, n)
-        samples[name, c, k].append((res["wall"] / n, res["cpu"] / n))
+        samples[name, c, k].append((res["wall"] / n, res["cpu"] / n, res["faults"] / n))
         losses[name, c, k] = res["loss"]
       load.append(os.getloadavg()[0])
       print(f"{name}: round {r + 1}/{FLAGS.rounds} (load average {load[-1]:.2f})", flush=True)
@@ -213,12 +222,13 @@ def bench(configs: list[str]) -> list[dict]:
   rows = []
   for name in configs:
     for c in codes:
-      rate = {}
+      rate, faults = {}, {}
       for k in kinds(name):
         cfg = make_config(name, k)
         tokens = cfg.train.batch_size * cfg.data.seq_len
         med = np.median(np.asarray(samples[name, c, k]), axis=0)
         rate[k] = {"wall": tokens / med[0], "cpu": tokens / med[1]}
+        faults[k] = float(med[2])
       for k in kinds(name)[1:]:  # one row per PRISM variant, beside the shared dense twin
         cfg = make_config(name, k)
         rows.append(dict(
@@ -230,6 +240,7 @@ def bench(configs: list[str]) -> list[dict]:
             ratio_wall=rate[k]["wall"] / rate["dense"]["wall"],
             ratio_cpu=rate[k]["cpu"] / rate["dense"]["cpu"], analytic=analytic_ratio(name, k),
             dense_loss=losses[name, c, "dense"], prism_loss=losses[name, c, k],
+            dense_faults_per_step=faults["dense"], prism_faults_per_step=faults[k],
             load_avg_min_median_max=[min(load), float(np.median(load)), max(load)]))
   return rows
 
@@ -253,6 +264,9 @@ def format_table(rows: list[dict]) -> str:
         f"{r['prism_tok_s_wall']:,.0f} / {r['prism_tok_s_cpu']:,.0f} | "
         f"{r['ratio_wall']:.3f} / {r['ratio_cpu']:.3f} | "
         f"{r['analytic']:.3f} | {speedup} |")
+  lines.append("\nMinor page faults per step (median over blocks; the worker process's): " + "; ".join(
+      f"{r['config']} {r['code']} dense {r['dense_faults_per_step']:,.0f}, {r['variant']} "
+      f"{r['prism_faults_per_step']:,.0f}" for r in rows))
   return "\n".join(lines)
 
 

@@ -18,6 +18,8 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.topk_reconstruct import topk_major
+
 EPS = 1e-6  # guards the norms of all-zero rows and the sum of all-zero activations
 
 
@@ -40,14 +42,41 @@ def inv_norm(sqnorm: jax.Array) -> jax.Array:
   return jax.lax.rsqrt(jnp.maximum(sqnorm, EPS * EPS))
 
 
+def similarity_terms(z_NxD: jax.Array, protos_KxD: jax.Array) -> tuple[jax.Array, jax.Array]:
+  """The squared norms |z_n|^2 and |p_k|^2 both layouts scale by."""
+  return jnp.sum(z_NxD * z_NxD, axis=-1), jnp.sum(protos_KxD * protos_KxD, axis=-1)
+
+
 def similarity(z_NxD: jax.Array, protos_KxD: jax.Array) -> Similarity:
   """Cosine similarities via one matmul; norms guarded by EPS. Keeps the input dtype
   (float64 for the curvature references), so callers cast first where they need to."""
-  sqnorm_z_N = jnp.sum(z_NxD * z_NxD, axis=-1)
-  sqnorm_p_K = jnp.sum(protos_KxD * protos_KxD, axis=-1)
+  sqnorm_z_N, sqnorm_p_K = similarity_terms(z_NxD, protos_KxD)
   dot_NxK = jnp.dot(z_NxD, protos_KxD.T, precision=jax.lax.Precision.HIGHEST)
   return Similarity(dot_NxK, sqnorm_z_N, sqnorm_p_K,
                     dot_NxK * inv_norm(sqnorm_z_N)[:, None] * inv_norm(sqnorm_p_K)[None, :])
+
+
+class SimilarityKxN(NamedTuple):
+  """`Similarity` laid out prototypes x tokens (XLA:CPU's fast layout for the top-k and
+  the per-prototype statistics, topk_major.py): the same values, transposed."""
+
+  dot_KxN: jax.Array
+  sqnorm_z_N: jax.Array
+  sqnorm_p_K: jax.Array
+  cos_KxN: jax.Array
+
+  def sqdist(self) -> jax.Array:
+    return jnp.maximum(self.sqnorm_z_N[None, :] + self.sqnorm_p_K[:, None]
+                       - 2.0 * self.dot_KxN, 0.0)
+
+
+def similarity_KxN(z_NxD: jax.Array, protos_KxD: jax.Array) -> SimilarityKxN:
+  """`similarity` transposed: each entry by the same ops in the same order (the dot of
+  the same two rows; XLA:CPU's dot gives the same bits in either orientation, tested)."""
+  s = similarity_terms(z_NxD, protos_KxD)
+  dot_KxN = jnp.dot(protos_KxD, z_NxD.T, precision=jax.lax.Precision.HIGHEST)
+  return SimilarityKxN(dot_KxN, s[0], s[1],
+                       dot_KxN * inv_norm(s[0])[None, :] * inv_norm(s[1])[:, None])
 
 
 def _first_extremum(x: jax.Array, axis: int, largest: bool) -> tuple[jax.Array, jax.Array]:
@@ -158,18 +187,27 @@ topk_reconstruct_reference = topk_reconstruct_xla  # the name the kernel tests u
 def kernel_stats_xla(z_NxD, protos_KxD, valid_N, k: int, distance: str = "cosine"):
   """The kernels' statistics (launch.kernel_stats' tuple: sim_Nxk, idx_Nxk, col_max_cos_K,
   col_arg_cos_K[, row_min_sq_N, row_arg_sq_N, col_min_sq_K, col_arg_sq_K]) from the dense
-  N x K similarity, with `topk_reconstruct_xla`'s values (the same ops): the forward of
-  the XLA path whose backward is vjp.py's sparse one (implementation "xla_sparse")."""
+  similarity, with `topk_reconstruct_xla`'s values (the same ops): the forward of the XLA
+  path whose backward is vjp.py's sparse one (implementation "xla_sparse"). On CPU the
+  similarity is laid out K x N and the top-k is topk_major's (the same bits and indices;
+  the statistics 1.7-1.9x faster at the byte config, experiments/bench_topk.py)."""
   dtype = wide_dtype(z_NxD, protos_KxD)
-  s = similarity(z_NxD.astype(dtype), protos_KxD.astype(dtype))
-  valid_Nx1 = valid_N.astype(bool)[:, None]
-  sim_Nxk, idx_Nxk = top_k(s.cos_NxK, k)
+  z, p = z_NxD.astype(dtype), protos_KxD.astype(dtype)
+  if jax.default_backend() == "cpu" and k <= topk_major.MAX_K:
+    s, tok = similarity_KxN(z, p), 1  # the token axis of cos and sqdist
+    cos = s.cos_KxN
+    sim_Nxk, idx_Nxk = topk_major.top_k(cos, k)
+  else:
+    s, tok = similarity(z, p), 0
+    cos = s.cos_NxK
+    sim_Nxk, idx_Nxk = top_k(cos, k)
+  valid = jnp.expand_dims(valid_N.astype(bool), 1 - tok)
   out = (sim_Nxk, idx_Nxk.astype(jnp.int32))
-  out += _first_extremum(jnp.where(valid_Nx1, s.cos_NxK, -jnp.inf), 0, largest=True)
+  out += _first_extremum(jnp.where(valid, cos, -jnp.inf), tok, largest=True)
   if distance == "sqeuclidean":
-    sqdist_NxK = s.sqdist()
-    out += _first_extremum(sqdist_NxK, 1, largest=False)
-    out += _first_extremum(jnp.where(valid_Nx1, sqdist_NxK, jnp.inf), 0, largest=False)
+    sqdist = s.sqdist()
+    out += _first_extremum(sqdist, 1 - tok, largest=False)
+    out += _first_extremum(jnp.where(valid, sqdist, jnp.inf), tok, largest=False)
   return out
 
 

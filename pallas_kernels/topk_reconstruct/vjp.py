@@ -146,7 +146,7 @@ def _stats_grads(opts, z_NxD, p_KxD, out, cts, pair_terms=(), rows_NxkxD=None):
   if rows_NxkxD is None:
     dz = inv_z[:, None] * _mix(gb_Nxk, idx, p_KxD, seq)  # gathers in p's dtype
   else:
-    dz = inv_z[:, None] * jnp.sum(gb_Nxk[:, :, None] * rows_NxkxD, 1)
+    dz = inv_z[:, None] * reference.reconstruct(gb_Nxk, rows_NxkxD)  # a dot (see _layer_bwd)
   dz -= (inv_z ** 2 * live_z * jnp.sum(g_sim * sim, -1))[:, None] * z
   flat_idx = idx.reshape(-1)
   dp = _scatter_mix(((gb_Nxk * inv_z[:, None], z_NxD),) + tuple(pair_terms), idx,
@@ -232,7 +232,10 @@ def _layer_bwd(k, opts, mixture, res, cts):
   if rows_NxkxD is None:
     g_act_Nxk = g_act_Nxk + _dot_rows(g_zhat_NxD, idx_Nxk, p_KxD, sequential(opts))
   else:
-    g_act_Nxk = g_act_Nxk + jnp.sum(g_zhat_NxD[:, None, :] * rows_NxkxD, -1)
+    # As dots: XLA:CPU fused the broadcast-multiply-reduce forms of this and of dz with
+    # their neighbours into YNNPACK reductions of 0.4 and 0.7 ms (byte config, one core).
+    g_act_Nxk = g_act_Nxk + jnp.einsum("nd,nkd->nk", g_zhat_NxD, rows_NxkxD,
+                                       precision=jax.lax.Precision.HIGHEST)
   _, mixture_vjp = jax.vjp(lambda s: mixture_weights(s, mixture), sim_Nxk)
   g_sim_Nxk = cts_out[0] + mixture_vjp(g_act_Nxk)[0]
   dz, dp = _stats_grads(opts, z_NxD, p_KxD, out, (g_sim_Nxk,) + tuple(cts_out[1:]),

@@ -9,6 +9,14 @@ minor page fault per 4 KiB, which at the byte-level config (d 128, 12 x 64 token
 a third of the dense train step's time on CPU (docs/RESULTS.md, "Training throughput",
 round 3). Raising both thresholds keeps the memory in the heap for the next step.
 
+XLA's worker threads allocate from their own arenas, whose extra heaps (64 MiB address
+ranges) glibc unmaps as soon as one is empty, whatever the thresholds; only a top pad
+larger than a heap stops that (glibc's heap_trim keeps a heap while the room left below it
+is under the pad). Without it two programs run alternately (a dense and a PRISM step in
+one process) faulted 5,000-9,000 pages per step (round 4). The pad also makes each brk
+growth of the main heap reserve that much address space (not memory: pages untouched
+stay unallocated).
+
 `retain_freed_memory()` is called by the trainer's step builder when JAX runs on CPU. It
 changes the whole process's allocator (the heap no longer shrinks after a peak) and is a
 no-op off glibc. Opt out with the environment variable PRISM_JAX_RETAIN_FREED_MEMORY=0.
@@ -23,8 +31,10 @@ import os
 ENV_VAR = "PRISM_JAX_RETAIN_FREED_MEMORY"
 # mallopt(3) parameters (glibc's malloc.h) and the largest value they take (an int).
 M_TRIM_THRESHOLD = -1
+M_TOP_PAD = -2
 M_MMAP_THRESHOLD = -3
 THRESHOLD = 2**31 - 1
+TOP_PAD = 256 << 20  # > glibc's 64 MiB heap size plus a heap's worth of free room below it
 
 _applied: bool | None = None
 
@@ -41,8 +51,9 @@ def _libc():
 
 
 def retain_freed_memory() -> bool:
-  """Set glibc's trim and mmap thresholds to 2 GiB, once per process. True when they are
-  set (now or by an earlier call); False off glibc or when PRISM_JAX_RETAIN_FREED_MEMORY=0.
+  """Set glibc's trim and mmap thresholds to 2 GiB and its top pad to 256 MiB, once per
+  process. True when they are set (now or by an earlier call); False off glibc or when
+  PRISM_JAX_RETAIN_FREED_MEMORY=0.
   """
   global _applied
   if _applied is not None:
@@ -55,6 +66,6 @@ def retain_freed_memory() -> bool:
     _applied = False
     return False
   libc.mallopt.argtypes = (ctypes.c_int, ctypes.c_int)
-  _applied = bool(libc.mallopt(M_MMAP_THRESHOLD, THRESHOLD)) and bool(
-      libc.mallopt(M_TRIM_THRESHOLD, THRESHOLD))
+  _applied = all([libc.mallopt(M_MMAP_THRESHOLD, THRESHOLD),
+                  libc.mallopt(M_TRIM_THRESHOLD, THRESHOLD), libc.mallopt(M_TOP_PAD, TOP_PAD)])
   return _applied
