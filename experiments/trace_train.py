@@ -1,6 +1,7 @@
 """Where the whole train step's time goes: a jax.profiler trace joined to the compiled HLO.
 
   taskset -c 0 python -m experiments.trace_train [--config=byte] [--kind=dense] [--steps=10]
+      [--top=15] [--alone]
 
 Builds bench_train's model (`--config`, `--kind`: "dense" or a PRISM variant), runs
 `--warmup` steps (bench_train's flag), times `--steps` untraced, then traces `--steps` and
@@ -8,7 +9,8 @@ sums each executed op's time by phase (forward / backward: ops whose HLO op_name
 autodiff's `transpose(`; optimiser: the step's ops outside the model's jvp; other: the rest)
 and kind (matmul: YNNPACK fusions and dots, their reductions included; elementwise: XLA's
 own loop fusions, copies, ...), then lists the `--top` ops. Under `taskset -c 0` (one core)
-op times add up to the step's wall time; on more cores ops overlap. The untraced steps'
+op times add up to the step's wall time; on more cores ops overlap, and `--alone` lists
+the ops that ran with no other op beside them (time_alone: the serial ones). The untraced steps'
 system CPU time and minor page faults (getrusage) are printed beside their wall and CPU time.
 """
 
@@ -32,6 +34,8 @@ flags.DEFINE_string("kind", "dense", "a bench_train model of that config")
 flags.DEFINE_integer("steps", 10, "traced steps")
 flags.DEFINE_integer("top", 15, "ops to list")
 flags.DEFINE_string("trace_dir", None, "keep the trace here (default: a temporary dir)")
+flags.DEFINE_bool("alone", False, "also list the ops that ran with no other op beside them "
+                  "(on several cores: what leaves the others idle)")
 FLAGS = flags.FLAGS
 
 OP_LINE = re.compile(r"^\s*(?:ROOT )?%([\w.\-]+) = (\S+) .*?op_name=\"([^\"]*)\"", re.M)
@@ -65,7 +69,27 @@ def trace_ops(runner, steps: int, trace_dir: str):
     if e.get("ph") == "X" and "name" in e:
       totals[e["name"]] += e.get("dur", 0)
       runs[e["name"]] += 1
-  return totals, runs
+  return totals, runs, events
+
+
+def time_alone(events, ops) -> collections.Counter:
+  """µs during which an op of `ops` was the only one of them running (on any thread), per
+  op name: on several cores, the ops on the critical path that leave the other cores idle
+  (a matmul's own worker threads are not op events, so its time counts as alone too)."""
+  spans = [(e["ts"], e["ts"] + e.get("dur", 0), e["name"]) for e in events
+           if e.get("ph") == "X" and e.get("name") in ops]
+  edges = sorted([(start, 1, i) for i, (start, _, _) in enumerate(spans)]
+                 + [(end, -1, i) for i, (_, end, _) in enumerate(spans)])
+  alone, running, last = collections.Counter(), set(), None
+  for t, delta, i in edges:
+    if len(running) == 1 and last is not None:
+      alone[spans[next(iter(running))][2]] += t - last
+    if delta == 1:
+      running.add(i)
+    else:
+      running.discard(i)
+    last = t
+  return alone
 
 
 def main(argv):
@@ -84,7 +108,7 @@ def main(argv):
   ops = {m.group(1): (m.group(2), m.group(3)) for m in OP_LINE.finditer(hlo)}
   sys_s, faults = after.ru_stime - before.ru_stime, after.ru_minflt - before.ru_minflt
   with tempfile.TemporaryDirectory() as tmp:
-    totals, runs = trace_ops(runner, FLAGS.steps, FLAGS.trace_dir or tmp)
+    totals, runs, events = trace_ops(runner, FLAGS.steps, FLAGS.trace_dir or tmp)
   table = collections.Counter()
   count = collections.Counter()
   for name, us in totals.items():
@@ -106,6 +130,12 @@ def main(argv):
   for us, name in sorted(named, reverse=True)[:FLAGS.top]:
     shape, op_name = ops[name]
     print(f"| {name} | {shape.split('{')[0]} | {op_name[-48:]} | {us / n / 1e3:.2f} |")
+  if FLAGS.alone:
+    print("\nOps running alone (no other op of the step at the same time), ms/step:\n"
+          "| op | shape | HLO op_name | ms/step alone |\n|---|---|---|---|")
+    for name, us in time_alone(events, ops).most_common(FLAGS.top):
+      shape, op_name = ops[name]
+      print(f"| {name} | {shape.split('{')[0]} | {op_name[-48:]} | {us / n / 1e3:.2f} |")
 
 
 if __name__ == "__main__":

@@ -16,10 +16,12 @@
 - flops counts the prototype path's head W z_hat where the loss computes it (λ_proto,
   λ_proto_kl, λ_rlogit);
 - experiments.bench_train refuses a baseline that is not a checkout, times byte with the
-  paper's four loss terms and with the tiny preset's loss, each with its analytic ratio; experiments.sparse_backward_drift refuses a dense model (and, with trace_train, bad flags).
+  paper's four loss terms and with the tiny preset's loss, each with its analytic ratio; experiments.sparse_backward_drift refuses a dense model (and, with trace_train, bad flags);
+  trace_train's time_alone counts the stretches with one op running, on a hand-made trace.
 """
 
 import dataclasses
+import json
 import os
 import subprocess
 import sys
@@ -361,3 +363,17 @@ def test_sparse_backward_drift_refuses_a_dense_model():
                        env=dict(os.environ, JAX_PLATFORMS="cpu"), check=False)
   assert res.returncode == 2
   assert res.stderr.strip().splitlines()[-1].startswith("error: --config='byte' --kind='dense'")
+
+
+def test_trace_train_time_alone_counts_only_stretches_with_one_op():
+  """Hand-made trace: a on one thread 0-10, b on another 5-20, c 25-30, d 30-31 (touching
+  c), x (not an op of the step) 0-100. Alone: a 0-5, b 10-20, c 25-30, d 30-31."""
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  code = ("import json; from experiments.trace_train import time_alone; "
+          "ev = [dict(ph='X', name=n, ts=t, dur=d, tid=i % 2) for i, (n, t, d) in enumerate("
+          "[('a', 0, 10), ('b', 5, 15), ('c', 25, 5), ('d', 30, 1), ('x', 0, 100)])] + "
+          "[dict(ph='M', name='thread_name')]; "
+          "print(json.dumps(time_alone(ev, {'a', 'b', 'c', 'd'})))")
+  res = subprocess.run([sys.executable, "-c", code], cwd=repo, capture_output=True, text=True,
+                       env=dict(os.environ, JAX_PLATFORMS="cpu"), check=True)
+  assert json.loads(res.stdout.strip().splitlines()[-1]) == {"a": 5, "b": 10, "c": 5, "d": 1}
