@@ -62,11 +62,16 @@ def test_top_contexts_equal_brute_force(setup):
     got = [(c.activation, c.example_id) for c in card.contexts]
     assert len(got) == min(TOP_M, len(ref))
     np.testing.assert_allclose([a for a, _ in got], [a for a, *_ in ref[:TOP_M]], rtol=1e-5)
+    assert len({(c.example_id, c.row, c.position) for c in card.contexts}) == len(got)
     for j, ctx in enumerate(card.contexts):
-      a_ref, e_ref, o_ref, r_ref, c_ref = ref[j]
-      if j + 1 < len(ref) and abs(ref[j + 1][0] - a_ref) < 1e-5 * a_ref:
-        continue  # a near-tie: the order may differ by a rounding
-      assert (ctx.example_id, ctx.row, ctx.position) == (e_ref, r_ref, c_ref)
+      # Up to ties: the context at rank j is one of the reference entries whose activation
+      # equals rank j's within rounding (on either side of it; the order inside a near-tie
+      # may differ by a rounding, which depends on the CPU's kernels).
+      a_j = ref[j][0]
+      tied = [e for e in ref if abs(e[0] - a_j) <= 1e-5 * a_j]
+      match = [e for e in tied if (e[1], e[3], e[4]) == (ctx.example_id, ctx.row, ctx.position)]
+      assert match, (i, j, (ctx.example_id, ctx.row, ctx.position), tied)
+      _, e_ref, o_ref, r_ref, c_ref = match[0]
       # The trigger is the row's input token there; the window is the document's text.
       doc = packed.document_tokens(e_ref, with_eos=True)
       dec = packed.tokenizer.decode
@@ -74,7 +79,7 @@ def test_top_contexts_equal_brute_force(setup):
       assert ctx.tokens_before == dec(doc[max(0, o_ref - 1 - WINDOW):o_ref - 1])
       assert ctx.tokens_after == dec(doc[o_ref:o_ref + WINDOW])
       assert ctx.text == ctx.tokens_before + ctx.trigger + ctx.tokens_after
-      checked += 1
+      checked += len(tied) == 1
   assert checked > cfg.model.num_prototypes  # most contexts compared exactly
 
 
