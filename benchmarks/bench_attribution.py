@@ -25,7 +25,7 @@ import time
 import numpy as np
 from absl import flags
 
-from experiments import cli
+from prism_jax.cli import launcher
 
 flags.DEFINE_string("workdir", "/tmp/prism_attr_bench", "trained tiny run (trained if absent)")
 flags.DEFINE_string("out_dir", None, "scratch + results (default <workdir>/bench_attribution)")
@@ -291,4 +291,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  launcher.run(main)

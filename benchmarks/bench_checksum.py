@@ -13,7 +13,7 @@ import time
 
 from absl import flags
 
-from experiments import cli
+from prism_jax.cli import launcher
 
 _MB = flags.DEFINE_integer("mb", 256, "MB of array data per row")
 _DEVICES = flags.DEFINE_integer("devices", 8, "CPU devices for the sharded rows")
@@ -73,4 +73,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  launcher.run(main)

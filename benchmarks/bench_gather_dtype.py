@@ -10,7 +10,7 @@ and forward+backward, side by side, and checks that outputs and gradients are bi
 
 from absl import flags
 
-from experiments import cli
+from prism_jax.cli import launcher
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -60,4 +60,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  launcher.run(main)

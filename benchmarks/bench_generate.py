@@ -14,7 +14,7 @@ import time
 import numpy as np
 from absl import flags
 
-from experiments import cli
+from prism_jax.cli import launcher
 
 flags.DEFINE_string("preset", "tiny", "model preset")
 flags.DEFINE_integer("batch", 1, "prompts per call")
@@ -62,4 +62,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  launcher.run(main)

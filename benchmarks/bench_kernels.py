@@ -8,7 +8,7 @@ shapes (timings then only show the interpreter works, not kernel speed) and says
 
 from absl import flags
 
-from experiments import cli
+from prism_jax.cli import launcher
 import jax
 import numpy as np
 
@@ -92,4 +92,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  launcher.run(main)

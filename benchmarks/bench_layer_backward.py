@@ -17,7 +17,7 @@ Both report max |g_new - g_old| / max |g_old| for dz and dprotos.
 
 from absl import flags
 
-from experiments import cli
+from prism_jax.cli import launcher
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -171,4 +171,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  launcher.run(main)

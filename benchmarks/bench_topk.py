@@ -21,7 +21,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from experiments import cli
+from prism_jax.cli import launcher
 from pallas_kernels.topk_reconstruct import reference, topk_major
 
 SHAPES = {"byte": (768, 512, 128, 8), "small": (256, 8192, 768, 16)}  # N, K, D, k
@@ -97,4 +97,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  launcher.run(main)

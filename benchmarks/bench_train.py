@@ -40,7 +40,7 @@ import time
 import numpy as np
 from absl import flags
 
-from experiments import cli
+from prism_jax.cli import launcher
 
 flags.DEFINE_list("configs", ["byte", "small"], "configs to benchmark (see CONFIGS)")
 flags.DEFINE_string("baseline", None, "a checkout of the old code to time beside this one")
@@ -292,4 +292,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  launcher.run(main)

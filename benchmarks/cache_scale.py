@@ -22,7 +22,7 @@ import time
 
 from absl import flags
 
-from experiments import cli
+from prism_jax.cli import launcher
 
 flags.DEFINE_string("workdir", "/tmp/cache_scale", "scratch directory (local or gs://)")
 flags.DEFINE_string("preset", "small", "model preset (small = the paper's 124M)")
@@ -96,4 +96,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  launcher.run(main)

@@ -28,7 +28,7 @@ os.environ.setdefault("TPU_WORKER_ID", "0")
 
 from absl import flags  # noqa: E402
 
-from experiments import cli
+from prism_jax.cli import launcher
 
 FLAGS = flags.FLAGS
 
@@ -190,4 +190,4 @@ def main(argv: list[str]) -> None:
 
 if __name__ == "__main__":
   define_flags()
-  cli.run(main)
+  launcher.run(main)

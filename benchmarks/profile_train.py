@@ -23,7 +23,7 @@ import optax
 from absl import flags
 from flax import nnx
 
-from experiments import cli
+from prism_jax.cli import launcher
 
 flags.DEFINE_list("configs", ["byte", "small"], "configs to profile (see CONFIGS)")
 flags.DEFINE_integer("reps", 20, "timed calls per piece")
@@ -203,4 +203,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  launcher.run(main)

@@ -14,7 +14,7 @@ import re
 
 from absl import flags
 
-from experiments import cli
+from prism_jax.cli import launcher
 
 flags.DEFINE_string("workdir", "runs/demo", "the run the report was written for")
 flags.DEFINE_string("report", None, "default: <workdir>/report/index.html")
@@ -62,4 +62,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  launcher.run(main)

@@ -27,7 +27,8 @@ import tempfile
 
 from absl import flags
 
-from experiments import bench_train, cli
+from benchmarks import bench_train
+from prism_jax.cli import launcher
 
 flags.DEFINE_string("config", "byte", "a bench_train config")
 flags.DEFINE_string("kind", "dense", "a bench_train model of that config")
@@ -139,4 +140,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  launcher.run(main)

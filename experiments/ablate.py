@@ -23,7 +23,7 @@ import sys
 
 from absl import flags
 
-from experiments import cli
+from prism_jax.cli import launcher
 
 # name -> --set overrides on top of the preset (PRISM defaults: raw mixture, straight-
 # through residual, λ_rec = λ_1 = λ_2 = 0.05).
@@ -277,4 +277,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  launcher.run(main)

@@ -21,7 +21,7 @@ import time
 
 from absl import flags
 
-from experiments import cli
+from prism_jax.cli import launcher
 
 flags.DEFINE_string("workdir", None, "trained PRISM run (local or gs://)")
 flags.DEFINE_string("out", None, "where the two caches go (local or gs://)")
@@ -118,4 +118,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  launcher.run(main)

@@ -17,7 +17,7 @@ import time
 
 from absl import flags, logging
 
-from experiments import cli
+from prism_jax.cli import launcher
 
 flags.DEFINE_string("workdir", "runs/demo", "trained PRISM run")
 flags.DEFINE_string("cache_dir", None, "default: <workdir>/attribution_cache")
@@ -127,4 +127,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  launcher.run(main)

@@ -25,7 +25,7 @@ import time
 import numpy as np
 from absl import flags, logging
 
-from experiments import cli
+from prism_jax.cli import launcher
 
 flags.DEFINE_string("workdir", "/tmp/prism_lds", "data, scores and retrains")
 flags.DEFINE_integer("num_rows", 2048, "training sequences (the first packed rows)")
@@ -239,4 +239,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  launcher.run(main)

@@ -9,7 +9,7 @@ import json
 
 from absl import flags
 
-from experiments import cli
+from prism_jax.cli import launcher
 
 flags.DEFINE_string("out", None, "output directory (train.jsonl, neutral.jsonl, planted.json)")
 flags.DEFINE_integer("num_docs", 160, "planted documents")
@@ -28,4 +28,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  launcher.run(main)

@@ -3,6 +3,8 @@ controller, dense + SAE-latent controller; accuracies with paired-bootstrap 95% 
 
 The controllers are fit on a seeded calibration split of the items; every accuracy is
 measured on the rest (the held-out split), so the four columns are paired item by item.
+This module joins control (the controllers) and evaluation (the scoring harness): it stands
+one layer above both, which stay independent of each other (.importlinter).
 """
 
 from __future__ import annotations
@@ -15,7 +17,8 @@ import numpy as np
 from prism_jax.attribution.cache_format import model_fingerprint
 from prism_jax.control import controllers as ctl
 from prism_jax.control import sae as sae_lib
-from prism_jax.evaluation import scoring, stats
+from prism_jax import stats
+from prism_jax.evaluation import scoring
 from prism_jax.evaluation.tasks import ACC_NORM_TASKS, Item, chance
 
 

@@ -18,7 +18,7 @@ import sys
 import jax
 from absl import flags
 
-from experiments import cli
+from prism_jax.cli import launcher
 
 flags.DEFINE_string("workdir", None, "trained run directory (see experiments.train)")
 flags.DEFINE_string("prompt", None, "prompt text")
@@ -100,4 +100,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  launcher.run(main)

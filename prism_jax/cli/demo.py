@@ -12,7 +12,7 @@ import textwrap
 
 from absl import flags
 
-from experiments import cli
+from prism_jax.cli import launcher
 
 flags.DEFINE_string("workdir", "runs/demo", "run directory (resumed if present)")
 flags.DEFINE_string("prompt", "The for statement", "text to continue")
@@ -92,4 +92,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  launcher.run(main)

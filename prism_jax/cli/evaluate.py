@@ -19,7 +19,7 @@ import time
 
 from absl import flags, logging
 
-from experiments import cli
+from prism_jax.cli import launcher
 
 flags.DEFINE_string("workdir", None, "the PRISM run (experiments.train)")
 flags.DEFINE_string("dense_workdir", None, "its dense twin (same data and tokens)")
@@ -74,7 +74,8 @@ def main(argv):
   from prism_jax.control import controllers as ctl  # pylint: disable=g-import-not-at-top
   from prism_jax.control import sae as sae_lib  # pylint: disable=g-import-not-at-top
   from prism_jax.data import prepare_data  # pylint: disable=g-import-not-at-top
-  from prism_jax.evaluation import compare, scoring, stats  # pylint: disable=g-import-not-at-top
+  from prism_jax import compare, stats  # pylint: disable=g-import-not-at-top
+  from prism_jax.evaluation import scoring  # pylint: disable=g-import-not-at-top
   from prism_jax.train import load_for_inference  # pylint: disable=g-import-not-at-top
 
   from prism_jax.evaluation import synthetic, tasks  # pylint: disable=g-import-not-at-top
@@ -183,4 +184,4 @@ def _print_table(rows, stats):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  launcher.run(main)

@@ -11,7 +11,7 @@ import sys
 
 from absl import flags, logging
 
-from experiments import cli
+from prism_jax.cli import launcher
 
 flags.DEFINE_string("workdir", None, "a run directory written by experiments.train")
 flags.DEFINE_string("prompt", "The ", "text to continue")
@@ -60,4 +60,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  launcher.run(main)

@@ -12,7 +12,7 @@ from collections.abc import Sequence
 
 from absl import flags
 
-from experiments import cli
+from prism_jax.cli import launcher
 
 from prism_jax import config
 from prism_jax import flops
@@ -57,4 +57,4 @@ if __name__ == "__main__":
                                "Presets to describe, comma-separated.")
   _SEQ_LEN = flags.DEFINE_integer(
       "seq_len", None, "Sequence length for the attention FLOPs (default: max_len).")
-  cli.run(lambda argv: main(argv, _PRESETS.value, _SEQ_LEN.value))
+  launcher.run(lambda argv: main(argv, _PRESETS.value, _SEQ_LEN.value))

@@ -16,7 +16,7 @@ import time
 
 from absl import flags, logging
 
-from experiments import cli
+from prism_jax.cli import launcher
 
 flags.DEFINE_string("workdir", None, "trained PRISM run directory (see experiments.train)")
 flags.DEFINE_string("prompt", None, "prompt text")
@@ -87,4 +87,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  launcher.run(main)

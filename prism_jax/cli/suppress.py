@@ -21,7 +21,7 @@ import time
 
 from absl import flags, logging
 
-from experiments import cli
+from prism_jax.cli import launcher
 
 flags.DEFINE_string("workdir", None, "the trained PRISM run")
 flags.DEFINE_string("behaviour", "planted", "planted | doctest | profanity | negative_sentiment")
@@ -264,4 +264,4 @@ def _print_table(s):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  launcher.run(main)
