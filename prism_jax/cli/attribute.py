@@ -1,26 +1,24 @@
 """Generate from a trained PRISM run and trace every generated token to training text.
 
-  python -m experiments.attribute --workdir=DIR --prompt="The with statement" \
+  prism attribute --workdir=DIR --prompt="The with statement" \
       [--max_new_tokens=16] [--top=3] [--rank=64] [--cache_dir=DIR/attribution_cache]
   # the cache alone, by every host of a job at once (README "multi-host"):
-  python -m experiments.attribute --workdir=gs://b/run --build_only --distributed=on \
+  prism attribute --workdir=gs://b/run --build_only --distributed=on \
       [--coordinator_address=h0:1234 --num_processes=N --process_id=I] [--stat_shards=64]
 
 The first call builds the attribution cache (resumable: rerun after an interruption); later
 calls reuse it, and refuse it if the checkpoint or config changed. Under jax.distributed
-(prism_jax/distributed.py's flags, as experiments.train) every process runs the same
+(prism_jax/distributed.py's flags, as prism train) every process runs the same
 command, loads the checkpoint onto its own devices and writes its share of the cache
 (attribution/cache_shards.py); only process 0 prints.
 """
-
-import sys
 
 import jax
 from absl import flags
 
 from prism_jax.cli import launcher
 
-flags.DEFINE_string("workdir", None, "trained run directory (see experiments.train)")
+flags.DEFINE_string("workdir", None, "trained run directory (prism train)")
 flags.DEFINE_string("prompt", None, "prompt text")
 flags.DEFINE_integer("max_new_tokens", 16, "tokens to generate")
 flags.DEFINE_float("temperature", 0.0, "0 = greedy")
@@ -52,7 +50,7 @@ def main(argv):
   if not FLAGS.build_only and not FLAGS.prompt:
     raise ValueError("--prompt is required (or --build_only to only build the cache)")
   distributed.initialize_from_flags()  # no-op for a single process
-  from prism_jax import io_guard, paths  # pylint: disable=g-import-not-at-top
+  from prism_jax import paths  # pylint: disable=g-import-not-at-top
   from prism_jax.attribution import cache as cache_lib  # pylint: disable=g-import-not-at-top
   from prism_jax.attribution import cache_build  # pylint: disable=g-import-not-at-top
   from prism_jax.attribution import influence  # pylint: disable=g-import-not-at-top
@@ -73,9 +71,7 @@ def main(argv):
   try:
     cache_build.write_cache(model, cfg, packed, cache_dir, cache_cfg, overwrite=FLAGS.rebuild)
   except cache_lib.CacheMismatchError as e:
-    sys.exit(f"error: {e}\n(rerun with --rebuild to replace it)")
-  except io_guard.OutputDirError as e:
-    sys.exit(f"error: {e}")
+    raise ValueError(f"{e} (rerun with --rebuild to replace it)") from None
   if not distributed.is_main_process():
     return
   # --build_only reads no record: the cache may be far larger than this host's memory
@@ -87,7 +83,7 @@ def main(argv):
     return
   prompt = tokenizer.encode(FLAGS.prompt)
   if not prompt:
-    sys.exit("error: the prompt encodes to no tokens")
+    raise ValueError("the prompt encodes to no tokens; pass a non-empty --prompt")
   icfg = influence.InfluenceConfig(coupling=FLAGS.coupling, top=FLAGS.top)
   print(f"prompt: {FLAGS.prompt!r}")
   for tok, att in influence.attribute_generation(

@@ -1,11 +1,13 @@
-"""`make demo`: train the tiny PRISM on the embedded corpus, then show a traced sample.
+"""`prism demo` (`make demo`): train the tiny PRISM on the embedded corpus, then sample.
 
 Trains into ./runs/demo (resuming if a run is there; a finished run is reused), prints the
-validation metrics, then greedily generates a continuation of a prompt and prints, for each
-generated token, its top prototypes and their contributions to the token's logit (the
-contributions of all k active prototypes plus the residual slice sum to the logit).
+validation metrics, then samples a continuation of a prompt (temperature and top-k, seeded:
+the same seed gives the same text) and prints, for each generated token, its top prototypes
+and their contributions to the token's logit (the contributions of all k active prototypes
+plus the residual slice sum to the logit). --greedy traces the greedy continuation instead.
 
-  python -m experiments.demo [--workdir=runs/demo] [--prompt=...] [--set train.steps=...]
+  prism demo [--workdir=runs/demo] [--prompt=...] [--temperature=0.8 --top_k=40 --seed=0]
+      [--greedy] [--set train.steps=...]
 """
 
 import textwrap
@@ -17,6 +19,10 @@ from prism_jax.cli import launcher
 flags.DEFINE_string("workdir", "runs/demo", "run directory (resumed if present)")
 flags.DEFINE_string("prompt", "The for statement", "text to continue")
 flags.DEFINE_integer("max_new_tokens", 32, "tokens to generate")
+flags.DEFINE_float("temperature", 0.8, "softmax temperature of the sample")
+flags.DEFINE_integer("top_k", 40, "sample from the k most likely tokens; 0 = off")
+flags.DEFINE_integer("seed", 0, "sampling seed (same seed, same text)")
+flags.DEFINE_bool("greedy", False, "trace the greedy continuation (temperature 0) instead")
 flags.DEFINE_integer("top", 3, "prototypes shown per token")
 flags.DEFINE_multi_string("set", [], "config override KEY=VALUE on the tiny preset")
 FLAGS = flags.FLAGS
@@ -29,9 +35,15 @@ LEGEND = (
     "cosine to a prototype (tokens are covered); residual_share: E|r|^2 / E|z|^2 (the part "
     "of z the prototypes leave out); dead_prototypes / dead_frac: never active on the split")
 NEXT = """next:
-  python -m experiments.generate --workdir={w} --prompt="The while statement"
-  python -m experiments.attribute --workdir={w} --prompt="The for statement"
+  prism generate --workdir={w} --prompt="The while statement"
+  prism attribute --workdir={w} --prompt="The for statement"
+  prism report --workdir={w} --prompt="The for statement"
   tensorboard --logdir={w}     # curves of every metric above, per eval"""
+
+
+def distinct_ratio(ids) -> float:
+  """Distinct tokens / tokens: near 1 for varied text, small for one phrase repeated."""
+  return len(set(ids)) / max(len(ids), 1)
 
 
 def _signature(model, proto_id: int, decode, n: int = 3) -> str:
@@ -77,11 +89,16 @@ def main(argv):
   model, cfg, tok = load_for_inference(FLAGS.workdir)
   prompt_ids = tok.encode(FLAGS.prompt)
   max_new = min(FLAGS.max_new_tokens, cfg.model.max_len - len(prompt_ids))
-  out = generate(model, [prompt_ids], max_new_tokens=max_new, temperature=0.0,
-                 eos_id=tok.eos_id)
+  temperature = 0.0 if FLAGS.greedy else FLAGS.temperature
+  out = generate(model, [prompt_ids], max_new_tokens=max_new, temperature=temperature,
+                 top_k=FLAGS.top_k or None, seed=FLAGS.seed, eos_id=tok.eos_id)
   n = int(out.lengths_B[0])
+  new_ids = out.tokens_BxL[0, :n].tolist()
+  how = ("greedy" if temperature == 0 else
+         f"temperature {temperature:g}, top-k {FLAGS.top_k or 'off'}, seed {FLAGS.seed}")
   print(f"\nprompt: {FLAGS.prompt!r}")
-  print(f"sample: {FLAGS.prompt + tok.decode(out.tokens_BxL[0, :n].tolist())!r}\n")
+  print(f"sample ({how}):\n{textwrap.indent(FLAGS.prompt + tok.decode(new_ids), '  ')}")
+  print(f"distinct tokens: {distinct_ratio(new_ids):.2f} ({len(set(new_ids))} of {n})\n")
   print(token_report(out, tok.decode, top=FLAGS.top))
   if out.trace is not None:
     shown = sorted({int(i) for i in out.trace.idx_BxLxk[0, :n, 0]})[:12]

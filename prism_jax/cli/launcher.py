@@ -1,8 +1,9 @@
 """What every command-line entry point shares: user errors as one `error: ...` line.
 
-A mistake a user can fix (a missing file, a bad config value, a config that does not match
-the checkpoint, a diverged run) prints one line naming it and exits with status 2; the
-traceback is for `--debug`. Anything else is a bug and keeps its traceback.
+A mistake a user can fix (a bad or missing flag, a missing file, a bad config value, a config
+that does not match the checkpoint, a diverged run) prints one line naming it and exits with
+status 2; the traceback is for `--debug`. Anything else is a bug and keeps its traceback.
+Used by the `prism` subcommands and by the scripts of experiments/ and benchmarks/.
 """
 
 import sys
@@ -15,6 +16,7 @@ flags.DEFINE_bool("debug", False, "show the full traceback of user errors")
 # run whose every checkpoint is corrupt, checkpoint.NoReadableCheckpointError).
 USER_ERRORS = (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
                PermissionError, FloatingPointError)
+USAGE_EXIT = 2
 
 
 def one_line(e: BaseException) -> str:
@@ -27,8 +29,18 @@ def _is_user_error(e: BaseException) -> bool:
   return isinstance(e, USER_ERRORS + (NoReadableCheckpointError,))
 
 
-def run(main) -> None:
-  """`absl.app.run(main)`, with user errors reported on one line (see module doc)."""
+def _parse_flags(argv):
+  """absl's parser, with a bad flag (unknown, bad value, required and missing) as one line."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    print(one_line(e), file=sys.stderr)
+    sys.exit(USAGE_EXIT)
+
+
+def run(main, argv=None) -> None:
+  """`absl.app.run(main)`, with user errors reported on one line (see module doc); `argv`
+  (default sys.argv) starts with the program name."""
   def guarded(argv):
     try:
       return main(argv)
@@ -36,5 +48,5 @@ def run(main) -> None:
       if flags.FLAGS.debug or not _is_user_error(e):
         raise
       print(one_line(e), file=sys.stderr)
-      sys.exit(2)
-  app.run(guarded)
+      sys.exit(USAGE_EXIT)
+  app.run(guarded, argv=argv, flags_parser=_parse_flags)

@@ -1,6 +1,6 @@
 r"""Prints the model card of every preset: parameter counts and forward FLOPs per token.
 
-  python -m experiments.model_card [--presets=small,xl] [--seq_len=1024]
+  prism model-card [--config=small,xl] [--seq_len=1024]
 
 Counts are analytic (prism_jax.flops, checked against real NNX models in
 tests/test_flops.py); nothing is instantiated, so the 1.5B preset prints instantly.
@@ -44,17 +44,32 @@ def format_card(rows: Sequence[dict]) -> str:
   return "\n".join(lines)
 
 
+def define_flags() -> None:
+  """Called by `prism model-card` only: other commands define --config and --seq_len too,
+  and absl flags are process-global (tests import this module beside other entry points)."""
+  if "seq_len" in flags.FLAGS:  # defined by an earlier call in this process
+    return
+  flags.DEFINE_list("config", list(config.MODEL_PRESETS), "presets to describe, "
+                    "comma-separated (prism_jax.config.MODEL_PRESETS)")
+  flags.DEFINE_integer("seq_len", None, "sequence length for the attention FLOPs "
+                       "(default: each preset's max_len)")
+
+
 def main(argv: Sequence[str], presets: Sequence[str] | None = None,
          seq_len: int | None = None) -> None:
   del argv
-  print(format_card(card_rows(presets or list(config.MODEL_PRESETS), seq_len)))
+  if presets is None and "config" in flags.FLAGS:  # run as `prism model-card`
+    presets, seq_len = flags.FLAGS.config, flags.FLAGS.seq_len
+  presets = list(presets or config.MODEL_PRESETS)
+  unknown = [p for p in presets if p not in config.MODEL_PRESETS]
+  if unknown:
+    raise ValueError(f"--config: unknown preset(s) {unknown}; choose from "
+                     f"{list(config.MODEL_PRESETS)}")
+  if seq_len is not None and seq_len < 1:
+    raise ValueError(f"--seq_len must be >= 1, got {seq_len}")
+  print(format_card(card_rows(presets, seq_len)))
 
 
 if __name__ == "__main__":
-  # Flags are defined only when run as a script: other experiments define --presets and
-  # --seq_len too, and absl flags are process-global (tests import several entry points).
-  _PRESETS = flags.DEFINE_list("presets", list(config.MODEL_PRESETS),
-                               "Presets to describe, comma-separated.")
-  _SEQ_LEN = flags.DEFINE_integer(
-      "seq_len", None, "Sequence length for the attention FLOPs (default: max_len).")
-  launcher.run(lambda argv: main(argv, _PRESETS.value, _SEQ_LEN.value))
+  define_flags()
+  launcher.run(main)

@@ -1,6 +1,6 @@
 """Write the interactive HTML report of a prompt's generation by a trained PRISM run.
 
-  python -m experiments.report --workdir=runs/demo --prompt="The for statement" \
+  prism report --workdir=runs/demo --prompt="The for statement" \
       [--out=<workdir>/report] [--max_new_tokens=32] [--no_attribution] \
       [--screenshot=docs/report_screenshot.png]
 
@@ -18,10 +18,10 @@ from absl import flags, logging
 
 from prism_jax.cli import launcher
 
-flags.DEFINE_string("workdir", None, "trained PRISM run directory (see experiments.train)")
+flags.DEFINE_string("workdir", None, "trained PRISM run directory (prism train)")
 flags.DEFINE_string("prompt", None, "prompt text")
-flags.DEFINE_string("out", None, "report directory (default: <workdir>/report)")
-flags.DEFINE_string("cards_dir", None, "default: <workdir>/cards")
+flags.DEFINE_string("out", None, "report directory written (default: <workdir>/report)")
+flags.DEFINE_string("cards_dir", None, "the run's cards, reused or built there (prism cards; default: <workdir>/cards)")
 flags.DEFINE_string("cache_dir", None, "default: <workdir>/attribution_cache")
 flags.DEFINE_integer("max_new_tokens", 32, "tokens to generate (greedy)")
 flags.DEFINE_integer("top_m", 16, "training contexts per card")

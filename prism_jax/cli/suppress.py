@@ -1,17 +1,17 @@
 """Suppression of a behaviour's prototypes: the paper-shaped table, before and after.
 
-  python -m experiments.suppress --workdir=runs/planted --behaviour=planted \
+  prism suppress --workdir=runs/planted --behaviour=planted \
       --select=logit_signature --num=24 [--dense_workdir=runs/planted_dense] \
-      [--json=docs/results/suppression.json]
+      [--results_json=docs/results/suppression.json]
 
 --select: logit_signature (W p_i promotes the behaviour's tokens), contrast or probe
 (activations on the run's training rows with vs without the behaviour's words; probe = L1
-logistic), keywords:W1,W2 (issue 14's cards, --cards=DIR), or file:PATH (a saved set).
+logistic), keywords:W1,W2 (the run's cards, --cards_dir=DIR), or file:PATH (a saved set).
 Rows: the unedited model, the suppressed set, the token ban of the same words (the
 baseline), and --random_sets sets of as many random prototypes (outside the set). Each
 row: behaviour rate (mean score per generation, 95% bootstrap CI), its fall, quality on the
 run's validation split (neutral text): perplexity, KL to the unedited model, argmax change.
-The set is saved beside the run (<workdir>/suppression_sets/); the table goes to --json.
+The set is saved beside the run (<workdir>/suppression_sets/); the table goes to --results_json.
 """
 
 import json
@@ -30,8 +30,8 @@ flags.DEFINE_string("select", "logit_signature",
 flags.DEFINE_integer("num", 24, "prototypes to suppress (the top of the selection)")
 flags.DEFINE_list("sweep", [], "extra set sizes: suppression rows for the top n of a "
                   "selection ranked to max(sweep) (e.g. 8,16,32,64)")
-flags.DEFINE_string("cards", None, "issue 14's CardSet directory for --select=keywords: "
-                    "(built there when it holds none)")
+flags.DEFINE_string("cards_dir", None, "the run's cards for --select=keywords: (prism "
+                    "cards; built there when it holds none)")
 flags.DEFINE_enum("keywords_in", "text", ["text", "trigger", "next"], "where a card's "
                   "context must hold a keyword: its window, trigger or next token")
 flags.DEFINE_integer("num_samples", 32, "generations per prompt")
@@ -42,10 +42,10 @@ flags.DEFINE_integer("seed", 0, "generation seed and random sets")
 flags.DEFINE_integer("random_sets", 3, "random prototype sets of the same size")
 flags.DEFINE_integer("contrast_rows", 96, "training rows per side for contrast/probe")
 flags.DEFINE_bool("refill", False, "fill freed top-k slots with the next prototypes")
-flags.DEFINE_string("dense_workdir", None, "the dense twin (same data, equal tokens)")
+flags.DEFINE_string("dense_workdir", None, "the trained dense twin (same data, equal tokens)")
 flags.DEFINE_bool("dense_only", False, "only the dense twin's row (--dense_workdir): its "
                   "behaviour rate and validation perplexity")
-flags.DEFINE_string("json", None, "write the table here as JSON (default: "
+flags.DEFINE_string("results_json", None, "write the table to this JSON file (default: "
                     "<workdir>/suppression_<behaviour>.json)")
 flags.mark_flag_as_required("workdir")
 FLAGS = flags.FLAGS
@@ -92,14 +92,14 @@ def select(model, tokenizer, packed, b, ban_ids, num):
     fn = selection.by_contrast if kind == "contrast" else selection.by_probe
     return fn(with_BxK, without_BxK, num=num)
   if kind == "keywords":
-    if not FLAGS.cards:
-      raise ValueError("--select=keywords: needs --cards=DIR (built there when missing)")
+    if not FLAGS.cards_dir:
+      raise ValueError("--select=keywords: needs --cards_dir=DIR (built there when missing)")
     from prism_jax.analysis import cards as cards_lib  # pylint: disable=g-import-not-at-top
-    if os.path.isfile(os.path.join(FLAGS.cards, cards_lib.CARDS_FILE)):
-      card_set = cards_lib.CardSet.load(FLAGS.cards, model)
+    if os.path.isfile(os.path.join(FLAGS.cards_dir, cards_lib.CARDS_FILE)):
+      card_set = cards_lib.CardSet.load(FLAGS.cards_dir, model)
     else:
       card_set = cards_lib.build_cards(model, load_config(FLAGS.workdir), packed,
-                                       out_dir=FLAGS.cards)
+                                       out_dir=FLAGS.cards_dir)
     words = [w for w in arg.split(",") if w] or list(b.select_words)
     return selection.by_keywords(card_set, words, where=FLAGS.keywords_in, num=num)
   if kind == "file":
@@ -141,13 +141,13 @@ def main(argv):
   if FLAGS.dense_only:
     if not FLAGS.dense_workdir:
       raise ValueError("--dense_only needs --dense_workdir")
-    dense = {"command": "python -m experiments.suppress " + " ".join(sys.argv[1:]),
+    dense = {"command": "prism suppress " + " ".join(sys.argv[1:]),
              "behaviour": b.name, "score": b.description, "dense_twin": _dense_twin(b, gen_kw)}
     d = dense["dense_twin"]
     print(f"dense twin {d['workdir']}: val ppl {d['val_perplexity']:.3f} at step "
           f"{d['step']}, rate {d['rate']['mean']:.3f} "
           f"[{d['rate']['lo']:.3f}, {d['rate']['hi']:.3f}]")
-    out = FLAGS.json or os.path.join(FLAGS.dense_workdir, f"dense_{b.name}.json")
+    out = FLAGS.results_json or os.path.join(FLAGS.dense_workdir, f"dense_{b.name}.json")
     with open(out, "w") as f:
       json.dump(dense, f, indent=2)
     return
@@ -202,7 +202,7 @@ def main(argv):
   randoms = [r for r in rows if r["condition"].startswith("random")]
   supp = rows[1]
   summary = {
-      "command": "python -m experiments.suppress " + " ".join(sys.argv[1:]),
+      "command": "prism suppress " + " ".join(sys.argv[1:]),
       "behaviour": b.name, "score": b.description, "selection": {
           "method": sel.method, "query": sel.query, "ids": list(sel.ids),
           "scores": list(sel.scores), "saved": saved},
@@ -219,7 +219,7 @@ def main(argv):
   if FLAGS.dense_workdir:
     summary["dense_twin"] = _dense_twin(b, gen_kw)
   _print_table(summary)
-  out = FLAGS.json or os.path.join(FLAGS.workdir, f"suppression_{b.name}.json")
+  out = FLAGS.results_json or os.path.join(FLAGS.workdir, f"suppression_{b.name}.json")
   with open(out, "w") as f:
     json.dump(summary, f, indent=2)
   print(f"wrote {out}")

@@ -1,12 +1,12 @@
 """Train (or resume) a PRISM model or its dense twin.
 
-  python -m experiments.train --config=tiny --data=PATH_OR_GLOB[,...] --workdir=DIR \
+  prism train --config=tiny --data=PATH_OR_GLOB[,...] --workdir=DIR \
       --set model.k=8 --set train.steps=100 [--model=dense]
 
 No --data: the embedded corpus (CPython's pydoc topics). Re-running with the same
 --workdir resumes from its newest checkpoint; a different config is refused, except a
 larger train.steps (train a finished run longer) and the fields named by --allow_change.
-User errors print one `error: ...` line (experiments/cli.py; --debug for the traceback).
+User errors print one `error: ...` line (prism_jax/cli/launcher.py; --debug for the traceback).
 """
 
 import json
@@ -18,7 +18,8 @@ from prism_jax.cli import launcher
 flags.DEFINE_string("config", "tiny", "preset name (prism_jax.config.MODEL_PRESETS)")
 flags.DEFINE_string("data", None, "comma-separated .txt/.jsonl/.parquet files or globs; "
                     "default: the embedded corpus")
-flags.DEFINE_string("workdir", None, "run directory (checkpoints, metrics, config.json)")
+flags.DEFINE_string("workdir", None, "the run directory trained into or resumed "
+                    "(checkpoints, metrics, config.json)")
 flags.DEFINE_enum("model", None, ["prism", "dense"], "shorthand for --set model.kind=...")
 flags.DEFINE_multi_string("set", [], "dotted config override KEY=VALUE (repeatable)")
 flags.DEFINE_multi_string("allow_change", [], "a config field that may differ from the "
