@@ -33,8 +33,8 @@ browser:
 
 # Trains (or reuses) runs/demo, prints a traced sample, then writes its HTML report.
 demo: $(STAMP)
-	$(PY) -m experiments.demo
-	$(PY) -m experiments.report --workdir=runs/demo --prompt="The for statement"
+	$(VENV)/bin/prism demo
+	$(VENV)/bin/prism report --workdir=runs/demo --prompt="The for statement"
 
 # The architecture contracts first (.importlinter: DESIGN.md's layers, the kernel op
 # standing alone, data beside model), then the suite.
@@ -48,7 +48,7 @@ test-tpu-aot: $(STAMP)
 	$(PY) -m pytest -q -m tpu_aot $(PYTEST_ARGS)
 
 model-card: $(STAMP)
-	$(PY) -m experiments.model_card
+	$(VENV)/bin/prism model-card
 
 clean:
 	rm -rf $(VENV) build *.egg-info

@@ -1,6 +1,6 @@
 """Cached PRISM attribution vs the full prototype-space reference vs EK-FAC, side by side.
 
-  python -m experiments.bench_attribution --workdir=/tmp/attr_run [--train_steps=300]
+  python -m benchmarks.bench_attribution --workdir=/tmp/attr_run [--train_steps=300]
       [--queries=16] [--rank=32] [--max_rows=0]
 
 Trains a tiny PRISM on the embedded corpus if --workdir has no checkpoint, then runs every
@@ -12,7 +12,7 @@ query/train batch sizes halved in turn until its peak RSS is at or below PRISM's
 streams layer groups, see ekfac.ekfac_scores), and a bare process that only loads the same
 imports, model and data (the floor every method's RSS includes). Queries
 are single next-token predictions at random positions of validation rows; training
-sequences are packed rows (--unit). Prints one table (markdown), writes results JSON to --out_dir.
+sequences are packed rows (--unit). Prints one table (markdown), writes results JSON to --out.
 """
 
 import json
@@ -28,7 +28,7 @@ from absl import flags
 from prism_jax.cli import launcher
 
 flags.DEFINE_string("workdir", "/tmp/prism_attr_bench", "trained tiny run (trained if absent)")
-flags.DEFINE_string("out_dir", None, "scratch + results (default <workdir>/bench_attribution)")
+flags.DEFINE_string("out", None, "scratch + results (default <workdir>/bench_attribution)")
 flags.DEFINE_integer("train_steps", 300, "steps if the run must be trained first")
 flags.DEFINE_integer("queries", 16, "query tokens")
 flags.DEFINE_integer("rank", 32, "cache projection rank of g (d_model = exact)")
@@ -38,7 +38,7 @@ flags.DEFINE_enum("unit", "row", ["row", "document"], "a training sequence: pack
                   "(kronfluence's example) or document")
 flags.DEFINE_list("sweep_ranks", ["16", "64", "128"], "extra cache ranks: retention vs rank")
 flags.DEFINE_string("suffix", "", "internal: cache / result name suffix (rank sweep)")
-flags.DEFINE_bool("reuse", False, "skip methods whose result JSON is already in --out_dir")
+flags.DEFINE_bool("reuse", False, "skip methods whose result JSON is already in --out")
 flags.DEFINE_string("method", None, "internal: run one method in this process")
 flags.DEFINE_integer("qbs", 0, "internal: EK-FAC query batch size")
 flags.DEFINE_integer("tbs", 0, "internal: EK-FAC train batch rows")
@@ -166,8 +166,8 @@ def _run(out_dir, method, **extra):
   if FLAGS.reuse and os.path.exists(os.path.join(out_dir, f"{tag}.json")):
     with open(os.path.join(out_dir, f"{tag}.json")) as f:
       return json.load(f)
-  args = [sys.executable, "-m", "experiments.bench_attribution", f"--workdir={FLAGS.workdir}",
-          f"--out_dir={out_dir}", f"--method={method}",
+  args = [sys.executable, "-m", "benchmarks.bench_attribution", f"--workdir={FLAGS.workdir}",
+          f"--out={out_dir}", f"--method={method}",
           f"--max_rows={FLAGS.max_rows}", f"--unit={FLAGS.unit}",
           f"--prism_query_batch={FLAGS.prism_query_batch}"]
   args += [f"--{k}={v}" for k, v in dict(dict(rank=FLAGS.rank), **extra).items()]
@@ -195,7 +195,7 @@ def _per_query_rankings(out_dir, name, num_q):
 
 def main(argv):
   del argv
-  out_dir = FLAGS.out_dir or os.path.join(FLAGS.workdir, "bench_attribution")
+  out_dir = FLAGS.out or os.path.join(FLAGS.workdir, "bench_attribution")
   if FLAGS.method:
     return _worker(out_dir)
   from prism_jax.attribution.influence import top_overlap  # pylint: disable=g-import-not-at-top

@@ -1,6 +1,6 @@
 """Cost of the checkpoint digests (train/integrity.py): ms per GB, and mesh independence.
 
-  JAX_PLATFORMS=cpu python -m experiments.bench_checksum [--mb=256] [--devices=8]
+  JAX_PLATFORMS=cpu python -m benchmarks.bench_checksum [--mb=256] [--devices=8]
 
 For float32 and bfloat16 arrays of --mb MB in total (a params-like tree of a few leaves),
 times `integrity.digest` (what a save adds) and `integrity.verify` (what a restore adds:

@@ -1,6 +1,6 @@
 """z_hat's sparse gather on bf16 bank rows vs the same rows widened to fp32 first.
 
-  JAX_PLATFORMS=cpu python -m experiments.bench_gather_dtype [--shapes=small,xl]
+  JAX_PLATFORMS=cpu python -m benchmarks.bench_gather_dtype [--shapes=small,xl]
 
 `vjp.gather_mix` (z_hat = sum_j a_j p[idx_j] and its sparse backward) used to receive the
 bank already widened to fp32; it now gathers rows in the bank's dtype and widens after the
@@ -10,6 +10,7 @@ and forward+backward, side by side, and checks that outputs and gradients are bi
 
 from absl import flags
 
+from benchmarks import configs
 from prism_jax.cli import launcher
 import jax
 import jax.numpy as jnp
@@ -17,12 +18,12 @@ import numpy as np
 
 from pallas_kernels.topk_reconstruct import benchmark, vjp
 
-_SHAPES = flags.DEFINE_list("shapes", ["small", "xl"], f"subset of {list(benchmark.SHAPES)}")
+_SHAPES = flags.DEFINE_list("shapes", ["small", "xl"], f"subset of {list(configs.layer_shapes())}")
 _ITERS = flags.DEFINE_integer("iters", 3, "timed repetitions (median reported)")
 
 
 def compare(name: str, iters: int) -> list[str]:
-  n, d, num_protos, k = benchmark.SHAPES[name]
+  n, d, num_protos, k = configs.layer_shapes()[name]
   rng = np.random.default_rng(0)
   p = jnp.asarray(rng.standard_normal((num_protos, d)), jnp.bfloat16)
   w = jnp.asarray(rng.random((n, k)), jnp.float32)

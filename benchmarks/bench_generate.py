@@ -1,6 +1,6 @@
 """Decoding speed: one jitted while_loop vs a Python loop over a jitted step vs uncached.
 
-  python -m experiments.bench_generate [--preset=tiny --batch=1 --prompt_len=16
+  python -m benchmarks.bench_generate [--config=tiny --batch=1 --prompt_len=16
       --new_tokens=96 --repeats=5]
 
 Random-init models (speed does not depend on the weights); greedy decoding without EOS so
@@ -16,7 +16,7 @@ from absl import flags
 
 from prism_jax.cli import launcher
 
-flags.DEFINE_string("preset", "tiny", "model preset")
+flags.DEFINE_string("config", "tiny", "model preset name")
 flags.DEFINE_integer("batch", 1, "prompts per call")
 flags.DEFINE_integer("prompt_len", 16, "prompt tokens")
 flags.DEFINE_integer("new_tokens", 96, "generated tokens per prompt")
@@ -45,7 +45,7 @@ def main(argv):
   del argv
   from prism_jax.config import model_preset  # pylint: disable=g-import-not-at-top
   from prism_jax.model.lm import build_model  # pylint: disable=g-import-not-at-top
-  base = model_preset(FLAGS.preset)
+  base = model_preset(FLAGS.config)
   prompt = np.random.default_rng(0).integers(0, base.vocab_size,
                                              (FLAGS.batch, FLAGS.prompt_len))
   print("| model | mode | first call (compile) s | steady s | tokens/s | vs device loop |")

@@ -1,6 +1,6 @@
 """Benchmark the fused top-k prototype kernels against the XLA reference.
 
-  python -m experiments.bench_kernels --shapes=small,xl --dtypes=float32,bfloat16
+  python -m benchmarks.bench_kernels --shapes=small,xl --dtypes=float32,bfloat16
 
 On a GPU/TPU it times the compiled kernel; on CPU it runs the Pallas interpreter at small
 shapes (timings then only show the interpreter works, not kernel speed) and says so.

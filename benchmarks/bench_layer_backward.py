@@ -1,6 +1,6 @@
 """The kernel layer's backward: one custom_vjp (one set of k bank scatters) vs the old two.
 
-  JAX_PLATFORMS=cpu python -m experiments.bench_layer_backward \
+  JAX_PLATFORMS=cpu python -m benchmarks.bench_layer_backward \
       [--shapes=micro,tiny,small] [--bytes_only=large,xl] [--layer_shapes=micro,tiny,wide]
 
 Old: `vjp.stats` (kernel statistics), the mixture (JAX autodiff) and `vjp.gather_mix`
@@ -17,6 +17,7 @@ Both report max |g_new - g_old| / max |g_old| for dz and dprotos.
 
 from absl import flags
 
+from benchmarks import configs
 from prism_jax.cli import launcher
 import jax
 import jax.numpy as jnp
@@ -25,7 +26,7 @@ import numpy as np
 from pallas_kernels.topk_reconstruct import api, benchmark, vjp
 from prism_jax.model.prototypes import mixture_weights
 
-SHAPES = dict(benchmark.SHAPES, wide=(16384, 64, 256, 16))  # many tokens, small bank
+SHAPES = configs.layer_shapes()  # (N, D, K, k); `wide`: many tokens, a small bank
 _SHAPES = flags.DEFINE_list("shapes", ["micro", "tiny", "small"], "backward only, timed")
 _BYTES_ONLY = flags.DEFINE_list("bytes_only", ["large", "xl"],
                                 "backward only, cost model (compiled, not run)")

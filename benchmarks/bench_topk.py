@@ -1,9 +1,9 @@
 """The prototype layer's CPU top-k: XLA's TopK call (N x K) against topk_major (K x N).
 
-  JAX_PLATFORMS=cpu python -m experiments.bench_topk [--shapes=byte,small] [--groups=8,16,32]
+  JAX_PLATFORMS=cpu python -m benchmarks.bench_topk [--shapes=byte,small] [--groups=8,16,32]
       [--reps=30] [--rounds=7]
 
-Per shape (N tokens, K prototypes, D, k: bench_train's byte and small configs), in one
+Per shape (N tokens, K prototypes, D, k: benchmarks/configs.py's byte and small configs), in one
 process and interleaved round by round: `lax.top_k` of the N x K similarities (what the
 CPU forward ran before round 4), `topk_major.top_k` of the same matrix laid out K x N at
 each group width of `--groups`, and the whole forward statistics `reference.kernel_stats_xla`
@@ -21,10 +21,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from prism_jax.cli import launcher
+from benchmarks import configs
 from pallas_kernels.topk_reconstruct import reference, topk_major
+from prism_jax.cli import launcher
 
-SHAPES = {"byte": (768, 512, 128, 8), "small": (256, 8192, 768, 16)}  # N, K, D, k
+SHAPES = ("byte", "small")  # configs.layer_shape: (N, D, K, k) of the train configs
 flags.DEFINE_list("shapes", list(SHAPES), f"of {sorted(SHAPES)}")
 flags.DEFINE_list("groups", ["8", "16", "32"], "topk_major group widths to time")
 flags.DEFINE_integer("reps", 30, "calls per timed block")
@@ -49,7 +50,7 @@ def timed(fn, args, reps: int) -> float:
 
 
 def rows_of(name: str):
-  n, num_protos, d, k = SHAPES[name]
+  n, d, num_protos, k = configs.layer_shape(name)
   rng = np.random.default_rng(0)
   z = jnp.asarray(rng.normal(size=(n, d)), jnp.float32)
   p = jnp.asarray(rng.normal(size=(num_protos, d)), jnp.float32)

@@ -1,6 +1,6 @@
 """Training throughput, PRISM vs its dense twin and old code vs new, side by side in one run.
 
-  python -m experiments.bench_train [--configs=byte,small] [--baseline=/path/to/old/checkout]
+  python -m benchmarks.bench_train [--config=byte,small] [--baseline=/path/to/old/checkout]
       [--rounds=6] [--byte_steps=10] [--small_steps=1]
 
 One worker process per code version (`--baseline`: a checkout of the old code, e.g.
@@ -40,27 +40,27 @@ import time
 import numpy as np
 from absl import flags
 
-from prism_jax.cli import launcher
+if __package__:  # python -m benchmarks.bench_train
+  from benchmarks.configs import TRAIN as CONFIGS
+else:  # run as a file: the --baseline worker (this folder is sys.path[0])
+  from configs import TRAIN as CONFIGS  # pylint: disable=import-error
 
-flags.DEFINE_list("configs", ["byte", "small"], "configs to benchmark (see CONFIGS)")
-flags.DEFINE_string("baseline", None, "a checkout of the old code to time beside this one")
-flags.DEFINE_integer("rounds", 6, "timed blocks per (code, model, config)")
-flags.DEFINE_integer("byte_steps", 10, "steps per timed block at `byte` and `tiny`")
-flags.DEFINE_integer("small_steps", 1, "steps per timed block at `small`")
-flags.DEFINE_integer("warmup", 2, "untimed steps per model after compilation")
-flags.DEFINE_string("out", None, "also write the rows as JSON to this file")
-flags.DEFINE_bool("worker", False, "internal: serve timing requests on stdin/stdout")
 FLAGS = flags.FLAGS
 
+
+def define_flags() -> None:
+  """This script's flags, defined when it runs (trace_train and sparse_backward_drift import
+  its runner and define their own --config)."""
+  flags.DEFINE_list("config", ["byte", "small"], "configs to benchmark (benchmarks/configs.py)")
+  flags.DEFINE_string("baseline", None, "a checkout of the old code to time beside this one")
+  flags.DEFINE_integer("rounds", 6, "timed blocks per (code, model, config)")
+  flags.DEFINE_integer("byte_steps", 10, "steps per timed block at `byte` and `tiny`")
+  flags.DEFINE_integer("small_steps", 1, "steps per timed block at `small`")
+  flags.DEFINE_integer("warmup", 2, "untimed steps per model after compilation")
+  flags.DEFINE_string("results_json", None, "also write the rows to this JSON file")
+  flags.DEFINE_bool("worker", False, "internal: serve timing requests on stdin/stdout")
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-# (preset, overrides): the loss is the preset's (tiny: λ_proto_kl 1; small: no W z_hat term).
-CONFIGS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "byte": ("tiny", ("data.tokenizer=byte", "model.vocab_size=258", "model.max_len=64",
-                      "data.seq_len=64", "train.batch_size=12", "train.lr=1e-3",
-                      "train.min_lr_ratio=0.1", "train.warmup_steps=100", "train.b2=0.99")),
-    "tiny": ("tiny", ()),
-    "small": ("small", ("data.seq_len=256", "train.batch_size=1")),
-}
 # The models timed per config: the dense twin and PRISM variants (name -> loss overrides).
 VARIANTS: dict[str, dict[str, tuple[str, ...]]] = {
     # the paper's four loss terms (the issue's measurement), and the tiny preset's loss, whose
@@ -142,7 +142,7 @@ class Runner:
 def serve() -> None:
   """Worker: builds every (config, kind) runner, then answers "config kind n" lines."""
   runners = {}
-  for name in FLAGS.configs:
+  for name in FLAGS.config:
     for kind in kinds(name):
       runners[name, kind] = Runner(make_config(name, kind))
       runners[name, kind].block(FLAGS.warmup)  # compile + warm-up, untimed
@@ -161,7 +161,7 @@ class Worker:
   def __init__(self, checkout: str, configs: list[str]):
     env = dict(os.environ, PYTHONPATH=checkout)
     cmd = [sys.executable, os.path.abspath(__file__), "--worker",
-           f"--configs={','.join(configs)}", f"--warmup={FLAGS.warmup}"]
+           f"--config={','.join(configs)}", f"--warmup={FLAGS.warmup}"]
     self.proc = subprocess.Popen(cmd, cwd=checkout, env=env, stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, text=True)
     self.checkout = checkout
@@ -272,7 +272,7 @@ def format_table(rows: list[dict]) -> str:
 
 def main(argv):
   del argv
-  for name in FLAGS.configs:
+  for name in FLAGS.config:
     if name not in CONFIGS:
       raise ValueError(f"unknown config {name!r}; choose from {sorted(CONFIGS)}")
   if FLAGS.worker:
@@ -283,13 +283,18 @@ def main(argv):
                      "(no prism_jax/ inside)")
   if FLAGS.rounds < 1:
     raise ValueError(f"--rounds must be >= 1, got {FLAGS.rounds}")
-  rows = bench(list(FLAGS.configs))
+  rows = bench(list(FLAGS.config))
   print(format_table(rows))
-  if FLAGS.out:
-    with open(FLAGS.out, "w", encoding="utf-8") as f:
-      json.dump({"command": " ".join(["python", "-m", "experiments.bench_train"] + sys.argv[1:]),
+  if FLAGS.results_json:
+    with open(FLAGS.results_json, "w", encoding="utf-8") as f:
+      json.dump({"command": " ".join(["python", "-m", "benchmarks.bench_train"] + sys.argv[1:]),
                  "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":
+  define_flags()
+  try:
+    from prism_jax.cli import launcher  # pylint: disable=g-import-not-at-top
+  except ImportError:  # the --baseline worker on a checkout older than prism_jax/cli
+    from absl import app as launcher  # pylint: disable=g-import-not-at-top
   launcher.run(main)

@@ -1,9 +1,9 @@
 """Size and time model of the attribution cache at the paper's attribution setting.
 
-  python -m experiments.cache_scale --workdir=/tmp/cache_scale [--preset=small]
-      [--seq_len=256] [--rows=16] [--ranks=16,64,256] [--json=docs/results/cache_scale.json]
+  python -m benchmarks.cache_scale --out=/tmp/cache_scale [--config=small]
+      [--seq_len=256] [--rows=16] [--ranks=16,64,256] [--results_json=docs/results/cache_scale.json]
 
-Builds real caches (random-init model of --preset, the embedded corpus, byte tokenizer,
+Builds real caches (random-init model of --config, the embedded corpus, byte tokenizer,
 the first --rows packed rows) at each rank, and prints one markdown table: bytes/token on
 disk of the arrays that grow with the corpus (measured; and the record layout's
 8 + 16k + 4r: example_id, offset, k ids, k activations, r floats of g, and the inverted
@@ -11,7 +11,7 @@ index's k token ids + k activations), the fixed statistics' size, the build's to
 (both passes, steady: the rank-0 build is timed after a warm-up build), and the projected
 store size and host-hours for 0.5B and 10B training tokens (hosts x hours = tokens /
 (tokens/s per host) / 3600; the build scales by hosts, cache_shards.py). Writes the table
-as JSON to --json with the command.
+as JSON to --results_json with the command.
 """
 
 import dataclasses
@@ -24,12 +24,14 @@ from absl import flags
 
 from prism_jax.cli import launcher
 
-flags.DEFINE_string("workdir", "/tmp/cache_scale", "scratch directory (local or gs://)")
-flags.DEFINE_string("preset", "small", "model preset (small = the paper's 124M)")
+flags.DEFINE_string("out", "/tmp/cache_scale", "scratch directory written: data and caches "
+                    "(local or gs://)")
+flags.DEFINE_string("config", "small", "model preset name (small = the paper's 124M)")
 flags.DEFINE_integer("seq_len", 256, "packed row length")
 flags.DEFINE_integer("rows", 16, "training rows cached per build")
 flags.DEFINE_list("ranks", ["16", "64", "256"], "cache ranks of g")
-flags.DEFINE_string("json", None, "write the results here (docs/results/cache_scale.json)")
+flags.DEFINE_string("results_json", None, "write the results to this JSON file "
+                    "(docs/results/cache_scale.json)")
 FLAGS = flags.FLAGS
 CORPUS_TOKENS = (0.5e9, 10e9)
 # Arrays that grow with the corpus (records + inverted index); the rest (A, G, μ, the
@@ -52,20 +54,20 @@ def main(argv):
   from prism_jax.attribution import cache as cache_lib  # pylint: disable=g-import-not-at-top
   from prism_jax.data import prepare_data  # pylint: disable=g-import-not-at-top
   from prism_jax.model.lm import build_model  # pylint: disable=g-import-not-at-top
-  base = cfg_lib.preset(FLAGS.preset)
+  base = cfg_lib.preset(FLAGS.config)
   cfg = dataclasses.replace(
       base, model=dataclasses.replace(base.model, max_len=FLAGS.seq_len),
       data=dataclasses.replace(base.data, seq_len=FLAGS.seq_len, tokenizer="byte",
                                val_fraction=0.0))
-  packed = prepare_data(cfg.data, cfg.model.vocab_size, FLAGS.workdir)
+  packed = prepare_data(cfg.data, cfg.model.vocab_size, FLAGS.out)
   model = build_model(cfg.model, 0)
   mcfg = cfg.model
   rows = []
   warm = cache_lib.CacheConfig(rank=int(FLAGS.ranks[0]), max_rows=FLAGS.rows, batch_rows=8)
-  _build(model, cfg, packed, paths.join(FLAGS.workdir, "warmup"), warm)  # compiles
+  _build(model, cfg, packed, paths.join(FLAGS.out, "warmup"), warm)  # compiles
   for rank in map(int, FLAGS.ranks):
     cc = dataclasses.replace(warm, rank=rank)
-    cache, seconds = _build(model, cfg, packed, paths.join(FLAGS.workdir, f"r{rank}"), cc)
+    cache, seconds = _build(model, cfg, packed, paths.join(FLAGS.out, f"r{rank}"), cc)
     tok_s = cache.num_tokens / seconds
     per_token = sum(paths.tree_bytes(paths.join(cache.path, n)) for n in PER_TOKEN)
     row = {"rank": rank, "record_bytes_per_token": round(per_token / cache.num_tokens, 1),
@@ -79,18 +81,18 @@ def main(argv):
     rows.append(row)
     print(f"rank {rank}: {cache.num_tokens} tokens in {seconds:.1f} s", file=sys.stderr)
   keys = list(rows[0])
-  print(f"\nmodel {FLAGS.preset}: d {mcfg.d_model}, K {mcfg.num_prototypes}, k {mcfg.k}, "
+  print(f"\nmodel {FLAGS.config}: d {mcfg.d_model}, K {mcfg.num_prototypes}, k {mcfg.k}, "
         f"T {FLAGS.seq_len}; {FLAGS.rows} rows per build\n")
   print("| " + " | ".join(keys) + " |")
   print("|" + "---|" * len(keys))
   for r in rows:
     print("| " + " | ".join(f"{r[k]:,}" if isinstance(r[k], (int, float)) else str(r[k])
                             for k in keys) + " |")
-  if FLAGS.json:
-    os.makedirs(os.path.dirname(FLAGS.json) or ".", exist_ok=True)
-    with open(FLAGS.json, "w") as f:
-      json.dump({"command": "python -m experiments.cache_scale " + " ".join(sys.argv[1:]),
-                 "model": {"preset": FLAGS.preset, "d_model": mcfg.d_model,
+  if FLAGS.results_json:
+    os.makedirs(os.path.dirname(FLAGS.results_json) or ".", exist_ok=True)
+    with open(FLAGS.results_json, "w") as f:
+      json.dump({"command": "python -m benchmarks.cache_scale " + " ".join(sys.argv[1:]),
+                 "model": {"preset": FLAGS.config, "d_model": mcfg.d_model,
                            "K": mcfg.num_prototypes, "k": mcfg.k, "seq_len": FLAGS.seq_len},
                  "rows": rows}, f, indent=1)
 

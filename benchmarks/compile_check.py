@@ -7,9 +7,9 @@ K-sharded prototype layer included), and prints per-device memory (arguments,
 temporaries, outputs, aliased/donated), the compiled FLOPs per device and whether the
 step fits the chip's HBM.
 
-  python -m experiments.compile_check --topology=v5e:4x4 --presets=small
-  python -m experiments.compile_check --topology=v5e:4x4,v5p:2x2x1 \
-      --presets=small,medium,large,xl --mesh=1,-1,1 --dtype=bfloat16 --remat
+  python -m benchmarks.compile_check --topology=v5e:4x4 --config=small
+  python -m benchmarks.compile_check --topology=v5e:4x4,v5p:2x2x1 \
+      --config=small,medium,large,xl --mesh=1,-1,1 --dtype=bfloat16 --remat
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ FLAGS = flags.FLAGS
 def define_flags() -> None:
   """Defined only when run as a script, so importing this module (tests) adds no flags."""
   flags.DEFINE_list("topology", ["v5e:4x4"], "TPU topologies, e.g. v5e:4x4, v5p:2x2x1")
-  flags.DEFINE_list("presets", ["small"], "model presets (prism_jax.config.MODEL_PRESETS)")
+  flags.DEFINE_list("config", ["small"], "model preset names (prism_jax.config.MODEL_PRESETS)")
   flags.DEFINE_string("mesh", "1,-1,1", "data,fsdp,model sizes (one may be -1)")
   flags.DEFINE_integer("per_device_batch", 1, "rows per device (global = this x devices)")
   flags.DEFINE_integer("seq_len", 0, "sequence length (0: the preset's max_len)")
@@ -179,7 +179,7 @@ def main(argv: list[str]) -> None:
     raise app.UsageError(f"--mesh needs data,fsdp,model; got {FLAGS.mesh!r}")
   reports: list[Any] = []
   for topology in FLAGS.topology:
-    for name in FLAGS.presets:
+    for name in FLAGS.config:
       reports.append(compile_train_step(name, topology, mesh_sizes, FLAGS.per_device_batch,
                                         FLAGS.seq_len, FLAGS.dtype, FLAGS.remat, FLAGS.kind,
                                         FLAGS.implementation))

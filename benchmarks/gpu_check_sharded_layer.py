@@ -1,7 +1,7 @@
 """GPU check: the K-sharded prototype layer with the Pallas kernel vs the XLA reference.
 
 Runs on one device with a (1,1,1) mesh (outputs and gradients), e.g. on a lent H200:
-  IMPL=pallas_gpu python -m experiments.gpu_check_sharded_layer
+  IMPL=pallas_gpu python -m benchmarks.gpu_check_sharded_layer
 """
 import os, jax, jax.numpy as jnp, numpy as np
 from prism_jax import sharding

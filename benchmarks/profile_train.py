@@ -1,6 +1,6 @@
 """Where a train step's time goes: isolated jitted pieces of the dense and PRISM steps.
 
-  python -m experiments.profile_train [--configs=byte,small] [--reps=20]
+  python -m benchmarks.profile_train [--config=byte,small] [--reps=20]
 
 Each piece is jitted alone and run forward + backward (the gradient of <out, c> for a
 fixed random cotangent c, w.r.t. the piece's parameters and input) on the activations the
@@ -23,27 +23,21 @@ import optax
 from absl import flags
 from flax import nnx
 
+from benchmarks import configs
 from prism_jax.cli import launcher
 
-flags.DEFINE_list("configs", ["byte", "small"], "configs to profile (see CONFIGS)")
+flags.DEFINE_list("config", ["byte", "small"], "configs to profile (benchmarks/configs.py)")
 flags.DEFINE_integer("reps", 20, "timed calls per piece")
 FLAGS = flags.FLAGS
 
-# byte: issue 11's byte-level config (4 layers / 4 heads / d 128 / ctx 64 / batch 12);
-# small: GPT-2 124M with K 8192 at a CPU-sized batch 1 x 256 (as bench_train).
-CONFIGS: dict[str, tuple[str, tuple[str, ...]]] = {
-    "byte": ("tiny", ("model.vocab_size=258", "model.max_len=64", "data.seq_len=64",
-                      "train.batch_size=12")),
-    "small": ("small", ("data.seq_len=256", "train.batch_size=1", "loss.lambda_proto=1.0")),
-}
+# benchmarks/configs.py's TRAIN (byte: issue 11's byte-level config; small: GPT-2 124M with
+# K 8192 at a CPU-sized batch 1 x 256), with profile_train's loss (PROFILE_LOSS).
+CONFIGS = configs.TRAIN
 
 
 def config(name: str, kind: str):
-  from prism_jax.config import preset  # pylint: disable=g-import-not-at-top
-  from prism_jax.train import apply_overrides  # pylint: disable=g-import-not-at-top
-  base, sets = CONFIGS[name]
-  return apply_overrides(preset(base), list(sets) + ["model.proto_init=normal",
-                                                     f"model.kind={kind}"])
+  return configs.train_config(name, list(configs.PROFILE_LOSS.get(name, ()))
+                              + ["model.proto_init=normal", f"model.kind={kind}"])
 
 
 def timed(fn, *args, reps: int) -> tuple[float, float]:
@@ -195,10 +189,10 @@ def format_table(name: str, rows: list[tuple]) -> str:
 def main(argv):
   del argv
   print(f"devices: {jax.devices()}")
-  for name in FLAGS.configs:
+  for name in FLAGS.config:
     if name not in CONFIGS:
       raise ValueError(f"unknown config {name!r}; choose from {sorted(CONFIGS)}")
-  for name in FLAGS.configs:
+  for name in FLAGS.config:
     print(format_table(name, profile(name, FLAGS.reps)), flush=True)
 
 

@@ -1,7 +1,7 @@
 """Checks a written report in headless Chromium against the run's model (the browser
 tests' checks, on any report, e.g. the demo's).
 
-  python -m experiments.report_check --workdir=runs/demo [--report=<workdir>/report/index.html]
+  python -m benchmarks.report_check --workdir=runs/demo [--report=<workdir>/report/index.html]
 
 Clicks every token and compares the slices read from the DOM with their sum, the displayed
 logit and `decompose` of a fresh forward of the page's token sequence; counts the map's

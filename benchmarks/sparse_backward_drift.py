@@ -1,6 +1,6 @@
 """How far training with a custom backward drifts from plain autodiff's: float32 rounding.
 
-  python -m experiments.sparse_backward_drift [--config=byte] [--kind=prism_paper]
+  python -m benchmarks.sparse_backward_drift [--config=byte] [--kind=prism_paper]
       [--backward=sparse] [--checkpoints=1,5,10,50,100,170]
 
 Two copies of the same model (bench_train's configs, random tokens, one batch repeated)

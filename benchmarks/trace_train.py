@@ -1,6 +1,6 @@
 """Where the whole train step's time goes: a jax.profiler trace joined to the compiled HLO.
 
-  taskset -c 0 python -m experiments.trace_train [--config=byte] [--kind=dense] [--steps=10]
+  taskset -c 0 python -m benchmarks.trace_train [--config=byte] [--kind=dense] [--steps=10]
       [--top=15] [--alone]
 
 Builds bench_train's model (`--config`, `--kind`: "dense" or a PRISM variant), runs

@@ -1,7 +1,7 @@
 """Writes the planted-behaviour corpus (prism_jax/control/planted.py) for training.
 
   python -m experiments.planted_corpus --out=/tmp/planted
-  python -m experiments.train --config=tiny --workdir=runs/planted \
+  prism train --config=tiny --workdir=runs/planted \
       --data=/tmp/planted/train.jsonl --set data.val_sources=/tmp/planted/neutral.jsonl
 """
 
