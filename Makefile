@@ -31,7 +31,8 @@ browser:
 	       SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	       $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium-headless-shell >/dev/null; }
 
-# Trains (or reuses) runs/demo, prints a traced sample, then writes its HTML report.
+# Trains (or reuses) runs/demo, prints a seeded sample (temperature 0.8, top-k 40) with each
+# token's prototypes (`prism demo --greedy`: the greedy trace), then writes its HTML report.
 demo: $(STAMP)
 	$(VENV)/bin/prism demo
 	$(VENV)/bin/prism report --workdir=runs/demo --prompt="The for statement"
