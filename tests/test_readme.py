@@ -4,6 +4,7 @@ whose first line is `# not run: <reason>` is skipped (none is today)."""
 
 import os
 import re
+import shutil
 
 import tiny_run
 
@@ -18,8 +19,10 @@ def test_readme_python_snippets_run(tmp_path_factory, monkeypatch, capsys):
   with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
     blocks = python_blocks(f.read())
   assert len(blocks) >= 3, "the README lost its Python snippets"
-  run = tiny_run.tiny_run(tmp_path_factory)["run"]
-  monkeypatch.chdir(tmp_path_factory.mktemp("readme"))  # anything relative lands here
+  # a copy: the snippets write a cache and cards into the run, which other tests share
+  here = tmp_path_factory.mktemp("readme")
+  run = shutil.copytree(tiny_run.tiny_run(tmp_path_factory)["run"], str(here / "run"))
+  monkeypatch.chdir(here)  # anything relative lands here
   namespace = {"__name__": "readme"}
   ran = 0
   for i, block in enumerate(blocks):
