@@ -253,15 +253,12 @@ def write_results_json(path: str, row: dict) -> None:
 def main(argv):
   del argv
   if bool(FLAGS.headline) != bool(FLAGS.results_json):
-    sys.exit("error: --results_json and --headline (the default's variants) go together")
+    raise ValueError("--results_json and --headline (the default's variants) go together")
   if set(FLAGS.headline) - set(FLAGS.variants):
-    sys.exit(f"error: --headline {sorted(set(FLAGS.headline) - set(FLAGS.variants))} not "
-             "among --variants")
+    raise ValueError(f"--headline {sorted(set(FLAGS.headline) - set(FLAGS.variants))} not "
+                     "among --variants")
   for name in FLAGS.variants:
-    try:
-      variant_overrides(name)
-    except ValueError as e:
-      sys.exit(f"error: {e}")
+    variant_overrides(name)  # a bad name is refused before any training
   results = []
   for name in FLAGS.variants:
     results.append(run_variant(name))

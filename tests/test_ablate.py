@@ -76,6 +76,6 @@ def test_results_json_rows_per_base(tmp_path):
 ])
 def test_bad_flags_give_one_error_line(tmp_path, args, match):
   done = _ablate(f"--out={tmp_path}", *args)
-  assert done.returncode != 0
+  assert done.returncode == 2
   assert done.stderr.strip().splitlines()[-1].startswith("error:")
   assert match in done.stderr
