@@ -60,6 +60,9 @@ def main(argv):
                                load_for_inference, train)
   from prism_jax.train.metrics import quiet_library_logs  # pylint: disable=g-import-not-at-top
   quiet_library_logs(40)  # orbax's read-only notices are noise here
+  if FLAGS.temperature < 0 or FLAGS.top_k < 0 or FLAGS.max_new_tokens < 1:
+    raise ValueError("--temperature and --top_k must be >= 0 and --max_new_tokens >= 1, got "
+                     f"{FLAGS.temperature}, {FLAGS.top_k}, {FLAGS.max_new_tokens}")
   cfg = apply_overrides(preset("tiny"), list(FLAGS.set))
   try:
     result = train(cfg, FLAGS.workdir)
