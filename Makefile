@@ -31,10 +31,11 @@ browser:
 	       SUDO=$$([ "$$(id -u)" = 0 ] || echo sudo); \
 	       $$SUDO apt-get update -qq && $$SUDO apt-get install -y -qq chromium-headless-shell >/dev/null; }
 
-# Trains (or reuses) runs/demo, prints a traced sample, then writes its HTML report.
+# Trains (or reuses) runs/demo, prints a seeded sample (temperature 0.8, top-k 40) with each
+# token's prototypes (`prism demo --greedy`: the greedy trace), then writes its HTML report.
 demo: $(STAMP)
-	$(PY) -m experiments.demo
-	$(PY) -m experiments.report --workdir=runs/demo --prompt="The for statement"
+	$(VENV)/bin/prism demo
+	$(VENV)/bin/prism report --workdir=runs/demo --prompt="The for statement"
 
 # The architecture contracts first (.importlinter: DESIGN.md's layers, the kernel op
 # standing alone, data beside model), then the whole suite, the `tpu_aot` compiles for TPU
@@ -55,7 +56,7 @@ test-tpu-aot: $(STAMP)
 	$(PY) -m pytest -q -m tpu_aot $(PYTEST_ARGS)
 
 model-card: $(STAMP)
-	$(PY) -m experiments.model_card
+	$(VENV)/bin/prism model-card
 
 clean:
 	rm -rf $(VENV) build *.egg-info

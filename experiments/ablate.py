@@ -1,8 +1,8 @@
 """PRISM design ablation vs the dense twin at equal tokens (tiny preset, embedded corpus).
 
-  python -m experiments.ablate --workdir=/tmp/prism_ablate --steps=200 \
-      [--variants=dense,prism,normalized,plain,lam0.01,lam0.2] [--out=docs/results/x.md]
-  python -m experiments.ablate --workdir=/tmp/f11/byte --base=byte --steps=2000 \
+  python -m experiments.ablate --out=/tmp/prism_ablate --steps=200 \
+      [--variants=dense,prism,normalized,plain,lam0.01,lam0.2] [--table_md=docs/results/x.md]
+  python -m experiments.ablate --out=/tmp/f11/byte --base=byte --steps=2000 \
       --variants=dense,before,before+proto1+scale,before+proto1@s1
 
 Every variant trains the same preset for the same steps x batch x seq_len tokens with the
@@ -11,8 +11,8 @@ the faithfulness metrics (prototype-path CE ratio, argmax agreement, centred-log
 R̄1, R̄2, residual share, dead prototypes, and the process's CPU seconds for the run. A
 variant is a VARIANTS name or LEVERS joined by "+" (issue 11's levers), with an optional
 seed suffix "@s1". Runs are sequential; a finished variant's result is cached in
-<workdir>/<variant>/ablation.json, so re-running only trains what is missing. Prints a
-markdown table (and writes it to --out). With --results_json, the --headline variants (the
+<out>/<variant>/ablation.json, so re-running only trains what is missing. Prints a
+markdown table (and writes it to --table_md). With --results_json, the --headline variants (the
 default, one per seed) become this base's row of that docs/results file (reproduce.py's
 schema; the other base's row is kept).
 """
@@ -23,7 +23,7 @@ import sys
 
 from absl import flags
 
-from experiments import cli
+from prism_jax.cli import launcher
 
 # name -> --set overrides on top of the preset (PRISM defaults: raw mixture, straight-
 # through residual, λ_rec = λ_1 = λ_2 = 0.05).
@@ -103,15 +103,16 @@ BASES: dict[str, tuple[str, ...]] = {
              "train.warmup_steps=100", "train.b2=0.99"),
 }
 
-flags.DEFINE_string("workdir", "/tmp/prism_ablate", "one sub-directory per variant")
-flags.DEFINE_string("preset", "tiny", "model/data preset")
+flags.DEFINE_string("out", "/tmp/prism_ablate", "directory written: one trained run per "
+                    "variant")
+flags.DEFINE_string("config", "tiny", "model/data preset name")
 flags.DEFINE_enum("base", "tiny", list(BASES), "overrides on the preset before the variant's")
 flags.DEFINE_integer("steps", 200, "training steps per variant (equal tokens)")
 flags.DEFINE_list("variants", ["dense", "prism", "normalized", "plain", "lam0.01", "lam0.2"],
                   f"variants to run: {sorted(VARIANTS)} or levers {sorted(LEVERS)} joined "
                   "by '+', optionally with a seed suffix '@s1'")
 flags.DEFINE_multi_string("set", [], "extra overrides applied to every variant")
-flags.DEFINE_string("out", None, "also write the markdown table to this file")
+flags.DEFINE_string("table_md", None, "also write the markdown table to this file")
 flags.DEFINE_bool("overrides_column", True, "print each variant's overrides in the table")
 flags.DEFINE_string("results_json", None, "record the --headline variants as this base's row "
                     "of this results JSON (e.g. docs/results/faithfulness.json)")
@@ -127,7 +128,7 @@ def variant_config(name: str, preset_name: str, steps: int, extra: list[str]):
   from prism_jax.train import apply_overrides  # pylint: disable=g-import-not-at-top
   common = [f"train.steps={steps}", f"train.eval_every={steps}", f"train.ckpt_every={steps}",
             f"train.log_every={max(steps // 8, 1)}",
-            f"data.packed_dir={os.path.join(os.path.abspath(FLAGS.workdir), 'data')}"]
+            f"data.packed_dir={os.path.join(os.path.abspath(FLAGS.out), 'data')}"]
   return apply_overrides(preset(preset_name), list(BASES[FLAGS.base]) + common + list(extra)
                          + list(variant_overrides(name)))
 
@@ -141,12 +142,12 @@ def _cpu_seconds() -> float:
 def run_variant(name: str) -> dict:
   """Trains (or reads the cached result of) one variant; returns its metrics."""
   from prism_jax.train import train  # pylint: disable=g-import-not-at-top
-  workdir = os.path.join(FLAGS.workdir, name)
+  workdir = os.path.join(FLAGS.out, name)
   cached = os.path.join(workdir, "ablation.json")
   if os.path.exists(cached):
     with open(cached) as f:
       return json.load(f)
-  cfg = variant_config(name, FLAGS.preset, FLAGS.steps, FLAGS.set)
+  cfg = variant_config(name, FLAGS.config, FLAGS.steps, FLAGS.set)
   cpu0 = _cpu_seconds()
   result = train(cfg, workdir)
   cpu_s = _cpu_seconds() - cpu0
@@ -252,23 +253,20 @@ def write_results_json(path: str, row: dict) -> None:
 def main(argv):
   del argv
   if bool(FLAGS.headline) != bool(FLAGS.results_json):
-    sys.exit("error: --results_json and --headline (the default's variants) go together")
+    raise ValueError("--results_json and --headline (the default's variants) go together")
   if set(FLAGS.headline) - set(FLAGS.variants):
-    sys.exit(f"error: --headline {sorted(set(FLAGS.headline) - set(FLAGS.variants))} not "
-             "among --variants")
+    raise ValueError(f"--headline {sorted(set(FLAGS.headline) - set(FLAGS.variants))} not "
+                     "among --variants")
   for name in FLAGS.variants:
-    try:
-      variant_overrides(name)
-    except ValueError as e:
-      sys.exit(f"error: {e}")
+    variant_overrides(name)  # a bad name is refused before any training
   results = []
   for name in FLAGS.variants:
     results.append(run_variant(name))
     print(f"{name}: val loss {results[-1]['loss']:.4f}", flush=True)
   table = "\n".join([format_table(results, FLAGS.overrides_column), ""] + seed_spread(results))
   print(table)
-  if FLAGS.out:
-    with open(FLAGS.out, "w") as f:
+  if FLAGS.table_md:
+    with open(FLAGS.table_md, "w") as f:
       f.write(table + "\n")
   if FLAGS.results_json:
     command = "python -m experiments.ablate " + " ".join(sys.argv[1:])
@@ -277,4 +275,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  launcher.run(main)

@@ -1,8 +1,8 @@
-"""The README's multi-host cache build as commands: P processes of experiments.attribute
+"""The README's multi-host cache build as commands: P processes of `prism attribute`
 --build_only on this machine (jax.distributed on loopback) vs one process, bit for bit.
 
   python -m experiments.cache_multihost --workdir=RUN --out=DIR [--num_processes=2]
-      [--local_devices=4] [--stat_shards=8] [--json=docs/results/cache_multihost.json]
+      [--local_devices=4] [--stat_shards=8] [--results_json=docs/results/cache_multihost.json]
 
 RUN is a trained PRISM run (local or gs://: with an emulator, STORAGE_EMULATOR_HOST and
 TENSORSTORE_GCS_HTTP_URL as tests/gcs_emulator.py sets them); DIR receives the caches
@@ -21,7 +21,7 @@ import time
 
 from absl import flags
 
-from experiments import cli
+from prism_jax.cli import launcher
 
 flags.DEFINE_string("workdir", None, "trained PRISM run (local or gs://)")
 flags.DEFINE_string("out", None, "where the two caches go (local or gs://)")
@@ -29,13 +29,13 @@ flags.DEFINE_integer("num_processes", 2, "processes of the multi-process build")
 flags.DEFINE_integer("local_devices", 4, "CPU devices per process")
 flags.DEFINE_integer("stat_shards", 8, "cache.stat_shards (>= num_processes)")
 flags.DEFINE_integer("timeout", 1200, "seconds per build")
-flags.DEFINE_string("json", None, "write the results here")
+flags.DEFINE_string("results_json", None, "write the results JSON to this file")
 flags.mark_flags_as_required(["workdir", "out"])
 FLAGS = flags.FLAGS
 
 
 def _attribute_cmd(cache_dir, extra):
-  return [sys.executable, "-m", "experiments.attribute", f"--workdir={FLAGS.workdir}",
+  return [sys.executable, "-m", "prism_jax.cli", "attribute", f"--workdir={FLAGS.workdir}",
           f"--cache_dir={cache_dir}", "--build_only", "--rebuild",
           f"--stat_shards={FLAGS.stat_shards}"] + extra
 
@@ -103,13 +103,13 @@ def main(argv):
     r["tokens_per_s_per_process"] = tokens / r["wall_s"] / r["processes"]
     print(f"| {r['processes']} | {r['wall_s']:.1f} | {r['tokens_per_s_per_process']:.0f} | "
           f"{'bit for bit (' + str(len(one)) + ' arrays + metadata)' if equal else 'NO'} |")
-  if FLAGS.json:  # experiments/reproduce.py's schema: one row, the builds as detail
+  if FLAGS.results_json:  # experiments/reproduce.py's schema: one row, the builds as detail
     command = "python -m experiments.cache_multihost " + " ".join(sys.argv[1:])
     row = {"metric": f"attribution cache built by {FLAGS.num_processes} processes vs 1",
            "paper": "not reported", "command": command,
            "ours": (f"bit for bit ({len(one)} arrays + metadata)" if equal else "differs"),
            "note": f"{tokens} tokens, {FLAGS.local_devices} CPU devices per process"}
-    with open(FLAGS.json, "w") as f:
+    with open(FLAGS.results_json, "w") as f:
       json.dump({"rows": [row], "command": command, "num_tokens": tokens,
                  "equal_bit_for_bit": bool(equal), "builds": rows, "arrays": sorted(one)},
                 f, indent=1)
@@ -118,4 +118,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  launcher.run(main)

@@ -2,13 +2,13 @@
 top contexts against a brute-force ranking over every training token.
 
   python -m experiments.cards_check --workdir=runs/demo [--top_m=16] \
-      [--json=docs/results/cards.json]
+      [--results_json=docs/results/cards.json]
 
 The brute force is a plain batched forward of the model over every training row (no cache
 code): each valid token's k (prototype, activation) pairs, ranked per prototype by
 decreasing activation, ties in row-major token order. A card matches when its contexts'
 (row, position) equal the brute force's top-m, up to the order inside near-ties
-(|Δa| < 1e-5 a). Prints a table; --json writes it for experiments/reproduce.py.
+(|Δa| < 1e-5 a). Prints a table; --results_json writes it for experiments/reproduce.py.
 """
 
 import json
@@ -17,13 +17,14 @@ import time
 
 from absl import flags, logging
 
-from experiments import cli
+from prism_jax.cli import launcher
 
 flags.DEFINE_string("workdir", "runs/demo", "trained PRISM run")
 flags.DEFINE_string("cache_dir", None, "default: <workdir>/attribution_cache")
 flags.DEFINE_integer("top_m", 16, "contexts per card")
 flags.DEFINE_integer("batch_rows", 32, "rows per brute-force forward")
-flags.DEFINE_string("json", None, "write the result here (e.g. docs/results/cards.json)")
+flags.DEFINE_string("results_json", None, "write the result to this JSON file (e.g. "
+                    "docs/results/cards.json)")
 FLAGS = flags.FLAGS
 
 
@@ -113,18 +114,18 @@ def main(argv):
          "cards_cpu_s": round(cpu, 2), "budget_s": 60, "brute_force_s": round(brute_s, 1),
          "cards_equal_brute_force": ok, "max_abs_activation_diff": dmax,
          "command": "python -m experiments.cards_check --workdir=runs/demo "
-                    "--json=docs/results/cards.json"}
+                    "--results_json=docs/results/cards.json"}
   print("\n| K | train tokens | top_m | cards from cache (wall / CPU s) | budget | cards equal "
         "to brute force | max abs Δa |\n|---|---|---|---|---|---|---|")
   print(f"| {row['K']} | {num_tokens:,} | {FLAGS.top_m} | {wall:.1f} / {cpu:.1f} | 60 s | "
         f"{ok}/{len(cards)} | {dmax:.2e} |")
-  if FLAGS.json:
-    with open(FLAGS.json, "w") as f:
+  if FLAGS.results_json:
+    with open(FLAGS.results_json, "w") as f:
       json.dump(row, f, indent=1)
-    print(f"wrote {FLAGS.json}")
+    print(f"wrote {FLAGS.results_json}")
   if ok != len(cards):
     raise SystemExit(f"{len(cards) - ok} cards differ from the brute force")
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  launcher.run(main)

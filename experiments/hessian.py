@@ -6,7 +6,7 @@ r"""λ sweep of curvature localisation and conditioning of the prototype bank (P
 
 from absl import flags
 
-from experiments import cli
+from prism_jax.cli import launcher
 
 from prism_jax.attribution import hessian_sweep as sweep
 
@@ -33,4 +33,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  launcher.run(main)

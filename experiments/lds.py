@@ -1,6 +1,6 @@
 """LDS and removal-and-retrain curves of every attribution method (PRISM.md §5 quality).
 
-  python -m experiments.lds --workdir=/tmp/prism_lds [--subsets=32] [--queries=64]
+  python -m experiments.lds --out=/tmp/prism_lds [--subsets=32] [--queries=64]
       [--ceiling_subsets=6] [--removal_queries=2] [--results_json=docs/results/lds.json]
       [--plot=docs/lds_removal.png]
 
@@ -14,8 +14,8 @@ every (query, row) pair on it (evaluation/methods.py). Then:
   removal  for the first --removal_queries queries, each method's top-m rows removed
            (m in --removal_m) and the model retrained (seed 0): the query loss change
            against the full model (m = 0); the random method removes m random rows.
-Each retrain's measurements are saved under <workdir>/retrains (a rerun skips them; the
-scores under <workdir>/scores): an interrupted run resumes. Prints the tables (markdown).
+Each retrain's measurements are saved under <out>/retrains (a rerun skips them; the
+scores under <out>/scores): an interrupted run resumes. Prints the tables (markdown).
 """
 
 import json
@@ -25,9 +25,10 @@ import time
 import numpy as np
 from absl import flags, logging
 
-from experiments import cli
+from prism_jax.cli import launcher
 
-flags.DEFINE_string("workdir", "/tmp/prism_lds", "data, scores and retrains")
+flags.DEFINE_string("out", "/tmp/prism_lds", "directory written: data, scores, retrains, "
+                    "results.md")
 flags.DEFINE_integer("num_rows", 2048, "training sequences (the first packed rows)")
 flags.DEFINE_integer("subsets", 32, "LDS subsets M (one retrain each)")
 flags.DEFINE_float("alpha", 0.5, "fraction of the training rows each subset keeps")
@@ -126,13 +127,13 @@ def main(argv):
   ms = [int(m) for m in FLAGS.removal_m]
   import jax  # pylint: disable=g-import-not-at-top
   # Every retrain compiles the same programs: the persistent cache makes that once.
-  jax.config.update("jax_compilation_cache_dir", os.path.join(FLAGS.workdir, "jax_cache"))
+  jax.config.update("jax_compilation_cache_dir", os.path.join(FLAGS.out, "jax_cache"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   from prism_jax.data import prepare_data  # pylint: disable=g-import-not-at-top
   from prism_jax.evaluation import lds, methods, retrain  # pylint: disable=g-import-not-at-top
   cfg = _config()
-  os.makedirs(FLAGS.workdir, exist_ok=True)
-  packed = prepare_data(cfg.data, cfg.model.vocab_size, FLAGS.workdir)
+  os.makedirs(FLAGS.out, exist_ok=True)
+  packed = prepare_data(cfg.data, cfg.model.vocab_size, FLAGS.out)
   E = FLAGS.num_rows
   if E > packed.num_rows("train"):
     raise ValueError(f"--num_rows={E} but the data has {packed.num_rows('train')} train rows")
@@ -140,13 +141,13 @@ def main(argv):
     raise ValueError("--removal_queries must be <= --queries and every --removal_m in (0, "
                      f"--num_rows={E})")
   q_rows, queries = _queries(packed, FLAGS.queries, FLAGS.targets, FLAGS.seed)
-  store = retrain.RetrainStore(os.path.join(FLAGS.workdir, "retrains"))
+  store = retrain.RetrainStore(os.path.join(FLAGS.out, "retrains"))
   total = (2 + FLAGS.subsets + FLAGS.ceiling_subsets
            + FLAGS.removal_queries * len(FLAGS.methods) * len(ms))
   run = _Retrains(store, cfg, packed, queries, total)
   everything = np.ones(E, bool)
 
-  score_dir = os.path.join(FLAGS.workdir, "scores")
+  score_dir = os.path.join(FLAGS.out, "scores")
   os.makedirs(score_dir, exist_ok=True)
   scores, cost, model = {}, {}, None
   for name in FLAGS.methods:
@@ -156,7 +157,7 @@ def main(argv):
         t = time.time()
         model, _ = retrain.retrain(cfg, packed, np.arange(E), 0)
         logging.info("full model trained in %.1f s", time.time() - t)
-      sc, sec = methods.scores(name, model, cfg, packed, queries, E, FLAGS.workdir,
+      sc, sec = methods.scores(name, model, cfg, packed, queries, E, FLAGS.out,
                                rank=FLAGS.rank, seed=FLAGS.seed)
       np.savez(path, scores=sc, seconds=sec)
       logging.info("%s: scores in %.1f s", name, sec)
@@ -218,13 +219,13 @@ def main(argv):
                                             zip(d.mean(0), sem(d))) + " |")
   table = "\n".join(lines)
   print(table)
-  with open(os.path.join(FLAGS.workdir, "results.md"), "w") as f:
+  with open(os.path.join(FLAGS.out, "results.md"), "w") as f:
     f.write(table + "\n")
   if FLAGS.plot:
     _write_plot(FLAGS.plot, [0] + ms, {n: [0.0] + list(deltas[n].mean(0)) for n in deltas},
                 {n: [0.0] + list(sem(deltas[n])) for n in deltas})
   if FLAGS.results_json:
-    cmd = ("python -m experiments.lds --workdir=/tmp/prism_lds "
+    cmd = ("python -m experiments.lds --out=/tmp/prism_lds "
            f"--subsets={FLAGS.subsets} --queries={FLAGS.queries} "
            f"--ceiling_subsets={FLAGS.ceiling_subsets} "
            f"--removal_queries={FLAGS.removal_queries} --results_json={FLAGS.results_json}"
@@ -239,4 +240,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  launcher.run(main)

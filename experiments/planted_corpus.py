@@ -1,7 +1,7 @@
 """Writes the planted-behaviour corpus (prism_jax/control/planted.py) for training.
 
   python -m experiments.planted_corpus --out=/tmp/planted
-  python -m experiments.train --config=tiny --workdir=runs/planted \
+  prism train --config=tiny --workdir=runs/planted \
       --data=/tmp/planted/train.jsonl --set data.val_sources=/tmp/planted/neutral.jsonl
 """
 
@@ -9,7 +9,7 @@ import json
 
 from absl import flags
 
-from experiments import cli
+from prism_jax.cli import launcher
 
 flags.DEFINE_string("out", None, "output directory (train.jsonl, neutral.jsonl, planted.json)")
 flags.DEFINE_integer("num_docs", 160, "planted documents")
@@ -28,4 +28,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  launcher.run(main)

@@ -35,7 +35,7 @@ import re
 
 from absl import flags
 
-from experiments import cli
+from prism_jax.cli import launcher
 from experiments import reproduce_sources
 
 flags.DEFINE_string("results_dir", "docs/results", "directory of results JSON files")
@@ -236,4 +236,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  launcher.run(main)

@@ -45,7 +45,7 @@ def test_results_json_rows_per_base(tmp_path):
   for base in ("byte", "tiny", "byte"):  # byte written twice: its row is replaced, not added
     workdir = str(tmp_path / f"{base}{len(runs)}")
     runs[base] = _cache(workdir, rng, names)
-    done = _ablate(f"--workdir={workdir}", f"--base={base}", f"--variants={','.join(names)}",
+    done = _ablate(f"--out={workdir}", f"--base={base}", f"--variants={','.join(names)}",
                    "--headline=before+proto1,before+proto1@s1", f"--results_json={path}")
     assert done.returncode == 0, done.stderr
     assert "| before+proto1@s1 |" in done.stdout
@@ -75,7 +75,7 @@ def test_results_json_rows_per_base(tmp_path):
      "--headline ['before'] not among --variants"),
 ])
 def test_bad_flags_give_one_error_line(tmp_path, args, match):
-  done = _ablate(f"--workdir={tmp_path}", *args)
-  assert done.returncode != 0
+  done = _ablate(f"--out={tmp_path}", *args)
+  assert done.returncode == 2
   assert done.stderr.strip().splitlines()[-1].startswith("error:")
   assert match in done.stderr

@@ -182,7 +182,7 @@ def test_shares_are_chunk_aligned_and_cover_every_token():
 
 
 def test_attribute_cli_needs_a_prompt_unless_build_only(tmp_path):
-  out = subprocess.run([sys.executable, "-m", "experiments.attribute",
+  out = subprocess.run([sys.executable, "-m", "prism_jax.cli", "attribute",
                         f"--workdir={tmp_path}"], cwd=REPO, capture_output=True, text=True,
                        timeout=120, env=dict(os.environ, JAX_PLATFORMS="cpu"))
   assert out.returncode == 2

@@ -82,7 +82,7 @@ def test_cli_rejects_bad_set_before_training(tmp_path):
   for item, fragment in (("model.kk=3", "unknown config key 'model.kk'"),
                          ("train.steps=ten", "expected int")):
     proc = subprocess.run(
-        [sys.executable, "-m", "experiments.train", f"--workdir={tmp_path}/w",
+        [sys.executable, "-m", "prism_jax.cli", "train", f"--workdir={tmp_path}/w",
          f"--set={item}"], cwd=REPO, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode != 0
     assert fragment in proc.stderr, proc.stderr[-2000:]

@@ -156,8 +156,9 @@ def test_set_save_load_and_bad_input(tmp_path):
     ("planted_corpus", ["--out={w}", "--neutral_docs=0"], "neutral_docs must be in"),
 ])
 def test_cli_bad_input_is_one_line(tmp_path, module, args, fragment):
-  proc = subprocess.run([sys.executable, "-m", f"experiments.{module}",
-                         *[a.format(w=tmp_path) for a in args]], cwd=REPO,
+  cmd = ["prism_jax.cli", module] if module == "suppress" else [f"experiments.{module}"]
+  proc = subprocess.run([sys.executable, "-m", *cmd, *[a.format(w=tmp_path) for a in args]],
+                        cwd=REPO,
                         env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
                         text=True, timeout=300)
   errors = [line for line in proc.stderr.splitlines() if line.startswith("error: ")]

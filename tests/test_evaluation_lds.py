@@ -199,7 +199,7 @@ def test_micro_lds_end_to_end(micro, gd, tmp_path):
 
 def test_lds_cli_bad_flag_is_one_line(tmp_path):
   flag, match = "--subsets=2", "needs >= 3"
-  r = subprocess.run([sys.executable, "-m", "experiments.lds", f"--workdir={tmp_path}", flag],
+  r = subprocess.run([sys.executable, "-m", "experiments.lds", f"--out={tmp_path}", flag],
                      capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"),
                      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   assert r.returncode == 2 and match in r.stderr.strip().splitlines()[-1], r.stderr

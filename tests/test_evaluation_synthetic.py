@@ -7,7 +7,8 @@ import numpy as np
 import pytest
 
 from prism_jax.data.tokenizers import ByteTokenizer
-from prism_jax.evaluation import stats, synthetic
+from prism_jax import stats
+from prism_jax.evaluation import synthetic
 
 
 class FakePacked:

@@ -136,7 +136,7 @@ def test_jsonl_user_task_and_dump(tmp_path):
 def test_cli_unknown_task_is_a_one_line_error(tmp_path):
   import os, subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  proc = subprocess.run([sys.executable, "-m", "experiments.evaluate_mc",
+  proc = subprocess.run([sys.executable, "-m", "prism_jax.cli", "evaluate",
                          f"--workdir={tmp_path}", "--tasks=piqa,arc_medium"], cwd=repo,
                         env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
                         text=True, timeout=300)

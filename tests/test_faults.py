@@ -217,7 +217,7 @@ def test_start_over_flag_of_the_cli(trained, tmp_path):
                 os.path.join(run, f"moved{step}"))
   os.makedirs(os.path.join(run, "corrupt_checkpoints", "4-x"))
   from test_checkpoint_bad_inputs import SETS  # pylint: disable=import-outside-toplevel
-  cmd = [sys.executable, "-m", "experiments.train", f"--data={data}", f"--workdir={run}",
+  cmd = [sys.executable, "-m", "prism_jax.cli", "train", f"--data={data}", f"--workdir={run}",
          *[f"--set={s}" for s in SETS + ["train.steps=1"]]]
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   res = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=300)
@@ -260,12 +260,12 @@ def test_cache_into_run_data_or_run_dir_is_refused(trained, tmp_path):
 
 
 def test_attribute_cli_rebuild_into_data_dir_is_refused(trained, tmp_path):
-  """Case 3 exactly: experiments.attribute --cache_dir=<run>/data --rebuild."""
+  """Case 3 exactly: prism attribute --cache_dir=<run>/data --rebuild."""
   _, workdir, _ = trained
   run = _copy(workdir, tmp_path)
   before = _tree_hash(run)
   res = subprocess.run(
-      [sys.executable, "-m", "experiments.attribute", f"--workdir={run}", "--prompt=alpha",
+      [sys.executable, "-m", "prism_jax.cli", "attribute", f"--workdir={run}", "--prompt=alpha",
        f"--cache_dir={os.path.join(run, 'data')}", "--rebuild"],
       cwd=REPO, env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True, text=True,
       timeout=300)

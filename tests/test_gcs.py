@@ -32,7 +32,7 @@ def _losses_gs(workdir):
 def _cli(workdir, data, env, log):
   """The train CLI, its log in a file (a PIPE nobody reads would block it when full)."""
   return subprocess.Popen(
-      [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", f"--data={data}"]
+      [sys.executable, "-m", "prism_jax.cli", "train", f"--workdir={workdir}", f"--data={data}"]
       + [f"--set={s}" for s in SETS], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
       stderr=open(log, "w"))
 
@@ -93,7 +93,7 @@ def test_gs_path_without_credentials_is_one_clear_error(tmp_path):
   env.update(JAX_PLATFORMS="cpu", PYTHONPATH=REPO, HOME=str(tmp_path),  # no gcloud config
              CLOUDSDK_CONFIG=str(tmp_path / "gcloud"), GCE_METADATA_HOST="127.0.0.1:9")
   out = subprocess.run(
-      [sys.executable, "-m", "experiments.train", "--workdir=gs://nobucket/run",
+      [sys.executable, "-m", "prism_jax.cli", "train", "--workdir=gs://nobucket/run",
        "--set=train.steps=1"], cwd=REPO, env=env, capture_output=True, text=True,
       timeout=120)
   assert out.returncode != 0

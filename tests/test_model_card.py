@@ -1,8 +1,8 @@
-"""experiments.model_card, run in-process: the acceptance numbers of the card."""
+"""prism model-card (prism_jax/cli/model_card.py), run in-process: the acceptance numbers of the card."""
 
 import re
 
-from experiments import model_card
+from prism_jax.cli import model_card
 
 GPT2_SMALL_PARAMS = 124_439_808  # GPT-2 124M: 1024 positions, LM head tied to wte
 

@@ -165,7 +165,7 @@ def test_report_bad_inputs(page_setup):
 
 def test_cli_refuses_a_directory_that_is_not_a_report(page_setup):
   env = dict(os.environ, JAX_PLATFORMS="cpu")
-  proc = subprocess.run([sys.executable, "-m", "experiments.report",
+  proc = subprocess.run([sys.executable, "-m", "prism_jax.cli", "report",
                          f"--workdir={page_setup['run']}",
                          "--prompt=the", f"--out={page_setup['run']}"],
                         cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))),

@@ -22,7 +22,7 @@ MD = """# RESULTS
 
 ```
 # a comment
-python -m experiments.model_card \\
+prism model-card \\
     --flag=1
 ```
 
@@ -49,7 +49,7 @@ def test_table_sources_json_then_summary_then_not_measured(tmp_path):
   assert len(rows) == len(reproduce.HEADLINES) + len(reproduce.EXTRA) + 1
   assert "0.21" in rows["suppression"] and "`python -m x`" in rows["suppression"]
   assert "1.68%" in rows["parameter overhead"]
-  assert "`python -m experiments.model_card --flag=1`" in rows["parameter overhead"]
+  assert "`prism model-card --flag=1`" in rows["parameter overhead"]
   assert "85.4%" in rows["attribution signal"] and "see that section" in rows[
       "attribution signal"]  # its section has no code block
   assert "not measured" in rows["controllers"]

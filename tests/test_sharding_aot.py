@@ -16,7 +16,7 @@ pytestmark = [
 
 
 def test_small_compiles_for_v5e_4x4_and_fits():
-  from experiments import compile_check  # pylint: disable=import-outside-toplevel
+  from benchmarks import compile_check  # pylint: disable=import-outside-toplevel
   from prism_jax.config import model_preset  # pylint: disable=import-outside-toplevel
   report = compile_check.compile_train_step("small", "v5e:4x4", (1, -1, 1))
   assert report.mesh == (1, 16, 1) and report.device_kind.startswith("TPU v5")

@@ -15,8 +15,8 @@
   gradients, ties, masks and meshes included, with one N x K x D matmul where autodiff has 3;
 - flops counts the prototype path's head W z_hat where the loss computes it (λ_proto,
   λ_proto_kl, λ_rlogit);
-- experiments.bench_train refuses a baseline that is not a checkout, times byte with the
-  paper's four loss terms and with the tiny preset's loss, each with its analytic ratio; experiments.sparse_backward_drift refuses a dense model (and, with trace_train, bad flags);
+- benchmarks.bench_train refuses a baseline that is not a checkout, times byte with the
+  paper's four loss terms and with the tiny preset's loss, each with its analytic ratio; benchmarks.sparse_backward_drift refuses a dense model (and, with trace_train, bad flags);
   trace_train's time_alone counts the stretches with one op running, on a hand-made trace.
 """
 
@@ -177,7 +177,7 @@ def test_model_with_matmul_equals_plain_autodiff(prism_model, monkeypatch):
 
 def test_bench_train_refuses_a_baseline_that_is_not_a_checkout(tmp_path):
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  res = subprocess.run([sys.executable, "-m", "experiments.bench_train", "--configs=byte",
+  res = subprocess.run([sys.executable, "-m", "benchmarks.bench_train", "--config=byte",
                         f"--baseline={tmp_path}"], cwd=repo, capture_output=True, text=True,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"), check=False)
   assert res.returncode == 2
@@ -327,7 +327,7 @@ def test_flops_count_the_proto_head_only_when_the_loss_computes_it():
 
 
 def test_bench_train_times_byte_with_and_without_the_aux_head():
-  from experiments import bench_train  # pylint: disable=import-outside-toplevel
+  from benchmarks import bench_train  # pylint: disable=import-outside-toplevel
   assert bench_train.kinds("byte") == ("dense", "prism_paper", "prism")
   assert bench_train.kinds("small") == ("dense", "prism")
   aux = {k: bench_train.make_config("byte", k).loss.needs_proto_logits
@@ -358,7 +358,7 @@ def test_trace_and_drift_refuse_bad_flags(module, args, message):
 
 def test_sparse_backward_drift_refuses_a_dense_model():
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  res = subprocess.run([sys.executable, "-m", "experiments.sparse_backward_drift",
+  res = subprocess.run([sys.executable, "-m", "benchmarks.sparse_backward_drift",
                         "--kind=dense"], cwd=repo, capture_output=True, text=True,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"), check=False)
   assert res.returncode == 2
@@ -369,7 +369,7 @@ def test_trace_train_time_alone_counts_only_stretches_with_one_op():
   """Hand-made trace: a on one thread 0-10, b on another 5-20, c 25-30, d 30-31 (touching
   c), x (not an op of the step) 0-100. Alone: a 0-5, b 10-20, c 25-30, d 30-31."""
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  code = ("import json; from experiments.trace_train import time_alone; "
+  code = ("import json; from benchmarks.trace_train import time_alone; "
           "ev = [dict(ph='X', name=n, ts=t, dur=d, tid=i % 2) for i, (n, t, d) in enumerate("
           "[('a', 0, 10), ('b', 5, 15), ('c', 25, 5), ('d', 30, 1), ('x', 0, 100)])] + "
           "[dict(ph='M', name='thread_name')]; "

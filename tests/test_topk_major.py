@@ -6,7 +6,7 @@ fresh random matrices with many exact ties, signed zeros, infinities, NaNs of bo
 and several payloads, and columns holding nothing but -inf, at shapes that take the direct
 passes, one level of group maxima and two, and K not a multiple of the group width.
 Also: `reference.similarity_KxN` is `similarity` transposed to the bit, and
-experiments.bench_topk refuses an unknown shape.
+benchmarks.bench_topk refuses an unknown shape.
 """
 
 from __future__ import annotations
@@ -129,7 +129,7 @@ def test_similarity_KxN_is_similarity_transposed_to_the_bit(n, num_protos, d):
 
 def test_bench_topk_refuses_an_unknown_shape():
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  res = subprocess.run([sys.executable, "-m", "experiments.bench_topk", "--shapes=byte,huge"],
+  res = subprocess.run([sys.executable, "-m", "benchmarks.bench_topk", "--shapes=byte,huge"],
                        cwd=repo, capture_output=True, text=True,
                        env=dict(os.environ, JAX_PLATFORMS="cpu"), check=False)
   assert res.returncode == 2

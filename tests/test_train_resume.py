@@ -29,7 +29,7 @@ SETS = [
 
 KILL_SCRIPT = """
 import sys, time
-from experiments.train import build_config
+from prism_jax.cli.train import build_config
 from prism_jax.train import train
 cfg = build_config("tiny", sys.argv[2], None, sys.argv[3:])
 def park(step, state):
@@ -57,7 +57,7 @@ def _losses(workdir):
 
 def _cli(workdir, data, env):
   return subprocess.Popen(
-      [sys.executable, "-m", "experiments.train", f"--workdir={workdir}", f"--data={data}"]
+      [sys.executable, "-m", "prism_jax.cli", "train", f"--workdir={workdir}", f"--data={data}"]
       + [f"--set={s}" for s in SETS], cwd=REPO, env=env, stdout=subprocess.PIPE,
       stderr=subprocess.PIPE, text=True)
 

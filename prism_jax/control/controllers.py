@@ -19,20 +19,35 @@ import dataclasses
 import itertools
 import json
 from collections.abc import Sequence
-from typing import Any, NamedTuple
+from typing import Any, NamedTuple, Protocol
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
 
-from prism_jax.evaluation.scoring import Scores
-from prism_jax.evaluation.tasks import Item
 from prism_jax.losses import token_nll
 from prism_jax.model.logit_edit import code_logits
 from prism_jax.train.trainer import Trainer
 
 KINDS = ("gains", "linear")
+
+
+# What a controller reads of evaluation's items and scores, stated here so that control and
+# evaluation stay independent layers (evaluation.tasks.Item and evaluation.scoring.Scores
+# satisfy these).
+class Item(Protocol):
+  num_options: int
+  gold: int
+
+
+class Scores(Protocol):
+  logprob_O: Any       # (O,) option log-likelihoods
+  option_C: Any        # (C,) option of each continuation token (None: not collected)
+  logits_CxV: Any
+  targets_C: Any
+  idx_Cxk: Any         # the active prototypes of each continuation token
+  act_Cxk: Any
 
 
 class ControllerMismatchError(ValueError):

@@ -1,4 +1,4 @@
-"""Bootstrap CIs of per-generation behaviour scores, on evaluation.stats' one resampler."""
+"""Bootstrap CIs of per-generation behaviour scores, on prism_jax.stats' one resampler."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from prism_jax.evaluation import stats as eval_stats
+from prism_jax import stats as eval_stats
 
 
 class Estimate(NamedTuple):

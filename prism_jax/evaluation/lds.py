@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from prism_jax.evaluation import stats
+from prism_jax import stats
 
 
 def subset_masks(num_train: int, num_subsets: int, alpha: float, seed: int) -> np.ndarray:

@@ -1,0 +1,1 @@
+"""The `prism` command line: one console script, one module per subcommand (main.py)."""

@@ -1,0 +1,115 @@
+"""`prism demo` (`make demo`): train the tiny PRISM on the embedded corpus, then sample.
+
+Trains into ./runs/demo (resuming if a run is there; a finished run is reused), prints the
+validation metrics, then samples a continuation of a prompt (temperature and top-k, seeded:
+the same seed gives the same text) and prints, for each generated token, its top prototypes
+and their contributions to the token's logit (the contributions of all k active prototypes
+plus the residual slice sum to the logit). --greedy traces the greedy continuation instead.
+
+  prism demo [--workdir=runs/demo] [--prompt=...] [--temperature=0.8 --top_k=40 --seed=0]
+      [--greedy] [--set train.steps=...]
+"""
+
+import textwrap
+
+from absl import flags
+
+from prism_jax.cli import launcher
+
+flags.DEFINE_string("workdir", "runs/demo", "run directory (resumed if present)")
+flags.DEFINE_string("prompt", "The for statement", "text to continue")
+flags.DEFINE_integer("max_new_tokens", 32, "tokens to generate")
+flags.DEFINE_float("temperature", 0.8, "softmax temperature of the sample")
+flags.DEFINE_integer("top_k", 40, "sample from the k most likely tokens; 0 = off")
+flags.DEFINE_integer("seed", 0, "sampling seed (same seed, same text)")
+flags.DEFINE_bool("greedy", False, "trace the greedy continuation (temperature 0) instead")
+flags.DEFINE_integer("top", 3, "prototypes shown per token")
+flags.DEFINE_multi_string("set", [], "config override KEY=VALUE on the tiny preset")
+FLAGS = flags.FLAGS
+
+# What the validation line's abbreviations mean (PRISM.md §3).
+LEGEND = (
+    "loss / train_loss: cross-entropy on the val split / on as many training tokens "
+    "(tokens, train_tokens: how many); r1_bar: mean over prototypes of the best cosine to a "
+    "val token (prototypes sit on real data); r2_bar: mean over val tokens of the best "
+    "cosine to a prototype (tokens are covered); residual_share: E|r|^2 / E|z|^2 (the part "
+    "of z the prototypes leave out); dead_prototypes / dead_frac: never active on the split")
+NEXT = """next:
+  prism generate --workdir={w} --prompt="The while statement"
+  prism attribute --workdir={w} --prompt="The for statement"
+  prism report --workdir={w} --prompt="The for statement"
+  tensorboard --logdir={w}     # curves of every metric above, per eval"""
+
+
+def distinct_ratio(ids) -> float:
+  """Distinct tokens / tokens: near 1 for varied text, small for one phrase repeated."""
+  return len(set(ids)) / max(len(ids), 1)
+
+
+def _signature(model, proto_id: int, decode, n: int = 3) -> str:
+  """The tokens prototype `proto_id` pushes up most: top entries of W p_i."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  sig_V = np.asarray(model.proto_logit_signatures()[proto_id])
+  return " ".join(repr(decode([int(t)])) for t in np.argsort(-sig_V)[:n])
+
+
+def main(argv):
+  del argv
+  from prism_jax.config import preset  # pylint: disable=g-import-not-at-top
+  from prism_jax.train import (ConfigMismatchError, apply_overrides,  # pylint: disable=g-import-not-at-top
+                               load_for_inference, train)
+  from prism_jax.train.metrics import quiet_library_logs  # pylint: disable=g-import-not-at-top
+  quiet_library_logs(40)  # orbax's read-only notices are noise here
+  if FLAGS.temperature < 0 or FLAGS.top_k < 0 or FLAGS.max_new_tokens < 1:
+    raise ValueError("--temperature and --top_k must be >= 0 and --max_new_tokens >= 1, got "
+                     f"{FLAGS.temperature}, {FLAGS.top_k}, {FLAGS.max_new_tokens}")
+  cfg = apply_overrides(preset("tiny"), list(FLAGS.set))
+  try:
+    result = train(cfg, FLAGS.workdir)
+  except ConfigMismatchError as e:
+    raise ConfigMismatchError(f"{e} (remove {FLAGS.workdir} to retrain the demo from "
+                              "scratch)") from None
+  ev = result.eval
+  if result.start_step == result.final_step:
+    print(f"\nreusing the finished run in {result.workdir} (step {result.final_step})")
+  else:
+    print(f"\ntrained steps {result.start_step}..{result.final_step} in "
+          f"{result.wall_s:.0f} s; workdir {result.workdir}")
+  if ev:
+    from prism_jax import faithfulness  # pylint: disable=g-import-not-at-top
+    shown = {k: v for k, v in ev.items() if k not in faithfulness.KEYS}
+    print(textwrap.fill("validation: " + ", ".join(f"{k} {v:.4g}" for k, v in shown.items()),
+                        100, subsequent_indent="  "))
+    print(textwrap.fill(f"({LEGEND})", 100, initial_indent="  ", subsequent_indent="   "))
+    if "agreement" in ev:
+      print(textwrap.fill("faithfulness: " + faithfulness.format_line(ev), 100,
+                          subsequent_indent="  "))
+      print(textwrap.fill(f"({faithfulness.LEGEND})", 100, initial_indent="  ",
+                          subsequent_indent="   "))
+
+  from prism_jax.generate import generate  # pylint: disable=g-import-not-at-top
+  from prism_jax.analysis.token_report import token_report  # pylint: disable=g-import-not-at-top
+  model, cfg, tok = load_for_inference(FLAGS.workdir)
+  prompt_ids = tok.encode(FLAGS.prompt)
+  max_new = min(FLAGS.max_new_tokens, cfg.model.max_len - len(prompt_ids))
+  temperature = 0.0 if FLAGS.greedy else FLAGS.temperature
+  out = generate(model, [prompt_ids], max_new_tokens=max_new, temperature=temperature,
+                 top_k=FLAGS.top_k or None, seed=FLAGS.seed, eos_id=tok.eos_id)
+  n = int(out.lengths_B[0])
+  new_ids = out.tokens_BxL[0, :n].tolist()
+  how = ("greedy" if temperature == 0 else
+         f"temperature {temperature:g}, top-k {FLAGS.top_k or 'off'}, seed {FLAGS.seed}")
+  print(f"\nprompt: {FLAGS.prompt!r}")
+  print(f"sample ({how}):\n{textwrap.indent(FLAGS.prompt + tok.decode(new_ids), '  ')}")
+  print(f"distinct tokens: {distinct_ratio(new_ids):.2f} ({len(set(new_ids))} of {n})\n")
+  print(token_report(out, tok.decode, top=FLAGS.top))
+  if out.trace is not None:
+    shown = sorted({int(i) for i in out.trace.idx_BxLxk[0, :n, 0]})[:12]
+    print("\nprototype signatures (tokens each pushes up most, from W p_i):")
+    for pid in shown:
+      print(f"  #{pid:<4} {_signature(model, pid, tok.decode)}")
+  print("\n" + NEXT.format(w=FLAGS.workdir))
+
+
+if __name__ == "__main__":
+  launcher.run(main)

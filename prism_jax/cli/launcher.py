@@ -1,0 +1,52 @@
+"""What every command-line entry point shares: user errors as one `error: ...` line.
+
+A mistake a user can fix (a bad or missing flag, a missing file, a bad config value, a config
+that does not match the checkpoint, a diverged run) prints one line naming it and exits with
+status 2; the traceback is for `--debug`. Anything else is a bug and keeps its traceback.
+Used by the `prism` subcommands and by the scripts of experiments/ and benchmarks/.
+"""
+
+import sys
+
+from absl import app, flags
+
+flags.DEFINE_bool("debug", False, "show the full traceback of user errors")
+
+# User-fixable: bad values, missing/unreadable files, refused configs, divergence (and a
+# run whose every checkpoint is corrupt, checkpoint.NoReadableCheckpointError).
+USER_ERRORS = (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
+               PermissionError, FloatingPointError)
+USAGE_EXIT = 2
+
+
+def one_line(e: BaseException) -> str:
+  text = str(e).strip() or type(e).__name__
+  return "error: " + " | ".join(line.strip() for line in text.splitlines() if line.strip())
+
+
+def _is_user_error(e: BaseException) -> bool:
+  from prism_jax.train.checkpoint import NoReadableCheckpointError  # pylint: disable=g-import-not-at-top
+  return isinstance(e, USER_ERRORS + (NoReadableCheckpointError,))
+
+
+def _parse_flags(argv):
+  """absl's parser, with a bad flag (unknown, bad value, required and missing) as one line."""
+  try:
+    return flags.FLAGS(argv)
+  except flags.Error as e:
+    print(one_line(e), file=sys.stderr)
+    sys.exit(USAGE_EXIT)
+
+
+def run(main, argv=None) -> None:
+  """`absl.app.run(main)`, with user errors reported on one line (see module doc); `argv`
+  (default sys.argv) starts with the program name."""
+  def guarded(argv):
+    try:
+      return main(argv)
+    except Exception as e:  # pylint: disable=broad-except
+      if flags.FLAGS.debug or not _is_user_error(e):
+        raise
+      print(one_line(e), file=sys.stderr)
+      sys.exit(USAGE_EXIT)
+  app.run(guarded, argv=argv, flags_parser=_parse_flags)

@@ -1,0 +1,267 @@
+"""Suppression of a behaviour's prototypes: the paper-shaped table, before and after.
+
+  prism suppress --workdir=runs/planted --behaviour=planted \
+      --select=logit_signature --num=24 [--dense_workdir=runs/planted_dense] \
+      [--results_json=docs/results/suppression.json]
+
+--select: logit_signature (W p_i promotes the behaviour's tokens), contrast or probe
+(activations on the run's training rows with vs without the behaviour's words; probe = L1
+logistic), keywords:W1,W2 (the run's cards, --cards_dir=DIR), or file:PATH (a saved set).
+Rows: the unedited model, the suppressed set, the token ban of the same words (the
+baseline), and --random_sets sets of as many random prototypes (outside the set). Each
+row: behaviour rate (mean score per generation, 95% bootstrap CI), its fall, quality on the
+run's validation split (neutral text): perplexity, KL to the unedited model, argmax change.
+The set is saved beside the run (<workdir>/suppression_sets/); the table goes to --results_json.
+"""
+
+import json
+import os
+import sys
+import time
+
+from absl import flags, logging
+
+from prism_jax.cli import launcher
+
+flags.DEFINE_string("workdir", None, "the trained PRISM run")
+flags.DEFINE_string("behaviour", "planted", "planted | doctest | profanity | negative_sentiment")
+flags.DEFINE_string("select", "logit_signature",
+                    "logit_signature | contrast | probe | keywords:W1,W2 | file:PATH")
+flags.DEFINE_integer("num", 24, "prototypes to suppress (the top of the selection)")
+flags.DEFINE_list("sweep", [], "extra set sizes: suppression rows for the top n of a "
+                  "selection ranked to max(sweep) (e.g. 8,16,32,64)")
+flags.DEFINE_string("cards_dir", None, "the run's cards for --select=keywords: (prism "
+                    "cards; built there when it holds none)")
+flags.DEFINE_enum("keywords_in", "text", ["text", "trigger", "next"], "where a card's "
+                  "context must hold a keyword: its window, trigger or next token")
+flags.DEFINE_integer("num_samples", 32, "generations per prompt")
+flags.DEFINE_integer("max_new_tokens", 48, "tokens per generation")
+flags.DEFINE_float("temperature", 1.0, "sampling temperature")
+flags.DEFINE_integer("top_k", 40, "top-k sampling filter (0: off)")
+flags.DEFINE_integer("seed", 0, "generation seed and random sets")
+flags.DEFINE_integer("random_sets", 3, "random prototype sets of the same size")
+flags.DEFINE_integer("contrast_rows", 96, "training rows per side for contrast/probe")
+flags.DEFINE_bool("refill", False, "fill freed top-k slots with the next prototypes")
+flags.DEFINE_string("dense_workdir", None, "the trained dense twin (same data, equal tokens)")
+flags.DEFINE_bool("dense_only", False, "only the dense twin's row (--dense_workdir): its "
+                  "behaviour rate and validation perplexity")
+flags.DEFINE_string("results_json", None, "write the table to this JSON file (default: "
+                    "<workdir>/suppression_<behaviour>.json)")
+flags.mark_flag_as_required("workdir")
+FLAGS = flags.FLAGS
+
+
+def _val_batch(workdir, cfg):
+  from prism_jax import io_guard  # pylint: disable=g-import-not-at-top
+  from prism_jax.data import batch as batch_lib  # pylint: disable=g-import-not-at-top
+  from prism_jax.data.packed import PackedData  # pylint: disable=g-import-not-at-top
+  packed = PackedData(io_guard.find_packed_dir(workdir, cfg.data.packed_dir))
+  rows = packed.rows("val")
+  return packed, batch_lib.from_rows(rows["tokens"], rows["example_id"], rows["offset"],
+                                     None)
+
+
+def _contrast_features(model, packed, words):
+  """Activation features of training rows that contain one of `words` vs rows that don't."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from prism_jax.control import selection  # pylint: disable=g-import-not-at-top
+  rows = packed.rows("train")["tokens"]
+  lowered = [w.lower() for w in words]
+  has = np.array([any(w in packed.tokenizer.decode(r.tolist()).lower() for w in lowered)
+                  for r in rows])
+  rng = np.random.default_rng(FLAGS.seed)
+  n = FLAGS.contrast_rows
+  pick = lambda m: rng.choice(np.flatnonzero(m), size=min(n, int(m.sum())), replace=False)
+  with_rows, without_rows = pick(has), pick(~has)
+  if len(with_rows) < 2:
+    raise ValueError(f"only {len(with_rows)} training rows contain {list(words)}: no contrast")
+  feats = lambda ix: np.concatenate([selection.text_features(model, rows[ix[i:i + 16], :-1])
+                                     for i in range(0, len(ix), 16)])
+  return feats(with_rows), feats(without_rows)
+
+
+def select(model, tokenizer, packed, b, ban_ids, num):
+  from prism_jax.control import selection  # pylint: disable=g-import-not-at-top
+  from prism_jax.train.inference import load_config  # pylint: disable=g-import-not-at-top
+  from prism_jax.control.suppression import ProtoSet  # pylint: disable=g-import-not-at-top
+  kind, _, arg = FLAGS.select.partition(":")
+  if kind == "logit_signature":
+    return selection.by_logit_signature(model, ban_ids, num=num)
+  if kind in ("contrast", "probe"):
+    with_BxK, without_BxK = _contrast_features(model, packed, b.select_words)
+    fn = selection.by_contrast if kind == "contrast" else selection.by_probe
+    return fn(with_BxK, without_BxK, num=num)
+  if kind == "keywords":
+    if not FLAGS.cards_dir:
+      raise ValueError("--select=keywords: needs --cards_dir=DIR (built there when missing)")
+    from prism_jax.analysis import cards as cards_lib  # pylint: disable=g-import-not-at-top
+    if os.path.isfile(os.path.join(FLAGS.cards_dir, cards_lib.CARDS_FILE)):
+      card_set = cards_lib.CardSet.load(FLAGS.cards_dir, model)
+    else:
+      card_set = cards_lib.build_cards(model, load_config(FLAGS.workdir), packed,
+                                       out_dir=FLAGS.cards_dir)
+    words = [w for w in arg.split(",") if w] or list(b.select_words)
+    return selection.by_keywords(card_set, words, where=FLAGS.keywords_in, num=num)
+  if kind == "file":
+    pset = ProtoSet.load(arg, model)
+    return selection.Selection(pset.ids, pset.scores, pset.method, pset.query)
+  raise ValueError(f"unknown --select={FLAGS.select!r}: use logit_signature, contrast, probe, "
+                   "keywords:W1,W2 or file:PATH")
+
+
+def _last_eval(workdir):
+  last = None
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    for line in f:
+      rec = json.loads(line)
+      if rec.get("split") == "val":
+        last = rec
+  return last or {}
+
+
+def _condition(model, tokenizer, b, val, gen_kw, **edit):
+  from prism_jax.control import measure  # pylint: disable=g-import-not-at-top
+  t0 = time.time()
+  scores = measure.behaviour_scores(model, tokenizer, b, **gen_kw, **edit)
+  q = measure.quality(model, val["inputs"], val["targets"], val["mask"], **edit)
+  logging.info("condition %s: rate %.3f, ppl %.3f (%.0f s)", sorted(edit),
+               scores["score"].mean(), q["ppl_after"], time.time() - t0)
+  return scores, q
+
+
+def main(argv):
+  del argv
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from prism_jax.control import behaviours, stats  # pylint: disable=g-import-not-at-top
+  from prism_jax.control.suppression import ProtoSet  # pylint: disable=g-import-not-at-top
+  from prism_jax.train.inference import load_for_inference  # pylint: disable=g-import-not-at-top
+  b = behaviours.behaviour(FLAGS.behaviour)
+  gen_kw = dict(num_samples=FLAGS.num_samples, max_new_tokens=FLAGS.max_new_tokens,
+                temperature=FLAGS.temperature, top_k=FLAGS.top_k or None, seed=FLAGS.seed)
+  if FLAGS.dense_only:
+    if not FLAGS.dense_workdir:
+      raise ValueError("--dense_only needs --dense_workdir")
+    dense = {"command": "prism suppress " + " ".join(sys.argv[1:]),
+             "behaviour": b.name, "score": b.description, "dense_twin": _dense_twin(b, gen_kw)}
+    d = dense["dense_twin"]
+    print(f"dense twin {d['workdir']}: val ppl {d['val_perplexity']:.3f} at step "
+          f"{d['step']}, rate {d['rate']['mean']:.3f} "
+          f"[{d['rate']['lo']:.3f}, {d['rate']['hi']:.3f}]")
+    out = FLAGS.results_json or os.path.join(FLAGS.dense_workdir, f"dense_{b.name}.json")
+    with open(out, "w") as f:
+      json.dump(dense, f, indent=2)
+    return
+  model, cfg, tokenizer = load_for_inference(FLAGS.workdir, needs_prototypes="suppression")
+  packed, val = _val_batch(FLAGS.workdir, cfg)
+  ban_ids = behaviours.word_token_ids(tokenizer, b.select_words)
+  sweep = sorted(int(n) for n in FLAGS.sweep)
+  ranked = select(model, tokenizer, packed, b, ban_ids, max([FLAGS.num] + sweep))
+  sel = ranked.top(FLAGS.num)
+  saved = ProtoSet.create(model, sel.ids, sel.scores, sel.method, sel.query).save(
+      FLAGS.workdir, name=f"{b.name}_{sel.method}_{len(sel.ids)}")
+  num_k = cfg.model.num_prototypes
+  rng = np.random.default_rng(FLAGS.seed)
+  outside = np.setdiff1d(np.arange(num_k), sel.ids)
+  conditions = [("unedited", {}), (f"suppress ({sel.method})",
+                                   {"ids": sel.ids, "refill": FLAGS.refill}),
+                ("token ban", {"ban": ban_ids})]
+  conditions += [(f"random #{r}", {"ids": tuple(rng.choice(outside, len(sel.ids), False))})
+                 for r in range(FLAGS.random_sets)]
+  results = {}
+  for name, edit in conditions:
+    results[name] = _condition(model, tokenizer, b, val, gen_kw, **edit)
+  base_scores, base_q = results["unedited"]
+  rows = []
+  for name, edit in conditions:
+    scores, q = results[name]
+    rate = stats.bootstrap_mean(scores["score"], seed=FLAGS.seed)
+    row = {"condition": name, "prototypes": len(edit.get("ids", ())),
+           "share_of_bank": len(edit.get("ids", ())) / num_k, "banned_tokens": len(edit.get("ban", ())),
+           "rate": rate._asdict(), "ppl": q["ppl_after"], "ppl_change": q["ppl_after"] / base_q["ppl_before"] - 1,
+           "kl": q["kl"], "argmax_change": q["argmax_change"]}
+    if name != "unedited" and base_scores["score"].mean() > 0:
+      row["rate_fall"] = stats.bootstrap_ratio_change(base_scores["score"], scores["score"],
+                                                      seed=FLAGS.seed)._asdict()
+    if "score_selection" in scores:
+      row["rate_selection_half"] = float(np.mean(scores["score_selection"]))
+    rows.append(row)
+  for n in sweep:
+    if n > len(ranked.ids):
+      continue  # the selection ranked fewer prototypes
+    scores, q = _condition(model, tokenizer, b, val, gen_kw, ids=ranked.ids[:n],
+                           refill=FLAGS.refill)
+    rows.append({"condition": f"sweep: top {n}", "prototypes": n, "share_of_bank": n / num_k,
+                 "banned_tokens": 0, "rate": stats.bootstrap_mean(scores["score"])._asdict(),
+                 "ppl": q["ppl_after"], "ppl_change": q["ppl_after"] / base_q["ppl_before"] - 1,
+                 "kl": q["kl"], "argmax_change": q["argmax_change"],
+                 **({"rate_fall": stats.bootstrap_ratio_change(
+                     base_scores["score"], scores["score"])._asdict()}
+                    if base_scores["score"].mean() > 0 else {}),
+                 **({"rate_selection_half": float(np.mean(scores["score_selection"]))}
+                    if "score_selection" in scores else {})})
+  randoms = [r for r in rows if r["condition"].startswith("random")]
+  supp = rows[1]
+  summary = {
+      "command": "prism suppress " + " ".join(sys.argv[1:]),
+      "behaviour": b.name, "score": b.description, "selection": {
+          "method": sel.method, "query": sel.query, "ids": list(sel.ids),
+          "scores": list(sel.scores), "saved": saved},
+      "generations_per_condition": len(base_scores["score"]), "neutral_tokens": base_q["tokens"],
+      "faithfulness": {k: _last_eval(FLAGS.workdir).get(k) for k in
+                       ("agreement", "proto_ce_ratio", "centred_proto_share", "residual_share",
+                        "r1_bar", "r2_bar", "perplexity")},
+      "rows": rows,
+      "random_over_suppression": (float(np.mean([abs(r["rate_fall"]["mean"]) for r in randoms]))
+                                  / max(abs(supp["rate_fall"]["mean"]), 1e-12))
+                                 if randoms and "rate_fall" in supp else None,
+      "samples": {name: results[name][0]["texts"][:3] for name, _ in conditions[:3]},
+  }
+  if FLAGS.dense_workdir:
+    summary["dense_twin"] = _dense_twin(b, gen_kw)
+  _print_table(summary)
+  out = FLAGS.results_json or os.path.join(FLAGS.workdir, f"suppression_{b.name}.json")
+  with open(out, "w") as f:
+    json.dump(summary, f, indent=2)
+  print(f"wrote {out}")
+
+
+def _dense_twin(b, gen_kw):
+  from prism_jax.control import measure, stats  # pylint: disable=g-import-not-at-top
+  from prism_jax.train.inference import load_for_inference  # pylint: disable=g-import-not-at-top
+  dense, cfg, tokenizer = load_for_inference(FLAGS.dense_workdir)
+  texts = measure.generations(dense, tokenizer, b.prompts, **gen_kw)
+  ev = _last_eval(FLAGS.dense_workdir)
+  return {"workdir": FLAGS.dense_workdir, "val_perplexity": ev.get("perplexity"),
+          "val_loss": ev.get("loss"), "step": ev.get("step"),
+          "generations": len(texts),
+          "rate": stats.bootstrap_mean([b.score(t) for t in texts], seed=FLAGS.seed)._asdict()}
+
+
+def _print_table(s):
+  print(f"\nbehaviour {s['behaviour']}: {s['score']}; {s['generations_per_condition']} "
+        f"generations per row; quality on {s['neutral_tokens']} neutral tokens")
+  sel_col = "rate_selection_half" in s["rows"][0]
+  print("| condition | prototypes (share) | rate [95% CI] | fall [95% CI] |"
+        + (" selection-half rate |" if sel_col else "") + " ppl (change) | KL | argmax change |")
+  print("|---|---|---|---|" + ("---|" if sel_col else "") + "---|---|---|")
+  for r in s["rows"]:
+    rate, fall = r["rate"], r.get("rate_fall")
+    protos = (f"{r['prototypes']} ({100 * r['share_of_bank']:.2f}%)" if r["prototypes"]
+              else (f"{r['banned_tokens']} tokens banned" if r["banned_tokens"] else "-"))
+    fall_s = f"{100 * fall['mean']:.1f}% [{100 * fall['lo']:.1f}, {100 * fall['hi']:.1f}]" if fall else "-"
+    print(f"| {r['condition']} | {protos} | {rate['mean']:.3f} [{rate['lo']:.3f}, {rate['hi']:.3f}] | "
+          f"{fall_s} |" + (f" {r['rate_selection_half']:.3f} |" if sel_col else "")
+          + f" {r['ppl']:.3f} ({100 * r['ppl_change']:+.2f}%) | {r['kl']:.4f} | "
+          f"{100 * r['argmax_change']:.2f}% |")
+  if s.get("random_over_suppression") is not None:
+    print(f"random sets' mean |fall| / suppression's fall: {s['random_over_suppression']:.3f}")
+  f = s["faithfulness"]
+  print("faithfulness (last eval): " + ", ".join(f"{k} {v:.4g}" for k, v in f.items() if v is not None))
+  if "dense_twin" in s:
+    d = s["dense_twin"]
+    print(f"dense twin: val ppl {d['val_perplexity']:.3f} at step {d['step']}, "
+          f"rate {d['rate']['mean']:.3f} [{d['rate']['lo']:.3f}, {d['rate']['hi']:.3f}]")
+
+
+if __name__ == "__main__":
+  launcher.run(main)

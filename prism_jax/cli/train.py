@@ -1,0 +1,70 @@
+"""Train (or resume) a PRISM model or its dense twin.
+
+  prism train --config=tiny --data=PATH_OR_GLOB[,...] --workdir=DIR \
+      --set model.k=8 --set train.steps=100 [--model=dense]
+
+No --data: the embedded corpus (CPython's pydoc topics). Re-running with the same
+--workdir resumes from its newest checkpoint; a different config is refused, except a
+larger train.steps (train a finished run longer) and the fields named by --allow_change.
+User errors print one `error: ...` line (prism_jax/cli/launcher.py; --debug for the traceback).
+"""
+
+import json
+
+from absl import flags, logging
+
+from prism_jax.cli import launcher
+
+flags.DEFINE_string("config", "tiny", "preset name (prism_jax.config.MODEL_PRESETS)")
+flags.DEFINE_string("data", None, "comma-separated .txt/.jsonl/.parquet files or globs; "
+                    "default: the embedded corpus")
+flags.DEFINE_string("workdir", None, "the run directory trained into or resumed "
+                    "(checkpoints, metrics, config.json)")
+flags.DEFINE_enum("model", None, ["prism", "dense"], "shorthand for --set model.kind=...")
+flags.DEFINE_multi_string("set", [], "dotted config override KEY=VALUE (repeatable)")
+flags.DEFINE_multi_string("allow_change", [], "a config field that may differ from the "
+                          "checkpoint's on resume (repeatable), e.g. train.lr after a "
+                          "divergence; see prism_jax.train.checkpoint.CHANGES_ON_REQUEST")
+flags.DEFINE_bool("start_over", False, "train from step 0 when every checkpoint of --workdir "
+                  "was quarantined as corrupt (refused otherwise)")
+flags.mark_flag_as_required("workdir")
+FLAGS = flags.FLAGS
+
+from prism_jax import distributed  # noqa: E402  (registers the multi-host flags)
+
+distributed.define_flags()
+
+
+def build_config(preset_name: str, data: str | None, model: str | None, sets: list[str]):
+  from prism_jax.config import preset  # pylint: disable=g-import-not-at-top
+  from prism_jax.train.overrides import apply_overrides  # pylint: disable=g-import-not-at-top
+  items = []
+  if data:
+    items.append(f"data.sources={data}")
+  if model:
+    items.append(f"model.kind={model}")
+  return apply_overrides(preset(preset_name), items + list(sets))
+
+
+def main(argv):
+  del argv
+  distributed.initialize_from_flags()  # no-op for a single process
+  distributed.configure_logging()
+  cfg = build_config(FLAGS.config, FLAGS.data, FLAGS.model, FLAGS.set)
+  from prism_jax.train import train  # pylint: disable=g-import-not-at-top
+  from prism_jax.train.metrics import quiet_library_logs  # pylint: disable=g-import-not-at-top
+  quiet_library_logs()
+  result = train(cfg, FLAGS.workdir, start_over=FLAGS.start_over,
+                 allow_config_change=FLAGS.allow_change)
+  printable = result.summary()
+  ev = printable["eval"]
+  logging.info("done: steps %d..%d in %.0f s, val loss %s, steady tokens/s %s",
+               result.start_step, result.final_step, result.wall_s,
+               f"{ev['loss']:.4f}" if "loss" in ev else "-",
+               f"{result.steady_tokens_per_s:,.0f}" if result.steady_tokens_per_s else "-")
+  if distributed.is_main_process():
+    print(json.dumps(printable, default=str, indent=1))
+
+
+if __name__ == "__main__":
+  launcher.run(main)

@@ -1,0 +1,41 @@
+"""The README's Python snippets run, in order, in one namespace (later snippets use what
+earlier ones built), on a tiny trained run standing in for the README's `runs/x`. A snippet
+whose first line is `# not run: <reason>` is skipped (none is today)."""
+
+import os
+import re
+import shutil
+
+import tiny_run
+
+REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def python_blocks(text: str) -> list[str]:
+  return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
+
+
+def test_readme_python_snippets_run(tmp_path_factory, monkeypatch, capsys):
+  with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
+    blocks = python_blocks(f.read())
+  assert len(blocks) >= 3, "the README lost its Python snippets"
+  # a copy: the snippets write a cache and cards into the run, which other tests share
+  here = tmp_path_factory.mktemp("readme")
+  run = shutil.copytree(tiny_run.tiny_run(tmp_path_factory)["run"], str(here / "run"))
+  monkeypatch.chdir(here)  # anything relative lands here
+  namespace = {"__name__": "readme"}
+  ran = 0
+  for i, block in enumerate(blocks):
+    if block.startswith("# not run:"):
+      continue
+    code = compile(block.replace('"runs/x', f'"{run}'), f"README.md python block {i}", "exec")
+    exec(code, namespace)  # pylint: disable=exec-used
+    ran += 1
+  assert ran == len(blocks)
+  # what the snippets claim: the logit splits exactly, attribution and cards ran
+  parts = namespace["parts"]
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  np.testing.assert_allclose(np.asarray(parts.contrib_Nxk.sum(-1) + parts.residual_N),
+                             np.asarray(parts.logit_N), rtol=1e-4, atol=1e-4)
+  assert os.path.isfile(os.path.join(run, "cards", "cards.json"))
+  assert capsys.readouterr().out.count("\n") >= 3  # the attribution and cards prints
