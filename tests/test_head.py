@@ -26,8 +26,12 @@ from prism_jax.model.tap import Tap
 LOSS = LossConfig(lambda_rec=0.3, lambda_r1=0.2, lambda_r2=0.1)
 CFG = ModelConfig(vocab_size=13, max_len=8, d_model=6, n_layers=1, n_heads=2, mlp_ratio=2,
                   num_prototypes=7, k=3)
-OPTIONS = list(itertools.product(("raw", "normalized"), ("none", "learned"),
-                                 ("cosine", "sqeuclidean"), ("straight_through", "plain")))
+VALUES = (("raw", "normalized"), ("none", "learned"), ("cosine", "sqeuclidean"),
+          ("straight_through", "plain"))
+# Every value of every option, and every pair of values of any two options (a strength-2
+# covering array: 5 rows instead of the 16 of the full product; the test asserts it).
+OPTIONS = [tuple(VALUES[o][bit] for o, bit in enumerate(row))
+           for row in ((0, 0, 0, 0), (0, 1, 1, 1), (1, 0, 1, 1), (1, 1, 0, 1), (1, 1, 1, 0))]
 
 
 def _model(seed, **options):
@@ -113,6 +117,11 @@ def test_attribution_and_hessian_blocks_equal_autodiff_through_prismlm(mixture, 
     h_ref = jax.hessian(_model_loss(model, batch, "xla"))(p0)  # (K, D, K, D)
     for i, j in ((1, 4), (3, 3)):
       _close(hb.hessian_block(model, [batch], i, j, loss_cfg=LOSS), h_ref[i, :, j, :])
+
+
+def test_options_cover_every_pair_of_values():
+  for a, b in itertools.combinations(range(len(VALUES)), 2):
+    assert {(row[a], row[b]) for row in OPTIONS} == set(itertools.product(VALUES[a], VALUES[b]))
 
 
 def test_head_refuses_what_it_does_not_model():
