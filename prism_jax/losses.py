@@ -46,14 +46,21 @@ def cross_entropy(logits_NxV: jax.Array, targets_N: jax.Array, mask_N: jax.Array
   return _masked_mean(token_nll(logits_NxV, targets_N), mask_N)
 
 
-def reconstruction(z_NxD: jax.Array, residual_NxD: jax.Array, mask_N: jax.Array,
-                   kind: str = "relative") -> jax.Array:
-  sq_r_N = jnp.sum(jnp.square(residual_NxD.astype(jnp.float32)), axis=-1)
+def token_rec(z_NxD: jax.Array, residual_NxD: jax.Array, kind: str = "relative") -> jax.Array:
+  """Per-token REC ‖r_t‖² / ‖z_t‖² (relative) or ‖r_t‖² (plain), unmasked, in (at least)
+  float32 (float64 stays float64, for the curvature references)."""
+  wide = lambda x: x.astype(jnp.promote_types(x.dtype, jnp.float32))
+  sq_r_N = jnp.sum(jnp.square(wide(residual_NxD)), axis=-1)
   if kind == "relative":
-    sq_r_N = sq_r_N / jnp.maximum(jnp.sum(jnp.square(z_NxD.astype(jnp.float32)), -1), EPS)
+    sq_r_N = sq_r_N / jnp.maximum(jnp.sum(jnp.square(wide(z_NxD)), -1), EPS)
   elif kind != "plain":
     raise ValueError(f"rec kind {kind!r}; use 'relative' or 'plain'")
-  return _masked_mean(sq_r_N, mask_N)
+  return sq_r_N
+
+
+def reconstruction(z_NxD: jax.Array, residual_NxD: jax.Array, mask_N: jax.Array,
+                   kind: str = "relative") -> jax.Array:
+  return _masked_mean(token_rec(z_NxD, residual_NxD, kind), mask_N)
 
 
 def r1_clustering(col_min_dist_K: jax.Array) -> jax.Array:

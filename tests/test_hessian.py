@@ -59,7 +59,7 @@ def _np_G_t(model, batch):
 
 def test_bank_loss_and_output_grads_match_library(model):
   model, batch = _fresh_bank(model, 3), _batch(3)
-  head, spec = cv.head_inputs(model, batch), cv.HeadSpec.from_model(model)
+  head, spec = cv.head_inputs(model, batch), cv.check_model(model)
   lib = jax.jit(hs.library_bank_loss(model, batch, LOSS))
   p0 = head.protos_KxD
   np.testing.assert_allclose(cv.bank_loss(p0, head, spec, LOSS), lib(p0), rtol=1e-5)
@@ -135,7 +135,7 @@ def test_accumulator_streaming_equals_one_shot(model):
   np.testing.assert_allclose(stats.A, a_all.T @ a_all / n, rtol=1e-5, atol=1e-9)
   g_ref = np.concatenate([g1, g2])[mask].sum(0) / n
   np.testing.assert_allclose(stats.G, g_ref, rtol=1e-4, atol=1e-7 * np.abs(g_ref).max())
-  spec = cv.HeadSpec.from_model(model)
+  spec = cv.check_model(model)
   mus = [np.asarray(cv.clustering_curvature(cv.head_inputs(model, b), spec, LOSS))
          for b in (b1, b2)]
   np.testing.assert_allclose(stats.mu, (mus[0] + mus[1]) / 2, rtol=1e-6)
@@ -160,7 +160,7 @@ def test_accumulator_streaming_equals_one_shot(model):
 @pytest.mark.parametrize("distance", ["cosine", "sqeuclidean"])
 def test_kfac_blocks_eig_and_conditioning_vs_numpy(model, distance):
   model, batch = _fresh_bank(model, 13), _batch(13, 3, 6)
-  head, spec = cv.head_inputs(model, batch), cv.HeadSpec.from_model(model)
+  head, spec = cv.head_inputs(model, batch), cv.check_model(model)
   spec = dataclasses.replace(spec, distance=distance)
   st = hs.stats_from_head(head, spec, LOSS)
   assert st.mu.min() > 0
@@ -199,7 +199,7 @@ def test_bad_inputs_are_named(model):
   with pytest.raises(ValueError, match="path="):
     hs.exact_hessian_wrt_bank(model, batch, LOSS, path="diagonal")
   with pytest.raises(ValueError, match="kind='prism'"):
-    cv.HeadSpec.from_model(types.SimpleNamespace(cfg=ModelConfig(kind="dense")))
+    cv.check_model(types.SimpleNamespace(cfg=ModelConfig(kind="dense")))
   with pytest.raises(ValueError, match="no valid tokens"):
     hs.CurvatureAccumulator(K, D, LOSS).finalize()
   with pytest.raises(ValueError, match="rank"):

@@ -1,4 +1,5 @@
-"""Executes experiments/notebooks/hessian_blocks.ipynb with the running interpreter's kernel."""
+"""Executes experiments/notebooks/hessian_blocks.ipynb with the running interpreter's kernel,
+its trained-run part on the tests' shared tiny run (tests/tiny_run.py: trained once)."""
 
 import json
 import os
@@ -8,6 +9,8 @@ import sys
 import nbformat
 import pytest
 from nbclient import NotebookClient
+
+import tiny_run
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 NOTEBOOK = REPO / "experiments" / "notebooks" / "hessian_blocks.ipynb"
@@ -28,10 +31,11 @@ def kernel_name(tmp_path, monkeypatch):
   return KERNEL
 
 
-def test_hessian_blocks_notebook_runs(kernel_name, tmp_path, monkeypatch):
+def test_hessian_blocks_notebook_runs(kernel_name, tmp_path, tmp_path_factory, monkeypatch):
   out_dir = tmp_path / "figs"
   out_dir.mkdir()
   monkeypatch.setenv("HESSIAN_NB_OUT", str(out_dir))
+  monkeypatch.setenv("HESSIAN_NB_RUN", tiny_run.tiny_run(tmp_path_factory)["run"])
   nb = nbformat.read(NOTEBOOK, as_version=4)
   client = NotebookClient(nb, kernel_name=kernel_name, timeout=240,
                           resources={"metadata": {"path": str(tmp_path)}})
@@ -39,8 +43,10 @@ def test_hessian_blocks_notebook_runs(kernel_name, tmp_path, monkeypatch):
   outputs = [o for cell in nb.cells if cell.cell_type == "code" for o in cell.get("outputs", [])]
   assert not [o for o in outputs if o.output_type == "error"]
   images = [o for o in outputs if "image/png" in o.get("data", {})]
-  assert len(images) >= 2, "expected the block-norm heatmap and the spectrum figures"
+  assert len(images) >= 3, "expected the block-norm heatmap, the spectrum and the blocks"
   text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
   assert "off-block share" in text and "kappa bound" in text
-  for name in ("hessian_block_norms.png", "hessian_spectrum.png"):
+  assert "exact blocks:" in text and text.count("rel. difference") == 2
+  for name in ("hessian_block_norms.png", "hessian_spectrum.png",
+               "hessian_block_exact_vs_kfac.png"):
     assert os.path.getsize(out_dir / name) > 1000, name

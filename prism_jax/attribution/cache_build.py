@@ -76,7 +76,7 @@ def _check(model, cfg: Config, packed, cache_cfg: fmt.CacheConfig, rank: int | N
   rank = mcfg.d_model if rank is None else rank
   if rank > mcfg.d_model:
     raise ValueError(f"cache.rank={rank} exceeds d_model={mcfg.d_model}")
-  cv.HeadSpec.from_model(model)  # a clear error for a model without a prototype head
+  cv.check_model(model)  # a clear error for a model without a prototype head
   return num_rows, rank
 
 

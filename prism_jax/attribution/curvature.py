@@ -1,4 +1,4 @@
-"""The PRISM head as a pure function of the prototype bank P, and its output-side curvature.
+"""The training loss as a function of the prototype bank P, and its output-side curvature.
 
 Everything here treats the backbone as fixed: z_t (final hidden state), W (tied LM head) and
 the targets are constants, and the training loss is a function of P alone (PRISM.md §2):
@@ -6,13 +6,17 @@ the targets are constants, and the training loss is a function of P alone (PRISM
     L(P) = CE + λ_rec REC + λ_1 R1 + λ_2 R2        (the same terms as prism_jax.losses)
 
 The functions are dtype-generic (run them under `jax.enable_x64(True)` with float64 inputs
-for reference-grade Hessians). The layer's maths is the op's (similarity, top-k mixture,
-residual routing from prism_jax.model.prototypes), the CE is prism_jax.losses.token_nll.
+for reference-grade Hessians). The head is the model's own (prism_jax.model.head.prism_head,
+every option of ModelConfig: mixture, learned mixture scale, distance, routing) with P as an
+argument; the loss terms are prism_jax.losses' (token_nll, token_rec, r1/r2_clustering).
+The attributed loss is PRISM.md §2's four terms: the training levers that read W ẑ
+(loss.lambda_proto, lambda_rlogit, lambda_proto_kl) are not part of it; `bank_loss`, which
+claims to be the training loss, refuses a config that sets them.
 
 Which path of ∂L/∂P we differentiate (PRISM.md §4 "the bank as a linear layer"):
   ẑ_t = Σ_{i∈S_t} a_{t,i} p_i = Pᵀ a_t, and P reaches the loss through ẑ_t in two ways:
   * path="linear": through the explicit p_i only, with the activations a_t held fixed
-    (stop_gradient on a). This is the linear-layer view of §4: ∂L_t/∂P = a_t g_tᵀ, and the
+    (stop_gradient on a; with a learned mixture scale s, a_t is the scaled s a_t). This is the linear-layer view of §4: ∂L_t/∂P = a_t g_tᵀ, and the
     exact Hessian of the ẑ-terms on this path is the Gauss-Newton matrix
         H_lin = (1/N) Σ_t (a_t a_tᵀ) ⊗ G_t,     G_t = ∂²ℓ_t/∂ẑ_t²,
     because ẑ is linear in P and the logits are linear in ẑ (no second-order term).
@@ -35,7 +39,6 @@ The batch loss is a mean over the N valid tokens, so ∇_P L = (1/N) Σ_t a_t g_
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 from typing import Any, Literal, NamedTuple
 
@@ -44,30 +47,37 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from prism_jax.config import LossConfig
-from prism_jax.losses import token_nll
-from prism_jax.model.prototypes import (EPS, inv_norm, route_residual, similarity,
-                                        topk_mixture)
+from prism_jax import losses
+from prism_jax.config import LossConfig, ModelConfig
+from prism_jax.model.head import HeadOutput, prism_head
+from prism_jax.model.prototypes import EPS, inv_norm, similarity
+from prism_jax.model.tap import Tap
 _HI = jax.lax.Precision.HIGHEST
 Path = Literal["linear", "full"]
+# The weighted terms of L(P) each `terms` selects (see bank_loss).
+TERMS = {"all": ("ce", "rec", "r1", "r2"), "output": ("ce", "rec"), "clustering": ("r1", "r2")}
 
 
-@dataclasses.dataclass(frozen=True)
-class HeadSpec:
-  """Static description of the prototype head (from ModelConfig)."""
+def check_model(model: Any) -> ModelConfig:
+  """The model's ModelConfig; a clear error for a model without a prototype head."""
+  cfg = model.cfg
+  if cfg.kind != "prism":
+    raise ValueError("curvature w.r.t. the prototype bank needs a PrismLM (model.kind="
+                     f"'prism'), got kind={cfg.kind!r}")
+  return cfg
 
-  k: int
-  residual_routing: str = "straight_through"
-  mixture: str = "raw"
-  distance: str = "cosine"
 
-  @classmethod
-  def from_model(cls, model: Any) -> "HeadSpec":
-    cfg = model.cfg
-    if cfg.kind != "prism":
-      raise ValueError("curvature w.r.t. the prototype bank needs a PrismLM (model.kind="
-                       f"'prism'), got kind={cfg.kind!r}")
-    return cls(cfg.k, cfg.residual_routing, cfg.mixture, cfg.distance)
+def _norm_inv(x_NxD):
+  sq = jnp.sum(x_NxD * x_NxD, -1)
+  return sq, inv_norm(sq)
+
+
+def check_loss(loss_cfg: LossConfig) -> None:
+  """Refuses the training levers that L(P) here does not model (they read W ẑ)."""
+  for name in LossConfig.PROTO_LOGIT_TERMS:
+    if getattr(loss_cfg, name) > 0:
+      raise ValueError(f"loss.{name}={getattr(loss_cfg, name)} is not modelled by the bank's "
+                       "loss (CE + λ_rec REC + λ_1 R1 + λ_2 R2); set it to 0")
 
 
 class HeadInputs(NamedTuple):
@@ -78,6 +88,7 @@ class HeadInputs(NamedTuple):
   wte_VxD: jax.Array
   targets_N: jax.Array
   mask_N: jax.Array  # bool: True on tokens that enter the loss
+  mix_log_scale: jax.Array  # () the learned mixture scale's log (0 without one)
 
 
 class OutputGrads(NamedTuple):
@@ -89,19 +100,20 @@ class OutputGrads(NamedTuple):
   mask_N: jax.Array  # bool
 
 
-class HeadForward(NamedTuple):
-  idx_Nxk: jax.Array
-  act_Nxk: jax.Array
-  z_hat_NxD: jax.Array
-  residual_NxD: jax.Array
-  logits_NxV: jax.Array
-  cos_NxK: jax.Array
-  dist_NxK: jax.Array  # dist(z_t, p_i) for the configured distance
-
-
 @nnx.jit
 def _backbone_z(model, inputs_BxT):
   return model.backbone(inputs_BxT)[0]
+
+
+def head_constants(model: Any, z_NxD, targets_N, mask_N, dtype: Any = None) -> HeadInputs:
+  """HeadInputs from z and the model's bank, LM head and mixture scale, in `dtype`
+  (default float32)."""
+  dtype = jnp.float32 if dtype is None else dtype
+  log_scale = (model.mix_log_scale[...] if model.cfg.mixture_scale == "learned"
+               else jnp.zeros(()))
+  return HeadInputs(z_NxD.astype(dtype), model.bank.protos[...].astype(dtype),
+                    model.backbone.wte[...].astype(dtype), jnp.asarray(targets_N, jnp.int32),
+                    jnp.asarray(mask_N, bool), jnp.asarray(log_scale, dtype))
 
 
 def head_inputs(model: Any, batch: dict[str, Any], dtype: Any = None) -> HeadInputs:
@@ -109,115 +121,96 @@ def head_inputs(model: Any, batch: dict[str, Any], dtype: Any = None) -> HeadInp
   for key in ("inputs", "targets", "mask"):
     if key not in batch:
       raise ValueError(f"batch is missing {key!r}; a batch holds inputs, targets, mask (B, T)")
-  HeadSpec.from_model(model)  # validates the model kind
+  check_model(model)
   inputs = jnp.asarray(batch["inputs"], jnp.int32)
   if inputs.ndim != 2 or np.shape(batch["targets"]) != inputs.shape or \
      np.shape(batch["mask"]) != inputs.shape:
     raise ValueError(f"inputs/targets/mask must share one (B, T) shape, got {inputs.shape}, "
                      f"{np.shape(batch['targets'])}, {np.shape(batch['mask'])}")
-  dtype = jnp.float32 if dtype is None else dtype
   z_NxD = _backbone_z(model, inputs).reshape(-1, model.cfg.d_model)
-  return HeadInputs(z_NxD.astype(dtype), model.bank.protos[...].astype(dtype),
-                    model.backbone.wte[...].astype(dtype),
-                    jnp.asarray(batch["targets"], jnp.int32).reshape(-1),
-                    jnp.asarray(batch["mask"], bool).reshape(-1))
+  return head_constants(model, z_NxD, np.reshape(batch["targets"], -1),
+                        np.reshape(batch["mask"], -1), dtype)
 
 
-def _norm_inv(x_NxD):
-  sq = jnp.sum(x_NxD * x_NxD, -1)
-  return sq, inv_norm(sq)
-
-
-def head_forward(protos_KxD: jax.Array, head: HeadInputs, spec: HeadSpec, *,
-                 path: Path = "full") -> HeadForward:
-  """prototype_layer + tied head of PrismLM, in the inputs' dtype (see module docstring)."""
+def head_forward(protos_KxD: jax.Array, head: HeadInputs, model_cfg: ModelConfig, *,
+                 path: Path = "full", tap: Tap | None = None) -> HeadOutput:
+  """The model's head (model/head.py) at bank `protos_KxD`, in the inputs' dtype; its
+  prototype layer runs the "xla" implementation (forward mode too, for jax.hessian)."""
   if path not in ("linear", "full"):
     raise ValueError(f"path={path!r}; use 'linear' (activations fixed) or 'full'")
-  z = head.z_NxD
-  s = similarity(z, protos_KxD)  # in the inputs' dtype (float64 for the references)
-  cos_NxK = s.cos_NxK
-  _, idx_Nxk, act_Nxk, z_hat = topk_mixture(cos_NxK, protos_KxD, spec.k, spec.mixture,
-                                            fixed_weights=path == "linear")
-  residual = route_residual(z, z_hat, spec.residual_routing)
-  logits = jnp.dot(residual + z_hat, head.wte_VxD.T, precision=_HI)
-  if spec.distance == "cosine":
-    dist_NxK = 1.0 - cos_NxK
-  else:
-    dist_NxK = s.sqdist()
-  return HeadForward(idx_Nxk, act_Nxk, z_hat, residual, logits, cos_NxK, dist_NxK)
+  return prism_head(head.z_NxD, protos_KxD, head.wte_VxD, model_cfg,
+                    mix_log_scale=head.mix_log_scale, mask_N=head.mask_N, tap=tap,
+                    fixed_weights=path == "linear", implementation="xla")
 
 
-def _masked_mean(x_N, mask_N):
-  m = mask_N.astype(x_N.dtype)
-  return jnp.sum(x_N * m) / jnp.maximum(jnp.sum(m), 1.0)
+def token_losses(out: HeadOutput, head: HeadInputs, loss_cfg: LossConfig):
+  """Per-token (CE_N, REC_N), unmasked: prism_jax.losses' token_nll and token_rec."""
+  return (losses.token_nll(out.logits, head.targets_N),
+          losses.token_rec(head.z_NxD, out.protos.residual_NxD, loss_cfg.rec_kind))
 
 
-def token_losses(fwd: HeadForward, head: HeadInputs, loss_cfg: LossConfig):
-  """Per-token (CE_N, REC_N), unmasked, as prism_jax.losses defines them."""
-  ce_N = token_nll(fwd.logits_NxV, head.targets_N)
-  rec_N = jnp.sum(fwd.residual_NxD ** 2, -1)
-  if loss_cfg.rec_kind == "relative":
-    rec_N = rec_N / jnp.maximum(jnp.sum(head.z_NxD ** 2, -1), EPS)
-  return ce_N, rec_N
+def token_loss(out: HeadOutput, head: HeadInputs, loss_cfg: LossConfig) -> jax.Array:
+  """ℓ_t = CE_t + λ_rec REC_t of every token (unmasked): the terms that read ẑ_t."""
+  ce_N, rec_N = token_losses(out, head, loss_cfg)
+  return ce_N + loss_cfg.lambda_rec * rec_N
 
 
-def clustering_terms(fwd: HeadForward, mask_N: jax.Array):
-  """(R1, R2) with prism_jax.losses' conventions (R1 over prototypes with a valid token)."""
-  col_min_K = jnp.min(jnp.where(mask_N[:, None], fwd.dist_NxK, jnp.inf), axis=0)
-  finite = jnp.isfinite(col_min_K)
-  r1 = jnp.sum(jnp.where(finite, col_min_K, 0.0)) / jnp.maximum(jnp.sum(finite), 1)
-  r2 = _masked_mean(jnp.min(fwd.dist_NxK, axis=1), mask_N)
-  return r1, r2
+def weighted_terms(out: HeadOutput, head: HeadInputs, loss_cfg: LossConfig,
+                   names=TERMS["all"]) -> dict[str, jax.Array]:
+  """The named terms of the training loss, weighted, as prism_jax.losses computes them."""
+  p, m = out.protos, head.mask_N
+  term = {"ce": lambda: losses.cross_entropy(out.logits, head.targets_N, m),
+          "rec": lambda: loss_cfg.lambda_rec * losses.reconstruction(
+              head.z_NxD, p.residual_NxD, m, loss_cfg.rec_kind),
+          "r1": lambda: loss_cfg.lambda_r1 * losses.r1_clustering(p.col_min_dist_K),
+          "r2": lambda: loss_cfg.lambda_r2 * losses.r2_clustering(p.row_min_dist_N, m)}
+  return {n: term[n]() for n in names}
 
 
-def bank_loss(protos_KxD: jax.Array, head: HeadInputs, spec: HeadSpec, loss_cfg: LossConfig,
-              *, path: Path = "full", terms: str = "all") -> jax.Array:
+def bank_loss(protos_KxD: jax.Array, head: HeadInputs, model_cfg: ModelConfig,
+              loss_cfg: LossConfig, *, path: Path = "full", terms: str = "all") -> jax.Array:
   """The training loss as a function of P. terms: "all" | "output" (CE + λ_rec REC, the
   ẑ-terms) | "clustering" (λ_1 R1 + λ_2 R2)."""
-  if terms not in ("all", "output", "clustering"):
+  if terms not in TERMS:
     raise ValueError(f"terms={terms!r}; use 'all', 'output' or 'clustering'")
-  fwd = head_forward(protos_KxD, head, spec, path=path)
-  loss = jnp.zeros((), protos_KxD.dtype)
-  if terms in ("all", "output"):
-    ce_N, rec_N = token_losses(fwd, head, loss_cfg)
-    loss = loss + _masked_mean(ce_N, head.mask_N) + \
-        loss_cfg.lambda_rec * _masked_mean(rec_N, head.mask_N)
-  if terms in ("all", "clustering"):
-    r1, r2 = clustering_terms(fwd, head.mask_N)
-    loss = loss + loss_cfg.lambda_r1 * r1 + loss_cfg.lambda_r2 * r2
-  return loss
+  check_loss(loss_cfg)
+  out = head_forward(protos_KxD, head, model_cfg, path=path)
+  return sum(weighted_terms(out, head, loss_cfg, TERMS[terms]).values())
 
 
-def output_loss_sum(z_hat_NxD, head: HeadInputs, spec: HeadSpec, loss_cfg: LossConfig):
-  """Σ_t ℓ_t(ẑ_t) over valid tokens, with ẑ an independent input (routing as the model)."""
-  z = head.z_NxD
-  residual = route_residual(z, z_hat_NxD, spec.residual_routing)
-  logits = jnp.dot(residual + z_hat_NxD, head.wte_VxD.T, precision=_HI)
-  fwd = HeadForward(None, None, z_hat_NxD, residual, logits, None, None)
-  ce_N, rec_N = token_losses(fwd, head, loss_cfg)
-  m = head.mask_N.astype(z.dtype)
-  return jnp.sum((ce_N + loss_cfg.lambda_rec * rec_N) * m), logits
-
-
-@functools.partial(jax.jit, static_argnames=("spec", "loss_cfg"))
-def output_grads_from_head(head: HeadInputs, spec: HeadSpec,
-                           loss_cfg: LossConfig) -> OutputGrads:
-  """One vjp w.r.t. ẑ gives every token's g_t (ℓ_t depends on ẑ_t only)."""
-  fwd = head_forward(head.protos_KxD, head, spec, path="linear")
-  g_NxD = jax.grad(lambda zh: output_loss_sum(zh, head, spec, loss_cfg)[0])(fwd.z_hat_NxD)
+def output_grads_and_logits(head: HeadInputs, model_cfg: ModelConfig, loss_cfg: LossConfig
+                            ) -> tuple[OutputGrads, jax.Array]:
+  """g_t = ∂ℓ_t/∂ẑ_t of every token from one vjp: the gradient of Σ_t ℓ_t w.r.t. the
+  head's "bank" probe (ℓ_t depends on ẑ_t only), and the logits."""
   m = head.mask_N
-  return OutputGrads(fwd.idx_Nxk, jnp.where(m[:, None], fwd.act_Nxk, 0.0),
-                     jnp.where(m[:, None], g_NxD, 0.0), m)
+
+  def summed(probe_1xNxD):
+    out = head_forward(head.protos_KxD, head, model_cfg, path="linear",
+                       tap=Tap({"bank": probe_1xNxD}))
+    return jnp.sum(jnp.where(m, token_loss(out, head, loss_cfg), 0.0)), out
+
+  g_1xNxD, out = jax.grad(summed, has_aux=True)(jnp.zeros((1,) + head.z_NxD.shape,
+                                                          head.z_NxD.dtype))
+  p = out.protos
+  return OutputGrads(p.idx_Nxk, jnp.where(m[:, None], p.act_Nxk, 0.0),
+                     jnp.where(m[:, None], g_1xNxD[0], 0.0), m), out.logits
+
+
+@functools.partial(jax.jit, static_argnames=("model_cfg", "loss_cfg"))
+def output_grads_from_head(head: HeadInputs, model_cfg: ModelConfig,
+                           loss_cfg: LossConfig) -> OutputGrads:
+  """Per-token (idx, a, g, mask) of HeadInputs (see output_grads_and_logits)."""
+  return output_grads_and_logits(head, model_cfg, loss_cfg)[0]
 
 
 def output_grads(model: Any, batch: dict[str, Any], loss_cfg: LossConfig,
                  dtype: Any = None) -> OutputGrads:
   """Per-token (idx, a, g = ∂ℓ_t/∂ẑ_t, mask) for a batch dict (inputs/targets/mask, B×T)."""
   head = head_inputs(model, batch, dtype)
-  return output_grads_from_head(head, HeadSpec.from_model(model), loss_cfg)
+  return output_grads_from_head(head, check_model(model), loss_cfg)
 
 
-def output_hessians(head: HeadInputs, spec: HeadSpec, loss_cfg: LossConfig,
+def output_hessians(head: HeadInputs, model_cfg: ModelConfig, loss_cfg: LossConfig,
                     logits_NxV: jax.Array) -> tuple[jax.Array, jax.Array]:
   """Per-token output Hessians as (probs_NxV scaled, iso_N) so that, on valid tokens,
 
@@ -225,7 +218,7 @@ def output_hessians(head: HeadInputs, spec: HeadSpec, loss_cfg: LossConfig,
 
   Returns (pi_NxV masked, zero when CE does not reach ẑ) and iso_N (masked)."""
   m = head.mask_N.astype(head.z_NxD.dtype)
-  if spec.residual_routing == "straight_through":
+  if model_cfg.residual_routing == "straight_through":
     pi_NxV = jax.nn.softmax(logits_NxV, -1) * m[:, None]
     iso_N = jnp.zeros_like(m)
   else:
@@ -236,10 +229,10 @@ def output_hessians(head: HeadInputs, spec: HeadSpec, loss_cfg: LossConfig,
   return pi_NxV, iso_N
 
 
-def per_token_G(head: HeadInputs, spec: HeadSpec, loss_cfg: LossConfig) -> jax.Array:
+def per_token_G(head: HeadInputs, model_cfg: ModelConfig, loss_cfg: LossConfig) -> jax.Array:
   """G_t for every token, (N, D, D): small sizes only (tests, exact per-token GN blocks)."""
-  fwd = head_forward(head.protos_KxD, head, spec, path="linear")
-  pi_NxV, iso_N = output_hessians(head, spec, loss_cfg, fwd.logits_NxV)
+  logits_NxV = head_forward(head.protos_KxD, head, model_cfg, path="linear").logits
+  pi_NxV, iso_N = output_hessians(head, model_cfg, loss_cfg, logits_NxV)
   w = head.wte_VxD
   m_NxD = jnp.dot(pi_NxV, w, precision=_HI)
   g = jnp.einsum("nv,va,vb->nab", pi_NxV, w, w, precision=_HI)
@@ -247,10 +240,10 @@ def per_token_G(head: HeadInputs, spec: HeadSpec, loss_cfg: LossConfig) -> jax.A
   return g + iso_N[:, None, None] * jnp.eye(w.shape[1], dtype=w.dtype)
 
 
-def output_hessian_sum(head: HeadInputs, spec: HeadSpec, loss_cfg: LossConfig,
+def output_hessian_sum(head: HeadInputs, model_cfg: ModelConfig, loss_cfg: LossConfig,
                        logits_NxV: jax.Array) -> jax.Array:
   """Σ_t G_t over valid tokens, (D, D), without forming per-token D×D matrices."""
-  pi_NxV, iso_N = output_hessians(head, spec, loss_cfg, logits_NxV)
+  pi_NxV, iso_N = output_hessians(head, model_cfg, loss_cfg, logits_NxV)
   w = head.wte_VxD
   m_NxD = jnp.dot(pi_NxV, w, precision=_HI)
   g = jnp.dot(w.T * jnp.sum(pi_NxV, 0)[None, :], w, precision=_HI)
@@ -258,16 +251,16 @@ def output_hessian_sum(head: HeadInputs, spec: HeadSpec, loss_cfg: LossConfig,
   return g + jnp.sum(iso_N) * jnp.eye(w.shape[1], dtype=w.dtype)
 
 
-def _nearest(fwd: HeadForward, mask_N):
+def _nearest(dist_NxK, mask_N):
   """Nearest valid token of each prototype (R1) and nearest prototype of each token (R2)."""
-  col_d = jnp.where(mask_N[:, None], fwd.dist_NxK, jnp.inf)
+  col_d = jnp.where(mask_N[:, None], dist_NxK, jnp.inf)
   tok_of_K = jnp.argmin(col_d, axis=0)
   has_tok_K = jnp.isfinite(jnp.min(col_d, axis=0))
-  proto_of_N = jnp.argmin(fwd.dist_NxK, axis=1)
+  proto_of_N = jnp.argmin(dist_NxK, axis=1)
   return tok_of_K, has_tok_K, proto_of_N
 
 
-def clustering_curvature(head: HeadInputs, spec: HeadSpec, loss_cfg: LossConfig, *,
+def clustering_curvature(head: HeadInputs, model_cfg: ModelConfig, loss_cfg: LossConfig, *,
                          blocks: bool = False):
   """Curvature of λ_1 R1 + λ_2 R2 w.r.t. each p_i; it is block-diagonal (local to p_i).
 
@@ -284,8 +277,12 @@ def clustering_curvature(head: HeadInputs, spec: HeadSpec, loss_cfg: LossConfig,
       μ_i = (D−1)/(D ‖p_i‖²) (λ_1/K' c_{i,t*(i)} + λ_2/N Σ_{t: i*(t)=i} c_{i,t}).
   Returns mu_K, and with blocks=True also the exact C_KxDxD (small sizes).
   """
-  fwd = head_forward(head.protos_KxD, head, spec, path="linear")
-  tok_of_K, has_tok_K, proto_of_N = _nearest(fwd, head.mask_N)
+  # The layer's N x K similarities (prototypes.similarity, the op's), with the arguments of
+  # the extrema R1/R2 pick: the curvature of dist is local to each (token, prototype) pair.
+  sim = similarity(head.z_NxD, head.protos_KxD)
+  cos_NxK = sim.cos_NxK
+  dist_NxK = 1.0 - cos_NxK if model_cfg.distance == "cosine" else sim.sqdist()
+  tok_of_K, has_tok_K, proto_of_N = _nearest(dist_NxK, head.mask_N)
   dt = head.z_NxD.dtype
   num_k, d = head.protos_KxD.shape
   valid = head.mask_N.astype(dt)
@@ -294,7 +291,7 @@ def clustering_curvature(head: HeadInputs, spec: HeadSpec, loss_cfg: LossConfig,
   w1_K = loss_cfg.lambda_r1 / k_with * has_tok_K.astype(dt)  # R1 weight of t*(i)
   assign_NxK = jax.nn.one_hot(proto_of_N, num_k, dtype=dt) * valid[:, None]
   w2_NxK = loss_cfg.lambda_r2 / n_valid * assign_NxK  # R2 weight of (t, i)
-  if spec.distance == "sqeuclidean":
+  if model_cfg.distance == "sqeuclidean":
     mu_K = 2.0 * (w1_K + jnp.sum(w2_NxK, 0))
     if not blocks:
       return mu_K
@@ -303,7 +300,7 @@ def clustering_curvature(head: HeadInputs, spec: HeadSpec, loss_cfg: LossConfig,
   w_NxK = w2_NxK + jax.nn.one_hot(tok_of_K, head.z_NxD.shape[0], dtype=dt).T * w1_K[None, :]
   sqp, inv_p = _norm_inv(head.protos_KxD)
   inv_sqp = inv_p ** 2
-  wc_K = jnp.sum(w_NxK * fwd.cos_NxK, 0)
+  wc_K = jnp.sum(w_NxK * cos_NxK, 0)
   mu_K = (d - 1) / d * inv_sqp * wc_K
   if not blocks:
     return mu_K

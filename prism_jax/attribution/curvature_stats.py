@@ -28,7 +28,7 @@ import scipy.sparse
 import scipy.sparse.linalg
 
 from prism_jax.attribution import curvature as cv
-from prism_jax.config import LossConfig
+from prism_jax.config import LossConfig, ModelConfig
 
 FISHERS = ("true", "empirical")
 
@@ -48,21 +48,17 @@ class CurvatureStats(NamedTuple):
     return self.A.toarray() if scipy.sparse.issparse(self.A) else np.asarray(self.A)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "loss_cfg", "fisher"))
-def batch_curvature(head: cv.HeadInputs, spec: cv.HeadSpec, loss_cfg: LossConfig,
+@functools.partial(jax.jit, static_argnames=("model_cfg", "loss_cfg", "fisher"))
+def batch_curvature(head: cv.HeadInputs, model_cfg: ModelConfig, loss_cfg: LossConfig,
                     fisher: str = "true"):
   """One batch: (OutputGrads, Σ_t G_t (D×D), μ (K,), number of valid tokens)."""
-  fwd = cv.head_forward(head.protos_KxD, head, spec, path="linear")
-  g_NxD = jax.grad(lambda zh: cv.output_loss_sum(zh, head, spec, loss_cfg)[0])(fwd.z_hat_NxD)
-  m = head.mask_N
-  og = cv.OutputGrads(fwd.idx_Nxk, jnp.where(m[:, None], fwd.act_Nxk, 0.0),
-                      jnp.where(m[:, None], g_NxD, 0.0), m)
+  og, logits_NxV = cv.output_grads_and_logits(head, model_cfg, loss_cfg)
   if fisher == "true":
-    g_sum = cv.output_hessian_sum(head, spec, loss_cfg, fwd.logits_NxV)
+    g_sum = cv.output_hessian_sum(head, model_cfg, loss_cfg, logits_NxV)
   else:
     g_sum = jnp.dot(og.g_NxD.T, og.g_NxD, precision=jax.lax.Precision.HIGHEST)
-  mu_K = cv.clustering_curvature(head, spec, loss_cfg)
-  return og, g_sum, mu_K, jnp.sum(m)
+  mu_K = cv.clustering_curvature(head, model_cfg, loss_cfg)
+  return og, g_sum, mu_K, jnp.sum(og.mask_N)
 
 
 class CurvatureAccumulator:
@@ -92,13 +88,13 @@ class CurvatureAccumulator:
 
   def update(self, model: Any, batch: dict[str, Any]) -> cv.OutputGrads:
     head = cv.head_inputs(model, batch)
-    return self.update_from_head(head, cv.HeadSpec.from_model(model))
+    return self.update_from_head(head, cv.check_model(model))
 
-  def update_from_head(self, head: cv.HeadInputs, spec: cv.HeadSpec) -> cv.OutputGrads:
+  def update_from_head(self, head: cv.HeadInputs, model_cfg: ModelConfig) -> cv.OutputGrads:
     if head.protos_KxD.shape != (self.num_prototypes, self.d_model):
       raise ValueError(f"bank shape {head.protos_KxD.shape} does not match the accumulator's "
                        f"(K, D)=({self.num_prototypes}, {self.d_model})")
-    og, g_sum, mu_K, count = batch_curvature(head, spec, self.loss_cfg, self.fisher)
+    og, g_sum, mu_K, count = batch_curvature(head, model_cfg, self.loss_cfg, self.fisher)
     self.add(og.idx_Nxk, og.act_Nxk, g_sum, mu_K, int(count))
     return og
 

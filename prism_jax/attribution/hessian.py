@@ -30,15 +30,14 @@ from flax import nnx
 
 from prism_jax.attribution import curvature as cv
 from prism_jax.attribution import curvature_stats as cs
-from prism_jax.attribution.curvature import (HeadInputs, HeadSpec, OutputGrads,  # noqa: F401
+from prism_jax.attribution.curvature import (HeadInputs, OutputGrads,  # noqa: F401
                                              bank_loss, head_inputs, output_grads)
 from prism_jax.attribution.curvature_stats import (  # noqa: F401
     CurvatureAccumulator, CurvatureStats, GGNBlocks, block_matrix, block_norms, block_view,
     condition_number, curvature_stats, eig_G, ggn_blocks, kappa_bound, kfac_block_norms,
     kfac_matrix, off_block_share)
-from prism_jax.config import LossConfig
-from prism_jax.losses import token_nll, total_loss
-from prism_jax.model.prototypes import EPS
+from prism_jax.config import LossConfig, ModelConfig
+from prism_jax.losses import token_nll, token_rec, total_loss
 
 METHODS = ("hvp", "jax_hessian")
 
@@ -50,8 +49,8 @@ def _default_dtype(dtype):
 
 
 def head_and_spec(model, batch, dtype=None):
-  """(HeadInputs in dtype — float64 under jax.enable_x64 by default —, HeadSpec)."""
-  return cv.head_inputs(model, batch, _default_dtype(dtype)), cv.HeadSpec.from_model(model)
+  """(HeadInputs in dtype — float64 under jax.enable_x64 by default —, ModelConfig)."""
+  return cv.head_inputs(model, batch, _default_dtype(dtype)), cv.check_model(model)
 
 
 def library_bank_loss(model: Any, batch: dict[str, Any], loss_cfg: LossConfig):
@@ -71,7 +70,7 @@ def library_bank_loss(model: Any, batch: dict[str, Any], loss_cfg: LossConfig):
   return loss_fn
 
 
-def hessian_from_head(head: HeadInputs, spec: HeadSpec, loss_cfg: LossConfig, *,
+def hessian_from_head(head: HeadInputs, spec: ModelConfig, loss_cfg: LossConfig, *,
                       path: str = "full", terms: str = "all", method: str = "hvp") -> np.ndarray:
   """(K·D)×(K·D) Hessian of `bank_loss` at head.protos_KxD."""
   if method not in METHODS:
@@ -96,7 +95,7 @@ def exact_hessian_wrt_bank(model: Any, batch: dict[str, Any], loss_cfg: LossConf
   return hessian_from_head(head, spec, loss_cfg, path=path, terms=terms, method=method)
 
 
-def ggn_from_head(head: HeadInputs, spec: HeadSpec, loss_cfg: LossConfig, *,
+def ggn_from_head(head: HeadInputs, spec: ModelConfig, loss_cfg: LossConfig, *,
                   path: str = "linear") -> np.ndarray:
   """Jᵀ H_out J by autodiff: J = ∂(logits, residual)/∂vec(P), H_out the per-token Hessian of
   the mean CE w.r.t. the logits (jax.hessian of log-softmax CE) and of λ_rec REC w.r.t. r."""
@@ -104,19 +103,17 @@ def ggn_from_head(head: HeadInputs, spec: HeadSpec, loss_cfg: LossConfig, *,
   p0 = head.protos_KxD.reshape(-1)
 
   def outputs(v):
-    fwd = cv.head_forward(v.reshape(num_k, d), head, spec, path=path)
-    return fwd.logits_NxV, fwd.residual_NxD
+    out = cv.head_forward(v.reshape(num_k, d), head, spec, path=path)
+    return out.logits, out.protos.residual_NxD
   j_logits, j_res = jax.jacfwd(outputs)(p0)  # (N, V, KD), (N, D, KD)
   m = head.mask_N.astype(p0.dtype)
   n_valid = jnp.maximum(jnp.sum(m), 1.0)
   ce = lambda logit_V, y: token_nll(logit_V[None], y[None])[0]
-  fwd0 = cv.head_forward(head.protos_KxD, head, spec, path=path)
-  h_ce = jax.vmap(jax.hessian(ce), (0, 0))(fwd0.logits_NxV, head.targets_N)  # (N, V, V)
+  out0 = cv.head_forward(head.protos_KxD, head, spec, path=path)
+  h_ce = jax.vmap(jax.hessian(ce), (0, 0))(out0.logits, head.targets_N)  # (N, V, V)
   h_ce = h_ce * (m / n_valid)[:, None, None]
-  def rec(r_D, z_D):
-    scale = jnp.sum(z_D ** 2) if loss_cfg.rec_kind == "relative" else 1.0
-    return jnp.sum(r_D ** 2) / jnp.maximum(scale, EPS)  # the guard of losses.reconstruction
-  h_rec = jax.vmap(jax.hessian(rec), (0, 0))(fwd0.residual_NxD, head.z_NxD)  # (N, D, D)
+  rec = lambda r_D, z_D: token_rec(z_D[None], r_D[None], loss_cfg.rec_kind)[0]
+  h_rec = jax.vmap(jax.hessian(rec), (0, 0))(out0.protos.residual_NxD, head.z_NxD)  # (N, D, D)
   h_rec = h_rec * (loss_cfg.lambda_rec * m / n_valid)[:, None, None]
   hi = jax.lax.Precision.HIGHEST
   ggn = jnp.einsum("nvp,nvw,nwq->pq", j_logits, h_ce, j_logits, precision=hi)
@@ -138,7 +135,7 @@ def dense_activations(og: OutputGrads, num_k: int) -> np.ndarray:
   return dense
 
 
-def gn_blocks_from_head(head: HeadInputs, spec: HeadSpec, loss_cfg: LossConfig) -> np.ndarray:
+def gn_blocks_from_head(head: HeadInputs, spec: ModelConfig, loss_cfg: LossConfig) -> np.ndarray:
   """(1/N) Σ_t (a_t a_tᵀ) ⊗ G_t as (K, K, D, D) blocks, from a_t and the analytic G_t."""
   og = cv.output_grads_from_head(head, spec, loss_cfg)
   a_NxK = dense_activations(og, head.protos_KxD.shape[0])
@@ -154,7 +151,7 @@ def per_token_gn_blocks(model: Any, batch: dict[str, Any], loss_cfg: LossConfig,
   return gn_blocks_from_head(head, spec, loss_cfg)
 
 
-def clustering_blocks_from_head(head: HeadInputs, spec: HeadSpec,
+def clustering_blocks_from_head(head: HeadInputs, spec: ModelConfig,
                                 loss_cfg: LossConfig) -> np.ndarray:
   """Exact Hessian of λ_1 R1 + λ_2 R2 as (K, K, D, D) blocks (block-diagonal)."""
   _, c_KxDxD = cv.clustering_curvature(head, spec, loss_cfg, blocks=True)
@@ -164,7 +161,7 @@ def clustering_blocks_from_head(head: HeadInputs, spec: HeadSpec,
   return out
 
 
-def stats_from_head(head: HeadInputs, spec: HeadSpec, loss_cfg: LossConfig,
+def stats_from_head(head: HeadInputs, spec: ModelConfig, loss_cfg: LossConfig,
                     fisher: str = "true") -> CurvatureStats:
   acc = cs.CurvatureAccumulator(*head.protos_KxD.shape, loss_cfg, fisher=fisher)
   acc.update_from_head(head, spec)

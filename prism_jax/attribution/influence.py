@@ -102,8 +102,9 @@ def query_batch(tokens, target_positions, max_len, vocab_size):
   return batch_lib.next_token(padded[None], np.isin(np.arange(max_len), cols)[None]), cols
 
 
-@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("spec", "loss_cfg"))
-def _query_outputs(graphdef, state, inputs_BxT, targets_BxT, mask_BxT, *, spec, loss_cfg):
+@functools.partial(jax.jit, static_argnums=(0,), static_argnames=("model_cfg", "loss_cfg"))
+def _query_outputs(graphdef, state, inputs_BxT, targets_BxT, mask_BxT, *, model_cfg,
+                   loss_cfg):
   """Forward + output gradients of each row, one row at a time (lax.map). A batched forward
   is a different program whose float32 results differ in the last bits with the batch size
   (measured: 1e-5 relative in scores after preconditioning); the loop body is the same for
@@ -113,9 +114,9 @@ def _query_outputs(graphdef, state, inputs_BxT, targets_BxT, mask_BxT, *, spec, 
   def one(row):
     inputs_1xT, targets_1xT, mask_1xT = (a[None] for a in row)
     z_TxD = model.backbone(inputs_1xT)[0].reshape(-1, model.cfg.d_model)
-    head = cv.HeadInputs(z_TxD, model.bank.protos[...], model.backbone.wte[...],
-                         targets_1xT.reshape(-1), mask_1xT.reshape(-1))
-    return cv.output_grads_from_head(head, spec, loss_cfg)
+    head = cv.head_constants(model, z_TxD, targets_1xT.reshape(-1), mask_1xT.reshape(-1),
+                             z_TxD.dtype)
+    return cv.output_grads_from_head(head, model_cfg, loss_cfg)
 
   return jax.lax.map(one, (inputs_BxT, targets_BxT, mask_BxT))
 
@@ -137,7 +138,7 @@ def query_sides(model, queries, loss_cfg: LossConfig, split=None,
   max_len = model.cfg.max_len
   prepared = [_query_row(t, p, max_len, model.cfg.vocab_size) for t, p in queries]
   graphdef, state = nnx.split(model) if split is None else split
-  spec = cv.HeadSpec.from_model(model)
+  model_cfg = cv.check_model(model)
   out = []
   for lo in range(0, len(prepared), batch_size):
     chunk = prepared[lo:lo + batch_size]
@@ -147,7 +148,7 @@ def query_sides(model, queries, loss_cfg: LossConfig, split=None,
         np.stack([np.isin(np.arange(max_len), cols) for _, cols in chunk])), rows)
     og = _query_outputs(graphdef, state, *(jnp.asarray(batch[k]) for k in
                                            ("inputs", "targets", "mask")),
-                        spec=spec, loss_cfg=loss_cfg)
+                        model_cfg=model_cfg, loss_cfg=loss_cfg)
     idx, act, g = (np.asarray(a).reshape(rows, max_len, -1)
                    for a in (og.idx_Nxk, og.act_Nxk, og.g_NxD))
     out += [QuerySide(idx[b, cols], act[b, cols].astype(np.float64),

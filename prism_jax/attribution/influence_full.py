@@ -26,24 +26,23 @@ from prism_jax.config import LossConfig
 from prism_jax.data import batch as batch_lib
 
 
-def _summed_token_loss(protos, head, spec, loss_cfg, path, weight_N):
-  fwd = cv.head_forward(protos, head, spec, path=path)
-  ce_N, rec_N = cv.token_losses(fwd, head, loss_cfg)
-  return (ce_N + loss_cfg.lambda_rec * rec_N) * weight_N
+def _summed_token_loss(protos, head, model_cfg, loss_cfg, path, weight_N):
+  out = cv.head_forward(protos, head, model_cfg, path=path)
+  return cv.token_loss(out, head, loss_cfg) * weight_N
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "loss_cfg", "path"))
-def _query_grad(protos, head, spec, loss_cfg, path):
+@functools.partial(jax.jit, static_argnames=("model_cfg", "loss_cfg", "path"))
+def _query_grad(protos, head, model_cfg, loss_cfg, path):
   w = head.mask_N.astype(protos.dtype)
-  return jax.grad(lambda p: jnp.sum(_summed_token_loss(p, head, spec, loss_cfg, path, w)))(
-      protos)
+  return jax.grad(lambda p: jnp.sum(_summed_token_loss(p, head, model_cfg, loss_cfg, path,
+                                                       w)))(protos)
 
 
-@functools.partial(jax.jit, static_argnames=("spec", "loss_cfg", "path"))
-def _token_directional(protos, head, spec, loss_cfg, path, x_QxKxD):
+@functools.partial(jax.jit, static_argnames=("model_cfg", "loss_cfg", "path"))
+def _token_directional(protos, head, model_cfg, loss_cfg, path, x_QxKxD):
   """⟨X_q, ∇_P ℓ_t⟩ for every query direction and token: (Q, N), one JVP per direction."""
   w = head.mask_N.astype(protos.dtype)
-  f = lambda p: _summed_token_loss(p, head, spec, loss_cfg, path, w)
+  f = lambda p: _summed_token_loss(p, head, model_cfg, loss_cfg, path, w)
   return jax.vmap(lambda x: jax.jvp(f, (protos,), (x,))[1])(x_QxKxD)
 
 
@@ -61,12 +60,12 @@ def full_scores(model, cache: cache_lib.AttributionCache, packed, queries, *,
   loss_cfg = cache_loss_config(cache, loss_cfg)
   max_rows = cache.sizes["num_rows"] if max_rows is None else max_rows
   pre = Preconditioner(cache, cfg) if precond is None else precond
-  spec = cv.HeadSpec.from_model(model)
+  model_cfg = cv.check_model(model)
   protos = jnp.asarray(model.bank.protos[...], jnp.float32)
   xs = []
   for tokens, positions in queries:
     batch, _ = query_batch(tokens, positions, model.cfg.max_len, model.cfg.vocab_size)
-    g_KxD = np.asarray(_query_grad(protos, cv.head_inputs(model, batch), spec, loss_cfg,
+    g_KxD = np.asarray(_query_grad(protos, cv.head_inputs(model, batch), model_cfg, loss_cfg,
                                    path), np.float64)
     rows = np.flatnonzero(np.any(g_KxD != 0, 1))
     p_rows, x = pre.apply(g_KxD[rows] @ pre.u_full, rows, pre.e_full)
@@ -78,7 +77,7 @@ def full_scores(model, cache: cache_lib.AttributionCache, packed, queries, *,
   for _, batch in cache_format.iter_rows(packed, split, batch_rows, 0, max_rows):
     batch = batch_lib.pad_batch(batch, batch_rows)
     head = cv.head_inputs(model, batch)
-    s_QxN = np.asarray(_token_directional(protos, head, spec, loss_cfg, path, x_QxKxD),
+    s_QxN = np.asarray(_token_directional(protos, head, model_cfg, loss_cfg, path, x_QxKxD),
                        np.float64)
     ex_N = (batch["example_id"] if cfg.unit == "document" else np.broadcast_to(
         batch["row_id"][:, None], batch["example_id"].shape)).reshape(-1)

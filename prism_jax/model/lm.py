@@ -15,9 +15,11 @@ import numpy as np
 from flax import nnx
 
 from prism_jax.config import ModelConfig
+from prism_jax.model import head as head_lib
+from prism_jax.model.head import prism_head
 from prism_jax.model.params import const_param
 from prism_jax.model.prototypes import PrototypeBank, PrototypeOutput
-from prism_jax.model.tap import Tap, linear
+from prism_jax.model.tap import Tap
 from prism_jax.model.token_ids import check_token_ids
 from prism_jax.model.transformer import Backbone, KVCache
 
@@ -75,32 +77,21 @@ class PrismLM(nnx.Module):
 
   def head(self, z_BxTxD, mask_BxT=None, tap: Tap | None = None,
            residual_keep_BxT=None) -> LMOutput:
-    """The prototype layer on z and the tied LM head on r + ẑ. With a tap probing "bank",
-    ẑ = Pᵀ a gets the probe and a (B, T, K), the dense activations, is recorded."""
-    batch, seq, d = z_BxTxD.shape
-    mask_N = None if mask_BxT is None else mask_BxT.reshape(batch * seq)
-    protos = self.bank(z_BxTxD.reshape(batch * seq, d), mask_N)
-    if self.cfg.mixture_scale == "learned":
-      protos = _scale_mixture(protos, self.mixture_scale(), self.cfg.residual_routing)
-    residual_NxD, z_hat_NxD = protos.residual_NxD, protos.z_hat_NxD
-    if tap is not None and "bank" in tap.probes:
-      rows_Nx1 = jnp.arange(batch * seq)[:, None]
-      a_NxK = jnp.zeros((batch * seq, self.cfg.num_prototypes), protos.act_Nxk.dtype)
-      z_hat_NxD = linear(tap, "bank", a_NxK.at[rows_Nx1, protos.idx_Nxk].set(protos.act_Nxk),
-                         z_hat_NxD, bias=False)
-      if self.cfg.residual_routing != "straight_through":
-        residual_NxD = residual_NxD - (z_hat_NxD - protos.z_hat_NxD)  # r = z - (ẑ + probe)
-    if residual_keep_BxT is not None:
-      residual_NxD = residual_NxD * residual_keep_BxT.reshape(-1, 1).astype(residual_NxD.dtype)
-    head_in_NxD = residual_NxD + z_hat_NxD  # = z in value; routes gradients
-    logits = self.backbone.lm_head(head_in_NxD.reshape(batch, seq, d))
+    """The prototype layer on z and the tied LM head on r + ẑ (model/head.py, the one head).
+    With a tap probing "bank", ẑ = Pᵀ a gets the probe and a (B, T, K), the dense
+    activations, is recorded."""
+    batch, seq, _ = z_BxTxD.shape
+    logits, protos = prism_head(
+        z_BxTxD, self.bank.protos[...], self.backbone.wte[...], self.cfg,
+        mix_log_scale=self.mix_log_scale[...] if self.cfg.mixture_scale == "learned" else None,
+        mask_N=None if mask_BxT is None else mask_BxT.reshape(batch * seq), tap=tap,
+        residual_keep_N=residual_keep_BxT, implementation=self.bank.implementation)
     return LMOutput(logits, z_BxTxD, protos)
 
   def mixture_scale(self) -> jax.Array:
     """The learned mixture scale s (1.0 without `mixture_scale="learned"`)."""
-    if self.cfg.mixture_scale != "learned":
-      return jnp.ones((), jnp.float32)
-    return jnp.exp(self.mix_log_scale[...])
+    return head_lib.mixture_scale(
+        self.cfg, self.mix_log_scale[...] if self.cfg.mixture_scale == "learned" else None)
 
   def proto_path_logits(self, protos: PrototypeOutput, batch: int, seq: int) -> jax.Array:
     """W z_hat, (B, T, V): the logits of the prototype path alone (faithfulness, aux CE)."""
@@ -113,17 +104,6 @@ class PrismLM(nnx.Module):
     """W p_i for every prototype: its fixed token-logit signature, (K, V)."""
     return jnp.einsum("kd,vd->kv", self.bank.protos[...], self.backbone.wte[...],
                       precision=jax.lax.Precision.HIGHEST)
-
-
-def _scale_mixture(protos: PrototypeOutput, scale: jax.Array,
-                   residual_routing: str) -> PrototypeOutput:
-  """z_hat -> s z_hat (and a -> s a, so the decomposition stays exact); r follows the
-  layer's routing: z - sg(s z_hat) straight-through, z - s z_hat plain."""
-  delta_NxD = (1.0 - scale) * protos.z_hat_NxD
-  if residual_routing == "straight_through":
-    delta_NxD = jax.lax.stop_gradient(delta_NxD)
-  return protos._replace(act_Nxk=scale * protos.act_Nxk, z_hat_NxD=scale * protos.z_hat_NxD,
-                         residual_NxD=protos.residual_NxD + delta_NxD)
 
 
 def build_model(cfg: ModelConfig, seed: int = 0) -> DenseLM | PrismLM:

@@ -36,6 +36,16 @@ def compute_dtype(cfg: ModelConfig, param: jax.Array) -> jnp.dtype:
   return jnp.dtype(jnp.float64) if param.dtype == jnp.float64 else jnp.dtype(cfg.dtype)
 
 
+def tied_logits(h_BxTxD: jax.Array, wte_VxD: jax.Array, dtype: str) -> jax.Array:
+  """The tied LM head as a function of W: logits = h W^T in (at least) fp32. Full fp32
+  accuracy when `dtype` (ModelConfig.dtype) is float32, so the logit decomposition is
+  exact; default (fast) matmul precision when the model computes in bf16 anyway."""
+  precision = jax.lax.Precision.HIGHEST if dtype == "float32" else None
+  logits = jnp.einsum("btd,vd->btv", h_BxTxD.astype(wide(h_BxTxD.dtype)), wte_VxD,
+                      precision=precision)
+  return constrain(logits, ("batch", "seq", "act_vocab"))
+
+
 def dropout(x: jax.Array, rate: float, key: jax.Array | None) -> jax.Array:
   """Inverted dropout; the identity without a key (evaluation, generation) or at rate 0."""
   if key is None or rate == 0.0:
@@ -258,12 +268,7 @@ class Backbone(nnx.Module):
 
   def lm_head(self, h_BxTxD: jax.Array) -> jax.Array:
     """Tied LM head W (V x D): logits = h W^T, in fp32."""
-    # Full fp32 accuracy in fp32 mode so the logit decomposition is exact; default (fast)
-    # matmul precision when the model computes in bf16 anyway.
-    precision = jax.lax.Precision.HIGHEST if self.cfg.dtype == "float32" else None
-    logits = jnp.einsum("btd,vd->btv", h_BxTxD.astype(wide(h_BxTxD.dtype)), self.wte[...],
-                        precision=precision)
-    return constrain(logits, ("batch", "seq", "act_vocab"))
+    return tied_logits(h_BxTxD, self.wte[...], self.cfg.dtype)
 
   def init_cache(self, batch: int, dtype=jnp.float32) -> list[KVCache]:
     shape = (batch, self.cfg.max_len, self.cfg.n_heads, self.cfg.head_dim)
