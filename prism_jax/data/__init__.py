@@ -8,6 +8,7 @@
 """
 
 from prism_jax.data.packed import PackedData, prepare_data
+from prism_jax.data.pack_format import OldPackError
 from prism_jax.data.packing import pack, pack_config
 from prism_jax.data.pipeline import DataState, Loader, PackedRows, make_loader, row_to_example
 from prism_jax.data.sources import (DEFAULT_CORPUS, Document, iter_documents, load_documents,
@@ -17,6 +18,7 @@ from prism_jax.data.tokenizers import (BpeTokenizer, ByteTokenizer, Tokenizer, l
 
 __all__ = [
     "BpeTokenizer", "ByteTokenizer", "DEFAULT_CORPUS", "DataState", "Document", "Loader",
+    "OldPackError",
     "PackedData", "PackedRows", "Tokenizer", "iter_documents", "load_documents",
     "load_tokenizer", "make_loader", "make_tokenizer", "pack", "pack_config",
     "prepare_data", "resolve_paths", "row_to_example", "source_hash", "train_bpe",
