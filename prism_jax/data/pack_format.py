@@ -83,6 +83,16 @@ def shard_rows(seq_len: int, dtype) -> int:
 # --- writing ---------------------------------------------------------------------------
 
 
+def _row_codec(seq_len: int):
+  """Shards of rows, each row its own inner chunk; the shard index at the start of the
+  object (a suffix range read, for an index at the end, is not served by every store)."""
+  little = {"name": "bytes", "configuration": {"endian": "little"}}
+  return ts.CodecSpec({"driver": "zarr3", "codecs": [{
+      "name": "sharding_indexed", "configuration": {
+          "chunk_shape": [1, seq_len + 1], "codecs": [little],
+          "index_codecs": [little, {"name": "crc32c"}], "index_location": "start"}}]})
+
+
 def write_rows(directory: str, split: str, stream: np.ndarray, seq_len: int,
                pad_id: int) -> int:
   """Cuts `stream` into rows and writes them shard by shard; returns the row count."""
@@ -97,8 +107,8 @@ def write_rows(directory: str, split: str, stream: np.ndarray, seq_len: int,
   arr = ts.open({"driver": "zarr3", "kvstore": paths.kvstore(dst)}, create=True,
                 delete_existing=not paths.is_remote(dst), dtype=ts.dtype(stream.dtype.name),
                 shape=[n_rows, T + 1], chunk_layout=ts.ChunkLayout(
-                    write_chunk_shape=[min(S, n_rows), T + 1],
-                    read_chunk_shape=[1, T + 1])).result()
+                    write_chunk_shape=[min(S, n_rows), T + 1]),
+                codec=_row_codec(T)).result()
   padded = np.concatenate([stream, np.full(n_rows * T + 1 - len(stream), pad_id,
                                            stream.dtype)])
   for r0 in range(0, n_rows, S):
