@@ -225,6 +225,20 @@ def test_two_processes_on_gcs_equal_one_and_resume_after_a_kill(reference, gcs, 
   assert_same(read_all(out), want)
 
 
+def test_gcs_sources_hash_by_stored_checksum_without_download(gcs, monkeypatch):
+  from etils import epath  # pylint: disable=import-outside-toplevel
+  from prism_jax.data import sources  # pylint: disable=import-outside-toplevel
+  path = "gs://bucket/hash/a.txt"
+  epath.Path(path).write_text("one two three")
+  h1 = sources.source_hash([path])
+  epath.Path(path).write_text("one two thre3")  # same size, other content
+  with monkeypatch.context() as m:
+    m.setattr(sources.paths_lib, "open_file", lambda *a: pytest.fail("downloaded"))
+    assert sources.source_hash([path]) != h1
+  epath.Path(path).write_text("one two three")
+  assert sources.source_hash([path]) == h1
+
+
 if __name__ == "__main__":
   if len(sys.argv) in (6, 7) and sys.argv[1] == "worker":
     worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], len(sys.argv) == 7)

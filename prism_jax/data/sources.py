@@ -381,7 +381,9 @@ def check_disjoint(sources: Sequence[str], val_sources: Sequence[str]) -> None:
 def source_hash(sources: Sequence[str] = (), text_field: str = "text",
                 val_sources: Sequence[str] = ()) -> str:
   """sha256 of the sources' bytes (in order) and the text field: identifies the corpus.
-  Validation sources, when given, follow the training ones behind a marker."""
+  A gs:// file enters by its size and stored crc32c instead of its bytes (reusing a pack
+  must not download the corpus). Validation sources, when given, follow the training
+  ones behind a marker."""
   if val_sources:
     h = hashlib.sha256(source_hash(sources, text_field).encode())
     h.update(b"\nval_sources\n" + source_hash(val_sources, text_field).encode())
@@ -394,7 +396,20 @@ def source_hash(sources: Sequence[str] = (), text_field: str = "text",
     return h.hexdigest()
   for path in resolve_paths(sources):
     h.update(f"file {_size(path)}\n".encode())
+    stored = _stored_checksum(path)
+    if stored:  # an object store's own content checksum: no download of the corpus
+      h.update(f"checksum {stored}\n".encode())
+      continue
     with paths_lib.open_file(path, "rb") as f:
       while chunk := f.read(_HASH_CHUNK):
         h.update(chunk)
   return h.hexdigest()
+
+
+def _stored_checksum(path: str) -> str | None:
+  """A gs:// object's crc32c (GCS computes it from the content on upload), else None."""
+  if paths_lib.scheme(path) != "gs":
+    return None
+  import fsspec  # pylint: disable=g-import-not-at-top
+  info = fsspec.filesystem("gs").info(path)
+  return f"crc32c:{info['crc32c']}" if info.get("crc32c") else None
