@@ -30,6 +30,7 @@ from __future__ import annotations
 import collections
 import io
 import json
+import threading
 from typing import Any
 
 import numpy as np
@@ -180,14 +181,30 @@ class PieceIndex:
     return eid, off
 
 
-class _Lru(collections.OrderedDict):
+class _Lru:
+  """A small LRU of open arrays / piece indexes, safe under grain's reader threads; it
+  pickles empty (each worker process opens its own)."""
+
+  def __init__(self):
+    self._d, self._lock = collections.OrderedDict(), threading.Lock()
+
+  def __getstate__(self):
+    return {}
+
+  def __setstate__(self, state):
+    del state
+    self.__init__()
+
   def get_or(self, key, make):
-    if key in self:
-      self.move_to_end(key)
-      return self[key]
-    value = self[key] = make()
-    if len(self) > _HANDLES:
-      self.popitem(last=False)
+    with self._lock:
+      if key in self._d:
+        self._d.move_to_end(key)
+        return self._d[key]
+    value = make()  # outside the lock: opening may read from an object store
+    with self._lock:
+      self._d[key] = value
+      if len(self._d) > _HANDLES:
+        self._d.popitem(last=False)
     return value
 
 
@@ -203,9 +220,6 @@ class SplitReader:
     self.doc_base = np.concatenate([[0], np.cumsum(np.asarray(docs_K, np.int64))])
     self.num_rows = int(self.row_base[-1])
     self._arrays, self._indexes = _Lru(), _Lru()
-
-  def __getstate__(self):
-    return dict(self.__dict__, _arrays=_Lru(), _indexes=_Lru())
 
   def index(self, k: int) -> PieceIndex:
     return self._indexes.get_or(k, lambda: PieceIndex(piece_dir(self.root, k)))
