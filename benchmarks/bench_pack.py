@@ -4,7 +4,8 @@
 
 Generates (once, cached under --corpus_dir) a seeded synthetic parquet corpus of
 --text_gb of text: documents of English words drawn from the embedded corpus's word
-frequencies, in files of --file_mb with row groups of --group_rows rows (FineWeb-like).
+frequencies, in files of --file_mb with row groups of --group_rows rows (FineWeb-like;
+file f drawn from the seed (--seed, f)).
 Packs it with --processes jax.distributed processes on loopback (each with --workers
 worker processes; 0 packs in the process) and prints tokens/s per core (tokens per CPU
 second of the packing processes and their workers: on a shared box the wall clock counts
@@ -61,32 +62,37 @@ def _words():
   return np.array(words, object), p / p.sum()
 
 
-def make_corpus(directory: str, text_gb: float, file_mb: int, group_rows: int, seed: int):
-  """Seeded parquet files totalling text_gb of text; reused when already there."""
+def _write_file(args) -> None:
+  """Corpus file f: documents from its own seed until it holds `size` bytes of text."""
   import numpy as np  # pylint: disable=import-outside-toplevel
   import pyarrow as pa  # pylint: disable=import-outside-toplevel
   import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
-  tag = os.path.join(directory, f"gb{text_gb}_f{file_mb}_g{group_rows}_s{seed}")
-  if os.path.isfile(os.path.join(tag, "DONE")):
-    return sorted(os.path.join(tag, f) for f in os.listdir(tag) if f.endswith(".parquet"))
-  shutil.rmtree(tag, ignore_errors=True)
-  os.makedirs(tag)
+  path, size, seed, f, group_rows = args
   words, p = _words()
-  rng = np.random.default_rng(seed)
-  total, file_bytes, f = int(text_gb * 1e9), file_mb * 10**6, 0
-  written = 0
-  while written < total:
-    docs, size = [], 0
-    while size < min(file_bytes, total - written):
-      n = int(rng.lognormal(6.0, 0.8))  # ~500 words (~3 KB), FineWeb-like spread
-      doc = " ".join(words[rng.choice(len(words), n, p=p)])
-      docs.append(doc)
-      size += len(doc)
-    pq.write_table(pa.table({"text": docs}), os.path.join(tag, f"part-{f:05d}.parquet"),
-                   row_group_size=group_rows)
-    written += size
-    f += 1
-  open(os.path.join(tag, "DONE"), "w").close()
+  rng = np.random.default_rng([seed, f])
+  docs, n_bytes = [], 0
+  while n_bytes < size:
+    n = int(rng.lognormal(6.0, 0.8))  # ~500 words (~3 KB), FineWeb-like spread
+    docs.append(" ".join(words[rng.choice(len(words), n, p=p)]))
+    n_bytes += len(docs[-1])
+  pq.write_table(pa.table({"text": docs}), path, row_group_size=group_rows)
+
+
+def make_corpus(directory: str, text_gb: float, file_mb: int, group_rows: int, seed: int,
+                jobs: int):
+  """Seeded parquet files totalling text_gb of text (file f from seed (seed, f), written
+  by `jobs` processes); reused when already there."""
+  import multiprocessing  # pylint: disable=import-outside-toplevel
+  tag = os.path.join(directory, f"gb{text_gb}_f{file_mb}_g{group_rows}_s{seed}")
+  if not os.path.isfile(os.path.join(tag, "DONE")):
+    shutil.rmtree(tag, ignore_errors=True)
+    os.makedirs(tag)
+    total, file_bytes = int(text_gb * 1e9), file_mb * 10**6
+    tasks = [(os.path.join(tag, f"part-{f:05d}.parquet"), min(file_bytes, total - start),
+              seed, f, group_rows) for f, start in enumerate(range(0, total, file_bytes))]
+    with multiprocessing.get_context("spawn").Pool(max(1, jobs)) as pool:
+      pool.map(_write_file, tasks)
+    open(os.path.join(tag, "DONE"), "w").close()
   return sorted(os.path.join(tag, n) for n in os.listdir(tag) if n.endswith(".parquet"))
 
 
@@ -123,7 +129,7 @@ def pack_process(files) -> None:
 def main(argv):
   del argv
   files = make_corpus(FLAGS.corpus_dir, FLAGS.text_gb, FLAGS.file_mb, FLAGS.group_rows,
-                      FLAGS.seed)
+                      FLAGS.seed, FLAGS.processes * max(FLAGS.workers, 1))
   if FLAGS.pid >= 0:
     pack_process(files)
     return
