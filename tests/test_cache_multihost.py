@@ -97,7 +97,7 @@ def reference(gcs, tmp_path_factory):
       f.write(json.dumps({"text": " ".join(rng.choice(ta.WORDS, rng.integers(4, 25)))}) + "\n")
   cfg = _config(workdir)
   packed = prepare_data(cfg.data, cfg.model.vocab_size, workdir)
-  assert packed.path == PACKED and epath.Path(PACKED, "train_tokens.npy").exists()
+  assert packed.path == PACKED and epath.Path(PACKED, "metadata.json").exists()
   model = build_model(cfg.model, 0)
   one = cache_lib.build_cache(model, cfg, packed, "gs://bucket/mh/cache1", CACHE_CFG,
                               progress=False)

@@ -165,19 +165,6 @@ def test_idempotent_reuse_and_refusal(tmp_path):
     pack(cfg, 300, str(tmp_path / "foreign"))
 
 
-def test_killed_pack_leftovers_are_removed(tmp_path):
-  src = tmp_path / "c.txt"
-  src.write_text("some text that is long enough to pack into rows " * 5)
-  import socket
-  stale = tmp_path / f"p.tmp-{socket.gethostname()}-999999999-1"
-  stale.mkdir()
-  (stale / "train_tokens.bin").write_bytes(b"partial")
-  cfg = DataConfig(sources=(str(src),), tokenizer="byte", seq_len=8, val_fraction=0.0)
-  out = pack(cfg, 258, str(tmp_path / "p"))
-  assert sorted(os.listdir(tmp_path)) == ["c.txt", "p"]
-  assert PackedData(out).num_rows("train") > 0
-
-
 def test_snippet_shows_the_token_in_context(tmp_path):
   src = tmp_path / "s.txt"
   text = "The quick brown fox jumps over the lazy dog. " * 4
@@ -216,22 +203,3 @@ def test_default_corpus_tiny_preset(tmp_path):
     assert packed.document_text(i) == docs[i].text
     assert packed.document_name(i) == docs[i].name
   assert prepare_data(cfg.data, cfg.model.vocab_size, str(tmp_path)).path == packed.path
-
-
-def test_interrupted_pack_leaves_nothing_and_reruns(tmp_path, monkeypatch):
-  from prism_jax.data import packing
-  src = tmp_path / "c.txt"
-  src.write_text("words to pack into a few rows " * 20)
-  cfg = DataConfig(sources=(str(src),), tokenizer="byte", seq_len=8, val_fraction=0.0)
-
-  def interrupted(self):
-    raise KeyboardInterrupt  # e.g. Ctrl-C while writing the arrays
-
-  original = packing._SplitWriter.finish
-  monkeypatch.setattr(packing._SplitWriter, "finish", interrupted)
-  with pytest.raises(KeyboardInterrupt):
-    pack(cfg, 258, str(tmp_path / "p"))
-  assert sorted(os.listdir(tmp_path)) == ["c.txt"]
-  monkeypatch.setattr(packing._SplitWriter, "finish", original)
-  packed = PackedData(pack(cfg, 258, str(tmp_path / "p")))
-  assert packed.document_text(0) == src.read_text()

@@ -6,7 +6,7 @@ import numpy as np
 import pytest
 
 from prism_jax.config import DataConfig
-from prism_jax.data import PackedData, make_loader, pack
+from prism_jax.data import OldPackError, PackedData, make_loader, pack
 from prism_jax.data.packing import METADATA, SPLITS
 
 
@@ -96,21 +96,23 @@ def test_bad_split_configs_are_clear_errors(tmp_path):
                     tokenizer="byte", seq_len=4), 258, str(tmp_path / "q"))
 
 
-def test_pack_from_before_split_seed_is_reused(tmp_path):
-  """A pack written before val_sources/txt_documents/split_seed (its split used data.seed)
-  is still recognised as the same config."""
+def test_format_1_pack_is_refused_with_how_to_repack(tmp_path):
+  """A format-1 pack (whole .npy arrays, written before issue 28) is refused by the packer
+  and by the reader in one line that says how to re-pack; re-packing gives the rows a
+  format-1 pack of a one-piece corpus held (the same stream, split and ids)."""
   rng = np.random.default_rng(4)
   src = tmp_path / "c.txt"
   src.write_text(random_text(rng, 40), encoding="utf-8")
-  cfg = DataConfig(sources=(str(src),), tokenizer="byte", seq_len=16, split_seed=3, seed=3)
-  out = pack(cfg, 258, str(tmp_path / "p"))
-  meta_path = tmp_path / "p" / METADATA
-  meta = json.loads(meta_path.read_text())
-  for key in ("val_sources", "txt_documents"):
-    del meta["config"][key]
-  meta["config"]["seed"] = meta["config"].pop("split_seed")
-  meta_path.write_text(json.dumps(meta))
-  assert pack(cfg, 258, str(tmp_path / "p")) == out
-  with pytest.raises(ValueError, match="split_seed"):
-    pack(DataConfig(sources=(str(src),), tokenizer="byte", seq_len=16, split_seed=4), 258,
-         str(tmp_path / "p"))
+  cfg = DataConfig(sources=(str(src),), tokenizer="byte", seq_len=16, split_seed=3)
+  old = tmp_path / "old"
+  old.mkdir()
+  meta = {"config": {"format_version": 1, "sources": [str(src)], "seed": 3}, "source_hash": "x",
+          "counts": {}}
+  (old / METADATA).write_text(json.dumps(meta))
+  np.save(old / "train_tokens.npy", rng.integers(0, 256, (4, 17)).astype(np.int32))
+  for call in (lambda: pack(cfg, 258, str(old)), lambda: PackedData(str(old))):
+    with pytest.raises(OldPackError) as e:
+      call()
+    assert "\n" not in str(e.value) and "format 1" in str(e.value)
+    assert f"re-pack it: remove {old}" in str(e.value)
+  assert sorted(p.name for p in old.iterdir()) == [METADATA, "train_tokens.npy"]

@@ -8,15 +8,28 @@
 """
 
 from prism_jax.data.packed import PackedData, prepare_data
+from prism_jax.data.pack_format import OldPackError
 from prism_jax.data.packing import pack, pack_config
-from prism_jax.data.pipeline import DataState, Loader, PackedRows, make_loader, row_to_example
 from prism_jax.data.sources import (DEFAULT_CORPUS, Document, iter_documents, load_documents,
                                     resolve_paths, source_hash)
 from prism_jax.data.tokenizers import (BpeTokenizer, ByteTokenizer, Tokenizer, load_tokenizer,
                                        make_tokenizer, train_bpe)
 
+_PIPELINE = ("DataState", "Loader", "PackedRows", "make_loader", "row_to_example")
+
+
+def __getattr__(name):
+  """The grain pipeline loads on first use: importing grain (and jax) takes seconds, which a
+  packing worker process, which needs neither, should not pay."""
+  if name in _PIPELINE:
+    from prism_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+    return getattr(pipeline, name)
+  raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+
+
 __all__ = [
     "BpeTokenizer", "ByteTokenizer", "DEFAULT_CORPUS", "DataState", "Document", "Loader",
+    "OldPackError",
     "PackedData", "PackedRows", "Tokenizer", "iter_documents", "load_documents",
     "load_tokenizer", "make_loader", "make_tokenizer", "pack", "pack_config",
     "prepare_data", "resolve_paths", "row_to_example", "source_hash", "train_bpe",

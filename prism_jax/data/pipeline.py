@@ -20,40 +20,27 @@ from typing import Any, Iterator
 import grain
 import numpy as np
 
-from prism_jax import paths
 from prism_jax.data import batch as batch_lib
-from prism_jax.data import packing
 
 
 class PackedRows:
-  """grain RandomAccessDataSource over one split's rows; picklable (opens memmaps lazily).
+  """grain RandomAccessDataSource over one split's rows; picklable (its reader opens the
+  arrays lazily in each worker).
 
   Index -1 (or any index >= len in `padded` mode) gives a padding row.
   """
 
-  def __init__(self, packed_dir: str, split: str, seq_len: int, pad_id: int,
-               num_rows: int):
-    self.packed_dir, self.split = packed_dir, split
-    self.seq_len, self.pad_id, self.num_rows = seq_len, pad_id, num_rows
-    self._arrays = None
+  def __init__(self, reader, pad_id: int):
+    self.reader, self.split = reader, reader.split
+    self.seq_len, self.pad_id, self.num_rows = reader.seq_len, pad_id, reader.num_rows
 
   def __len__(self) -> int:
     return self.num_rows
 
-  def __getstate__(self):
-    return dict(self.__dict__, _arrays=None)
-
-  def _open(self):
-    if self._arrays is None:
-      self._arrays = {f: paths.load_npy(paths.join(self.packed_dir, f"{self.split}_{f}.npy"))
-                      for f in packing.FIELDS}
-    return self._arrays
-
   def __getitem__(self, index: int) -> dict[str, np.ndarray]:
     index = int(index)
     if 0 <= index < self.num_rows:
-      arrays = self._open()
-      row = {f: np.array(arrays[f][index]) for f in packing.FIELDS}
+      row = self.reader.row(index)
       row["row_id"] = np.int32(index)
       return row
     if index < 0:
@@ -122,8 +109,7 @@ class Loader:
     self.num_rows = packed.num_rows(split)
     if self.num_rows == 0:
       raise ValueError(f"split {split!r} of {packed.path} has no rows")
-    self.source = PackedRows(packed.path, split, packed.seq_len, packed.pad_id,
-                             self.num_rows)
+    self.source = PackedRows(packed.reader(split), packed.pad_id)
     ds = grain.MapDataset.source(self.source)
     if self.shuffle:
       # Element i = row perm_{i // R}(i % R): epochs concatenated, each permuted anew.

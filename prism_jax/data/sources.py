@@ -151,6 +151,10 @@ def resolve_paths(sources: Sequence[str]) -> list[str]:
   return found
 
 
+def file_size(p: str) -> int:
+  return _size(p)
+
+
 def _size(p: str) -> int:
   return os.path.getsize(p) if not paths_lib.is_remote(p) else paths_lib.path(p).stat().length
 
@@ -234,7 +238,8 @@ def _read_jsonl(path, text_field, on_decode_error, warn):
   _counter.last = decoder.replaced
 
 
-def _read_parquet(path, text_field, on_decode_error, warn):
+def open_parquet(path, text_field):
+  """(ParquetFile, is_binary) after checking the text column; errors name the file."""
   import pyarrow as pa  # pylint: disable=g-import-not-at-top
   import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
   try:
@@ -249,23 +254,45 @@ def _read_parquet(path, text_field, on_decode_error, warn):
   is_binary = pa.types.is_binary(col_type) or pa.types.is_large_binary(col_type)
   if not (is_binary or pa.types.is_string(col_type) or pa.types.is_large_string(col_type)):
     raise ValueError(f"{path}: column {text_field!r} has type {col_type}, not text")
+  return pf, is_binary
+
+
+_PARQUET_BATCH_ROWS = 1024  # rows decoded at a time: memory stays one batch, not a group
+
+
+def _read_parquet(path, text_field, on_decode_error, warn, row_groups=None, first_row=0):
+  """`row_groups`: (first, end) of the groups to read (all by default); `first_row`: the
+  file row where the first of them starts (names are `path:row`)."""
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  pf, is_binary = open_parquet(path, text_field)
   decoder = Utf8Decoder(path, on_decode_error)
-  row = 0
-  for g in range(pf.num_row_groups):
-    try:
-      values = pf.read_row_group(g, columns=[text_field]).column(0).to_pylist()
-    except (pa.ArrowException, OSError) as e:
-      raise ValueError(f"{path}: row group {g} is unreadable ({e})") from e
-    for value in values:
-      where = f"{path}:{row}"
-      row += 1
-      if value is None:
-        continue
-      if is_binary:
-        value = decoder(value, 0, where)  # offsets count within the value
-      yield where, value
+  row = first_row
+  g0, g1 = row_groups or (0, pf.num_row_groups)
+  for g in range(g0, g1):
+    batches = pf.iter_batches(_PARQUET_BATCH_ROWS, row_groups=[g], columns=[text_field])
+    while True:
+      try:
+        batch = next(batches, None)
+      except (pa.ArrowException, OSError) as e:
+        raise ValueError(f"{path}: row group {g} is unreadable ({e})") from e
+      if batch is None:
+        break
+      yield from _parquet_values(batch.column(0).to_pylist(), path, row, is_binary, decoder)
+      row += batch.num_rows
   decoder.report(warn)
   _counter.last = decoder.replaced
+
+
+def _parquet_values(values, path, row, is_binary, decoder):
+  del path
+  for value in values:
+    where = f"{decoder.path}:{row}"
+    row += 1
+    if value is None:
+      continue
+    if is_binary:
+      value = decoder(value, 0, where)  # offsets count within the value
+    yield where, value
 
 
 def _read_default_corpus():
@@ -298,16 +325,33 @@ def iter_documents(sources: Sequence[str] = (), text_field: str = "text",
       example_id += 1
 
 
+def file_kind(path: str) -> str:
+  """"txt", "jsonl" or "parquet" (errors on any other extension)."""
+  return _kind(path)
+
+
+def iter_records(path: str, text_field: str = "text", on_decode_error: str = "replace",
+                 warn: bool = True, txt_max: int | None = DOC_MAX_CHARS,
+                 row_groups: tuple[int, int] | None = None, first_row: int = 0
+                 ) -> Iterator[tuple[str, str]]:
+  """(name, text) of one file's records, blank ones included; `row_groups` and
+  `first_row` read part of a parquet file (see _read_parquet)."""
+  kind = _kind(path)
+  if kind == "txt":
+    return _read_txt(path, on_decode_error, warn, txt_max)
+  if kind == "jsonl":
+    return _read_jsonl(path, text_field, on_decode_error, warn)
+  return _read_parquet(path, text_field, on_decode_error, warn, row_groups, first_row)
+
+
+def default_corpus_records() -> Iterator[tuple[str, str]]:
+  return _read_default_corpus()
+
+
 def _iter_files(paths, text_field, on_decode_error, warn, txt_max=DOC_MAX_CHARS):
   for path in paths:
-    kind = _kind(path)
     n = 0
-    if kind == "txt":
-      gen = _read_txt(path, on_decode_error, warn, txt_max)
-    elif kind == "jsonl":
-      gen = _read_jsonl(path, text_field, on_decode_error, warn)
-    else:
-      gen = _read_parquet(path, text_field, on_decode_error, warn)
+    gen = iter_records(path, text_field, on_decode_error, warn, txt_max)
     for name, text in gen:
       if text.strip():
         n += 1
@@ -337,7 +381,9 @@ def check_disjoint(sources: Sequence[str], val_sources: Sequence[str]) -> None:
 def source_hash(sources: Sequence[str] = (), text_field: str = "text",
                 val_sources: Sequence[str] = ()) -> str:
   """sha256 of the sources' bytes (in order) and the text field: identifies the corpus.
-  Validation sources, when given, follow the training ones behind a marker."""
+  A gs:// file enters by its size and stored crc32c instead of its bytes (reusing a pack
+  must not download the corpus). Validation sources, when given, follow the training
+  ones behind a marker."""
   if val_sources:
     h = hashlib.sha256(source_hash(sources, text_field).encode())
     h.update(b"\nval_sources\n" + source_hash(val_sources, text_field).encode())
@@ -350,7 +396,20 @@ def source_hash(sources: Sequence[str] = (), text_field: str = "text",
     return h.hexdigest()
   for path in resolve_paths(sources):
     h.update(f"file {_size(path)}\n".encode())
+    stored = _stored_checksum(path)
+    if stored:  # an object store's own content checksum: no download of the corpus
+      h.update(f"checksum {stored}\n".encode())
+      continue
     with paths_lib.open_file(path, "rb") as f:
       while chunk := f.read(_HASH_CHUNK):
         h.update(chunk)
   return h.hexdigest()
+
+
+def _stored_checksum(path: str) -> str | None:
+  """A gs:// object's crc32c (GCS computes it from the content on upload), else None."""
+  if paths_lib.scheme(path) != "gs":
+    return None
+  import fsspec  # pylint: disable=g-import-not-at-top
+  info = fsspec.filesystem("gs").info(path)
+  return f"crc32c:{info['crc32c']}" if info.get("crc32c") else None
