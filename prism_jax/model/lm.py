@@ -92,7 +92,13 @@ class PrismLM(nnx.Module):
         residual_NxD = residual_NxD - (z_hat_NxD - protos.z_hat_NxD)  # r = z - (ẑ + probe)
     if residual_keep_BxT is not None:
       residual_NxD = residual_NxD * residual_keep_BxT.reshape(-1, 1).astype(residual_NxD.dtype)
-    head_in_NxD = residual_NxD + z_hat_NxD  # = z in value; routes gradients
+    if self.cfg.residual_routing == "straight_through" and residual_keep_BxT is None:
+      # r + ẑ with r = z − sg(ẑ), written so that the value is z to the bit (the logits
+      # are W z exactly, as the dense twin's) and the gradients are those of r + ẑ.
+      z_NxD = z_BxTxD.reshape(batch * seq, d).astype(z_hat_NxD.dtype)
+      head_in_NxD = z_NxD + (z_hat_NxD - jax.lax.stop_gradient(z_hat_NxD))
+    else:
+      head_in_NxD = residual_NxD + z_hat_NxD  # = z in value; routes gradients
     logits = self.backbone.lm_head(head_in_NxD.reshape(batch, seq, d))
     return LMOutput(logits, z_BxTxD, protos)
 

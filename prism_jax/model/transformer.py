@@ -26,6 +26,11 @@ from prism_jax.model.tap import Tap, linear, scoped
 from prism_jax.sharding import constrain
 
 
+# The logit of a padding row of the vocabulary (model.vocab_used): never predicted, yet
+# finite, so that means and variances over the vocabulary stay finite.
+PAD_LOGIT = -1e9
+
+
 def wide(dtype) -> jnp.dtype:
   """At least float32: float32 for bf16/fp32 compute, float64 for float64 references."""
   return jnp.promote_types(dtype, jnp.float32)
@@ -263,6 +268,10 @@ class Backbone(nnx.Module):
     precision = jax.lax.Precision.HIGHEST if self.cfg.dtype == "float32" else None
     logits = jnp.einsum("btd,vd->btv", h_BxTxD.astype(wide(h_BxTxD.dtype)), self.wte[...],
                         precision=precision)
+    used = self.cfg.num_token_ids
+    if used < self.cfg.vocab_size:  # padding rows: no gradient reaches them from the head
+      vocab_iota = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+      logits = jnp.where(vocab_iota < used, logits, jnp.asarray(PAD_LOGIT, logits.dtype))
     return constrain(logits, ("batch", "seq", "act_vocab"))
 
   def init_cache(self, batch: int, dtype=jnp.float32) -> list[KVCache]:
