@@ -216,6 +216,13 @@ class TrainConfig:
   ckpt_every: int = 200
   keep_checkpoints: int = 3
   log_every: int = 20
+  # Retrofit (prism_jax/train/init_from.py): a run directory whose backbone starts this run
+  # (a dense twin, an imported Hugging Face GPT-2, a PRISM run); the bank is then set from
+  # its hidden states at proto_init_step (0: at once). "" = train from scratch.
+  init_from: str = ""
+  # "all", or "prototypes": only the prototype head (bank, learned mixture scale) trains;
+  # the backbone is frozen, so the full logits stay the pretrained model's to the bit.
+  trainable: Literal["all", "prototypes"] = "all"
 
   def __post_init__(self):
     for name in ("steps", "batch_size", "ckpt_every", "keep_checkpoints", "log_every",
@@ -224,6 +231,7 @@ class TrainConfig:
     _check(int(self.eval_batches) >= 0, "train.eval_batches must be >= 0 (0: the whole split)")
     _check(self.lr > 0, "train.lr must be positive")
     _check(0 <= self.warmup_steps, "train.warmup_steps must be >= 0")
+    _check_choice("train.trainable", self.trainable, ("all", "prototypes"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -253,6 +261,8 @@ class Config:
   def __post_init__(self):
     _check(self.data.seq_len <= self.model.max_len,
            f"data.seq_len={self.data.seq_len} exceeds model.max_len={self.model.max_len}")
+    _check(self.train.trainable == "all" or self.model.kind == "prism",
+           "train.trainable=prototypes needs model.kind=prism (the dense twin has no bank)")
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

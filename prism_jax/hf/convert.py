@@ -128,6 +128,11 @@ prototype head (the bank of {num_prototypes} prototypes, k {k}) is not part of G
 not exported; load the run with prism_jax for it.
 """
 
+NO_TOKENIZER_NOTE = """
+The run's tokenizer is prism_jax's {kind!r} tokenizer, which has no Hugging Face tokenizer
+files: none are written (token ids are the run's own).
+"""
+
 
 def export_hf(workdir: str, out: str, step: int | None = None) -> str:
   """Writes `out` (new or empty) from the run's newest (or given) checkpoint; returns it."""
@@ -138,12 +143,12 @@ def export_hf(workdir: str, out: str, step: int | None = None) -> str:
   _, params, cfg, step = inference.load_params(workdir, step=step)
   tok = inference.load_tokenizer(workdir, cfg)
   tensors = gpt2_weights.hf_tensors(jax.device_get(params["backbone"]), mcfg)
-  if not hasattr(tok, "hf_tokenizer"):
-    raise HFFormatError(f"the run's tokenizer is {tok.kind!r}: only BPE tokenizers have "
-                        "Hugging Face tokenizer files")
   hf_cfg.update(bos_token_id=int(tok.eos_id), eos_token_id=int(tok.eos_id))
   note = (PRISM_NOTE.format(num_prototypes=mcfg.num_prototypes, k=mcfg.k)
           if mcfg.kind == "prism" else "")
+  if not hasattr(tok, "hf_tokenizer"):
+    tok = None
+    note += NO_TOKENIZER_NOTE.format(kind=inference.load_tokenizer(workdir, cfg).kind)
   readme = README.format(name=os.path.basename(out), workdir=os.path.abspath(workdir),
                          step=step, kind=mcfg.kind, prism_note=note)
   os.makedirs(out, exist_ok=True)

@@ -85,17 +85,19 @@ def read_tokenizer(hf_dir: str):
 
 def write_dir(out: str, config: dict[str, Any], tensors: dict[str, np.ndarray], tokenizer,
               readme: str) -> None:
-  """Writes config.json, model.safetensors, the tokenizer files and README.md into `out`
-  (which the caller has claimed)."""
+  """Writes config.json, model.safetensors, README.md and the tokenizer files (a BPE's;
+  none for tokenizer=None) into `out`."""
   from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
   with open(os.path.join(out, CONFIG_FILE), "w", encoding="utf-8") as f:
     json.dump(config, f, indent=2, sort_keys=True)
   save_file(tensors, os.path.join(out, WEIGHTS_FILE), metadata={"format": "pt"})
+  with open(os.path.join(out, "README.md"), "w", encoding="utf-8") as f:
+    f.write(readme)
+  if tokenizer is None:
+    return
   tokenizer.hf_tokenizer.save(os.path.join(out, "tokenizer.json"))
   eos = tokenizer.decode([tokenizer.eos_id], skip_special=False)
   with open(os.path.join(out, "tokenizer_config.json"), "w", encoding="utf-8") as f:
     json.dump({"tokenizer_class": "GPT2Tokenizer", "bos_token": eos, "eos_token": eos,
                "unk_token": eos, "add_prefix_space": False,
                "model_max_length": config["n_positions"]}, f, indent=2)
-  with open(os.path.join(out, "README.md"), "w", encoding="utf-8") as f:
-    f.write(readme)
