@@ -14,7 +14,8 @@ are reused (train() resumes), so the table can be re-read cheaply.
 
 Reported per run: val CE (and vs the seed's dense twin), argmax agreement of W z_hat with
 W z on all and on decisive tokens (prism_jax/faithfulness.py), proto-path CE ratio, R̄1/R̄2,
-dead prototypes (the final checkpoint on the whole val split), the steady training time of the run's own steps, and the
+dead prototypes (the final eval: train.eval_batches 8 covers the whole val split; a run
+written by older code without the decisive-token metrics is evaluated again), the steady training time of the run's own steps, and the
 attribution retention: top-m overlap of cached PRISM scores (rank --rank) with the full
 prototype-space scores (linear path) for --queries val tokens, over the first --max_rows
 training rows.
@@ -113,12 +114,15 @@ def retention(workdir: str, seed: int) -> float:
 
 def measure(root: str, seed: int) -> dict:
   from prism_jax.train import train  # pylint: disable=g-import-not-at-top
+  from prism_jax.train.metrics import read_metrics  # pylint: disable=g-import-not-at-top
   out = {}
   for name in RUNS:
     cfg = run_config(name, seed, root, FLAGS.steps)
     workdir = os.path.join(root, f"{name}_s{seed}")
     train(cfg, workdir)
-    val = evaluate_run(workdir)
+    val = read_metrics(workdir, "val")[-1]
+    if "agreement_decisive" not in val and name != "dense":  # a run of older code
+      val = evaluate_run(workdir)
     row = {k: val.get(k) for k in SHOWN} | {"train_s": train_seconds(workdir, cfg),
                                             "steps": cfg.train.steps}
     if name != "dense":
