@@ -35,6 +35,10 @@ class ModelConfig:
 
   kind: Literal["prism", "dense"] = "prism"
   vocab_size: int = 512
+  # 0: every row of the vocabulary is a token. Otherwise the number of real token ids; the
+  # rows past it pad the embedding to a friendlier size (GPT-2's 50257 -> 50304, a multiple
+  # of 128) and their logits are masked so that they are never predicted.
+  vocab_used: int = 0
   max_len: int = 128
   d_model: int = 128
   n_layers: int = 4
@@ -76,6 +80,9 @@ class ModelConfig:
       value = getattr(self, name)  # a float 2.5 or str "8" would slip through int()
       _check(isinstance(value, int) and not isinstance(value, bool) and value > 0,
              f"model.{name} must be a positive int, got {value!r}")
+    _check(isinstance(self.vocab_used, int) and 0 <= self.vocab_used <= self.vocab_size,
+           f"model.vocab_used={self.vocab_used!r} must be an int in [0, model.vocab_size="
+           f"{self.vocab_size}] (0: all rows are tokens)")
     _check(self.d_model % self.n_heads == 0,
            f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}")
     _check(self.k <= self.num_prototypes,
@@ -92,6 +99,11 @@ class ModelConfig:
     _check(isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0,
            f"model.dropout must be in [0, 1), got {self.dropout!r}")
     _check_choice("model.implementation", self.implementation, IMPLEMENTATIONS)
+
+  @property
+  def num_token_ids(self) -> int:
+    """The real token ids: vocab_size less the padding rows (model.vocab_used)."""
+    return self.vocab_used or self.vocab_size
 
   @property
   def head_dim(self) -> int:
@@ -204,6 +216,13 @@ class TrainConfig:
   ckpt_every: int = 200
   keep_checkpoints: int = 3
   log_every: int = 20
+  # Retrofit (prism_jax/train/init_from.py): a run directory whose backbone starts this run
+  # (a dense twin, an imported Hugging Face GPT-2, a PRISM run); the bank is then set from
+  # its hidden states at proto_init_step (0: at once). "" = train from scratch.
+  init_from: str = ""
+  # "all", or "prototypes": only the prototype head (bank, learned mixture scale) trains;
+  # the backbone is frozen, so the full logits stay the pretrained model's to the bit.
+  trainable: Literal["all", "prototypes"] = "all"
 
   def __post_init__(self):
     for name in ("steps", "batch_size", "ckpt_every", "keep_checkpoints", "log_every",
@@ -212,6 +231,7 @@ class TrainConfig:
     _check(int(self.eval_batches) >= 0, "train.eval_batches must be >= 0 (0: the whole split)")
     _check(self.lr > 0, "train.lr must be positive")
     _check(0 <= self.warmup_steps, "train.warmup_steps must be >= 0")
+    _check_choice("train.trainable", self.trainable, ("all", "prototypes"))
 
 
 @dataclasses.dataclass(frozen=True)
@@ -241,6 +261,8 @@ class Config:
   def __post_init__(self):
     _check(self.data.seq_len <= self.model.max_len,
            f"data.seq_len={self.data.seq_len} exceeds model.max_len={self.model.max_len}")
+    _check(self.train.trainable == "all" or self.model.kind == "prism",
+           "train.trainable=prototypes needs model.kind=prism (the dense twin has no bank)")
 
 
 def to_dict(cfg: Any) -> dict[str, Any]:

@@ -8,6 +8,14 @@ explained by prototypes (PRISM.md §3, "Faithfulness"). Over valid tokens t with
   centred target logit  c(ℓ) = ℓ_y − mean_v ℓ_v, linear in ℓ, so c(W z) = c(W z_hat) + c(W r);
                      centred_proto_share = Σ_t c(W z_hat) / Σ_t c(W z)  (the r share is 1 − it)
   acc_full / acc_proto / acc_resid   top-1 accuracy of W z, W z_hat, W r alone
+  decisive_share     share of tokens where the full model is decisive: its top-1 logit
+                     leads the top-2 by >= DECISIVE_MARGIN (1) and p(top-1) >= DECISIVE_PROB
+                     (0.5); agreement_decisive = the agreement on those tokens alone (nan when
+                     there are none). A prototype path that agrees where the model is sure
+                     carries its decisions; disagreement on near-ties matters less.
+
+Padding rows of the vocabulary (model.vocab_used; logit PAD_LOGIT) are left out of the
+centred logit's mean; they are never an argmax.
 
 Residual logits are W z − W z_hat (exact in value). Argmax ties go to the lower token id.
 The state is a NamedTuple of arrays: `update` is pure and jittable, states of disjoint token
@@ -30,12 +38,18 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
+from prism_jax.model.transformer import PAD_LOGIT
+
 
 KEYS = ("full_ce", "proto_ce", "proto_ce_ratio", "agreement", "centred_logit",
-        "centred_proto_share", "centred_resid_share", "acc_full", "acc_proto", "acc_resid")
+        "centred_proto_share", "centred_resid_share", "acc_full", "acc_proto", "acc_resid",
+        "decisive_share", "agreement_decisive")
+DECISIVE_MARGIN = 1.0  # top-1 minus top-2 logit of W z
+DECISIVE_PROB = 0.5  # softmax(W z) of the top-1
 LEGEND = ("legend: proto_ce = CE of W z_hat alone (x its ratio to the full CE of W z), "
           "agreement = share of tokens with argmax W z_hat = argmax W z, centred_proto_share "
-          "= prototype part of l_y - mean_v l_v, top-1 = accuracy of W z, W z_hat, W r alone")
+          "= prototype part of l_y - mean_v l_v, top-1 = accuracy of W z, W z_hat, W r alone, "
+          "decisive = tokens where W z's top-1 leads by >= 1 logit with p >= 0.5")
 
 
 class FaithfulnessState(NamedTuple):
@@ -48,11 +62,13 @@ class FaithfulnessState(NamedTuple):
   correct_resid: jax.Array  # int32 ()
   centred_full: jax.Array  # float32 (), Σ_t c(W z_t)
   centred_proto: jax.Array  # float32 (), Σ_t c(W z_hat_t)
+  decisive: jax.Array  # int32 (), #t where W z_t is decisive (see module doc)
+  agree_decisive: jax.Array  # int32 (), #t decisive with argmax W z_hat_t = argmax W z_t
 
 
 def faithfulness_init() -> FaithfulnessState:
   zi, zf = jnp.zeros((), jnp.int32), jnp.zeros((), jnp.float32)
-  return FaithfulnessState(zi, zf, zf, zi, zi, zi, zi, zf, zf)
+  return FaithfulnessState(zi, zf, zf, zi, zi, zi, zi, zf, zf, zi, zi)
 
 
 def _nll_N(logits_NxV: jax.Array, targets_N: jax.Array) -> jax.Array:
@@ -62,7 +78,17 @@ def _nll_N(logits_NxV: jax.Array, targets_N: jax.Array) -> jax.Array:
 
 def _centred_N(logits_NxV: jax.Array, targets_N: jax.Array) -> jax.Array:
   target = jnp.take_along_axis(logits_NxV, targets_N[:, None], axis=-1)[:, 0]
-  return target - jnp.mean(logits_NxV, axis=-1)
+  real_V = logits_NxV[0] > PAD_LOGIT  # padding rows carry PAD_LOGIT in every path
+  mean = jnp.sum(jnp.where(real_V, logits_NxV, 0.0), -1) / jnp.maximum(jnp.sum(real_V), 1)
+  return target - mean
+
+
+def decisive_N(logits_NxV: jax.Array) -> jax.Array:
+  """Tokens where the logits are decisive: top-1 - top-2 >= DECISIVE_MARGIN and
+  softmax top-1 >= DECISIVE_PROB."""
+  top2_Nx2 = jax.lax.top_k(logits_NxV, 2)[0]
+  p_top1 = jnp.exp(top2_Nx2[:, 0] - jax.nn.logsumexp(logits_NxV, axis=-1))
+  return (top2_Nx2[:, 0] - top2_Nx2[:, 1] >= DECISIVE_MARGIN) & (p_top1 >= DECISIVE_PROB)
 
 
 def faithfulness_update(state: FaithfulnessState, logits_NxV: jax.Array,
@@ -86,6 +112,7 @@ def faithfulness_update(state: FaithfulnessState, logits_NxV: jax.Array,
   count = lambda b_N: jnp.sum((b_N & valid_N).astype(jnp.int32))
   fsum = lambda x_N: jnp.sum(x_N * validf_N)
   arg_full, arg_proto = jnp.argmax(full, -1), jnp.argmax(proto, -1)
+  decisive = decisive_N(full)
   batch = FaithfulnessState(
       num_tokens=count(jnp.ones(n, bool)),
       nll_full=fsum(_nll_N(full, targets_N)), nll_proto=fsum(_nll_N(proto, targets_N)),
@@ -93,7 +120,8 @@ def faithfulness_update(state: FaithfulnessState, logits_NxV: jax.Array,
       correct_full=count(arg_full == targets_N), correct_proto=count(arg_proto == targets_N),
       correct_resid=count(jnp.argmax(resid, -1) == targets_N),
       centred_full=fsum(_centred_N(full, targets_N)),
-      centred_proto=fsum(_centred_N(proto, targets_N)))
+      centred_proto=fsum(_centred_N(proto, targets_N)),
+      decisive=count(decisive), agree_decisive=count(decisive & (arg_proto == arg_full)))
   return faithfulness_merge(state, batch)
 
 
@@ -104,7 +132,8 @@ def faithfulness_merge(a: FaithfulnessState, b: FaithfulnessState) -> Faithfulne
 
 def faithfulness_finalize(state: FaithfulnessState) -> dict[str, float]:
   """Keys: full_ce, proto_ce, proto_ce_ratio, agreement, centred_logit, centred_proto_share,
-  centred_resid_share, acc_full, acc_proto, acc_resid. With no valid token, all are nan."""
+  centred_resid_share, acc_full, acc_proto, acc_resid, decisive_share, agreement_decisive.
+  With no valid token, all are nan."""
   s = jax.device_get(state)
   n = int(s.num_tokens)
   if n == 0:
@@ -112,10 +141,12 @@ def faithfulness_finalize(state: FaithfulnessState) -> dict[str, float]:
   full_ce, proto_ce = float(s.nll_full) / n, float(s.nll_proto) / n
   c_full, c_proto = float(s.centred_full), float(s.centred_proto)
   share = c_proto / c_full if c_full != 0 else float("nan")
+  decisive = int(s.decisive)
   return dict(zip(KEYS, (
       full_ce, proto_ce, proto_ce / full_ce if full_ce > 0 else float("nan"),
       int(s.agree) / n, c_full / n, share, 1.0 - share, int(s.correct_full) / n,
-      int(s.correct_proto) / n, int(s.correct_resid) / n)))
+      int(s.correct_proto) / n, int(s.correct_resid) / n, decisive / n,
+      int(s.agree_decisive) / decisive if decisive else float("nan"))))
 
 
 def format_line(metrics: dict[str, float]) -> str:
@@ -124,5 +155,7 @@ def format_line(metrics: dict[str, float]) -> str:
   return (f"proto_ce {m['proto_ce']:.4f} (x{m['proto_ce_ratio']:.3f} of full "
           f"{m['full_ce']:.4f}), agreement {100 * m['agreement']:.1f}%, centred_proto_share "
           f"{m['centred_proto_share']:.3f}, top-1 full/proto/resid {m['acc_full']:.3f}/"
-          f"{m['acc_proto']:.3f}/{m['acc_resid']:.3f}")
+          f"{m['acc_proto']:.3f}/{m['acc_resid']:.3f}, decisive tokens "
+          f"{100 * m['decisive_share']:.1f}% (agreement there "
+          f"{100 * m['agreement_decisive']:.1f}%)")
 

@@ -109,3 +109,26 @@ def test_neox_loads_round_trips_and_saves(tmp_path):
     assert tok.decode(tok.encode(text)) == text
   back = tok_lib.load_tokenizer(tok.save(str(tmp_path)))
   assert back.kind == "neox" and back.encode("it's  a test") == tok.encode("it's  a test")
+
+
+@pytest.mark.skipif(gpt2_missing, reason="GPT-2 BPE files not fetched (make venv does it)")
+def test_gpt2_from_the_hugging_face_cache(tmp_path, monkeypatch):
+  """A pip-only install: no fetched files, GPT-2's vocab.json + merges.txt in the HF hub
+  cache give the same ids; with neither, one line names every way to get them."""
+  import shutil  # pylint: disable=g-import-not-at-top
+  files = pretrained.gpt2_files()
+  want = tok_lib.make_tokenizer("gpt2", 50257)
+  monkeypatch.delenv("PRISM_GPT2_DIR", raising=False)
+  monkeypatch.setattr(pretrained, "gpt2_dir", lambda: str(tmp_path / "no_venv_files"))
+  monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
+  with pytest.raises(FileNotFoundError, match="huggingface-cli download") as err:
+    tok_lib.make_tokenizer("gpt2", 50257)
+  assert "\n" not in str(err.value)
+  snap = tmp_path / "hub" / "models--openai-community--gpt2" / "snapshots" / "abc123"
+  snap.mkdir(parents=True)
+  shutil.copy(files["encoder.json"], snap / "vocab.json")
+  shutil.copy(files["vocab.bpe"], snap / "merges.txt")
+  got = tok_lib.make_tokenizer("gpt2", 50257)
+  for text in ("Hello world", "  it's café 1234\n\n日本語 <|endoftext|>", " Hello"):
+    assert got.encode(text) == want.encode(text)
+  assert (got.eos_id, got.vocab_size) == (50256, 50257)

@@ -39,7 +39,7 @@ def np_reference(model, data):
   p = np.asarray(model.bank.protos[...], np.float64)
   w = np.asarray(model.backbone.wte[...], np.float64)
   acc = {k: [] for k in ("nll_full", "nll_proto", "agree", "ok_full", "ok_proto", "ok_resid",
-                         "c_full", "c_proto")}
+                         "c_full", "c_proto", "decisive", "agree_decisive")}
   for toks, targets, mask in data:
     z, _ = model.backbone(jnp.asarray(toks, jnp.int32))
     z = np.asarray(z, np.float64).reshape(-1, p.shape[1])
@@ -57,6 +57,9 @@ def np_reference(model, data):
       acc[f"nll_{name}"] += list((lse - logits[rows, y])[m])
       acc[f"c_{name}"] += list((logits[rows, y] - logits.mean(1))[m])
     acc["agree"] += list((proto.argmax(1) == full.argmax(1))[m])
+    dec = np_decisive(full)
+    acc["decisive"] += list(dec[m])
+    acc["agree_decisive"] += list((proto.argmax(1) == full.argmax(1))[m & dec])
     for name, logits in (("full", full), ("proto", proto), ("resid", resid)):
       acc[f"ok_{name}"] += list((logits.argmax(1) == y)[m])
   mean = {k: float(np.mean(v)) for k, v in acc.items()}
@@ -65,7 +68,17 @@ def np_reference(model, data):
           "proto_ce_ratio": mean["nll_proto"] / mean["nll_full"], "agreement": mean["agree"],
           "centred_logit": mean["c_full"], "centred_proto_share": share,
           "centred_resid_share": 1.0 - share, "acc_full": mean["ok_full"],
-          "acc_proto": mean["ok_proto"], "acc_resid": mean["ok_resid"]}
+          "acc_proto": mean["ok_proto"], "acc_resid": mean["ok_resid"],
+          "decisive_share": mean["decisive"],
+          "agreement_decisive": (mean["agree_decisive"] if acc["agree_decisive"]
+                                 else float("nan"))}
+
+
+def np_decisive(logits):
+  """Float64: top-1 leads top-2 by >= 1 and its softmax probability is >= 0.5."""
+  top = np.sort(logits, axis=1)[:, ::-1]
+  p1 = 1.0 / np.exp(logits - top[:, :1]).sum(1)
+  return (top[:, 0] - top[:, 1] >= 1.0) & (p1 >= 0.5)
 
 
 @pytest.mark.parametrize("seed", [0, 1])
@@ -139,3 +152,31 @@ def test_bad_shapes_are_named():
     faithfulness_update(faithfulness_init(), x, x, jnp.zeros(3, jnp.int32))
   with pytest.raises(ValueError, match=r"mask must have shape \(N,\)=\(4,\)"):
     faithfulness_update(faithfulness_init(), x, x, jnp.zeros(4, jnp.int32), jnp.ones(5, bool))
+
+
+@pytest.mark.parametrize("pad", [0, 11])
+def test_decisive_agreement_and_padding_rows(pad):
+  """Fresh random logits spread enough that some tokens are decisive and some are not;
+  with `pad` padding columns at PAD_LOGIT (model.vocab_used), every metric is that of the
+  unpadded logits: the padding is never an argmax and stays out of the centred mean."""
+  from prism_jax.model.transformer import PAD_LOGIT  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(pad + 3)
+  n, v = 400, 37
+  full = rng.normal(size=(n, v)) * rng.uniform(0.2, 4.0, size=(n, 1))
+  proto = full + rng.normal(size=(n, v)) * 1.5
+  targets, mask = rng.integers(0, v, n), rng.random(n) < 0.8
+  want_dec = np_decisive(full)
+  assert 0.1 < want_dec[mask].mean() < 0.9  # a non-trivial case
+  agree = proto.argmax(1) == full.argmax(1)
+  padded = [np.concatenate([x, np.full((n, pad), PAD_LOGIT)], 1) for x in (full, proto)]
+  state = faithfulness_update(faithfulness_init(), *(jnp.asarray(x, jnp.float32) for x in padded),
+                              jnp.asarray(targets, jnp.int32), jnp.asarray(mask))
+  got = faithfulness_finalize(state)
+  np.testing.assert_allclose(got["decisive_share"], want_dec[mask].mean(), rtol=1e-6)
+  np.testing.assert_allclose(got["agreement_decisive"], agree[mask & want_dec].mean(),
+                             rtol=1e-6)
+  np.testing.assert_allclose(got["agreement"], agree[mask].mean(), rtol=1e-6)
+  rows = np.arange(n)
+  centred = (full[rows, targets] - full.mean(1))[mask].mean()
+  np.testing.assert_allclose(got["centred_logit"], centred, rtol=1e-4, atol=1e-5)
+  assert "decisive tokens" in format_line(got)

@@ -38,7 +38,7 @@ REPORT_KIND = "report"  # io_guard marker kind
 REPORT_FILE = "index.html"
 # metrics.jsonl val keys plotted over training (those present are drawn).
 METRIC_KEYS = ("loss", "r1_bar", "r2_bar", "residual_share", "dead_frac", "proto_ce_ratio",
-               "agreement", "centred_proto_share")
+               "agreement", "centred_proto_share", "decisive_share", "agreement_decisive")
 CARD_CONTEXTS, CARD_LOGITS = 5, 8  # what each embedded card keeps (the page stays small)
 
 
@@ -95,6 +95,20 @@ def read_metrics(path: str | None) -> dict:
                            else None)
   return {"steps": steps, "series": {k: v for k, v in series.items()
                                      if any(x is not None for x in v)}}
+
+
+def val_faithfulness_line(metrics: dict) -> str:
+  """"; val (step S): agreement A%, on decisive tokens (D% of tokens) B%" from the newest
+  val record that has them ("" when none has)."""
+  series = metrics["series"]
+  for j in range(len(metrics["steps"]) - 1, -1, -1):
+    got = [series.get(k, [None] * (j + 1))[j]
+           for k in ("agreement", "decisive_share", "agreement_decisive")]
+    if None not in got:
+      agree, share, agree_dec = got
+      return (f"; val (step {metrics['steps'][j]}): agreement {100 * agree:.1f}%, on "
+              f"decisive tokens ({100 * share:.1f}% of tokens) {100 * agree_dec:.1f}%")
+  return ""
 
 
 def _card_json(c, detail: bool = True) -> dict:
@@ -184,11 +198,13 @@ def report_data(model, cfg: Config, decode: Callable, prompt_ids: Sequence[int],
   usage = np.array([c.usage for c in cards.cards])
   text = decode(seq.tolist())
   detail = set(detailed_cards(cards, np.unique(idx), detail_cards))
+  metrics = read_metrics(metrics_path)
   return {
       "title": title, "subtitle": f"K={cfg.model.num_prototypes} prototypes, k="
       f"{cfg.model.k} active; sample: {text[:160]!r}",
       "faithfulness_line": "this sample: " + faithfulness.format_line(
-          {k: float("nan") if v is None else v for k, v in faith.items()}),
+          {k: float("nan") if v is None else v for k, v in faith.items()})
+      + val_faithfulness_line(metrics),
       "faithfulness": faith, "first_token": decode([int(seq[0])]),
       "first_id": int(seq[0]),
       "prompt_len": int(len(prompt)), "tokens": tokens,
@@ -198,7 +214,7 @@ def report_data(model, cfg: Config, decode: Callable, prompt_ids: Sequence[int],
       "cards": [_card_json(c, i in detail) for i, c in enumerate(cards.cards)],
       "detail_cards": len(detail), "map_method": cards.map_method,
       "label_method": LABEL_METHOD, "usage_hist": _usage_hist(usage),
-      "metrics": read_metrics(metrics_path)}
+      "metrics": metrics}
 
 
 def write_report(out_dir: str, data: dict) -> str:

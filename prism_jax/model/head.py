@@ -78,8 +78,15 @@ def prism_head(z_BxTxD: jax.Array, protos_KxD: jax.Array, wte_VxD: jax.Array,
       residual_NxD = residual_NxD - (z_hat_NxD - protos.z_hat_NxD)  # r = z - (ẑ + probe)
   if residual_keep_N is not None:
     residual_NxD = residual_NxD * residual_keep_N.reshape(-1, 1).astype(residual_NxD.dtype)
-  head_in_NxD = residual_NxD + z_hat_NxD  # = z in value; routes gradients
-  logits = tied_logits(head_in_NxD.reshape(batch, seq, d), wte_VxD, cfg.dtype)
+  if cfg.residual_routing == "straight_through" and residual_keep_N is None:
+    # r + ẑ with r = z − sg(ẑ), written so that the value is z to the bit (the logits are
+    # W z exactly, as the dense twin's: a frozen retrofit predicts as its dense model) and
+    # the gradients are those of r + ẑ.
+    head_in_NxD = z_NxD.astype(z_hat_NxD.dtype) + (z_hat_NxD - jax.lax.stop_gradient(z_hat_NxD))
+  else:
+    head_in_NxD = residual_NxD + z_hat_NxD  # = z in value; routes gradients
+  logits = tied_logits(head_in_NxD.reshape(batch, seq, d), wte_VxD, cfg.dtype,
+                       cfg.num_token_ids)
   return HeadOutput(logits[0] if flat else logits, protos)
 
 

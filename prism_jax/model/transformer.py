@@ -26,6 +26,11 @@ from prism_jax.model.tap import Tap, linear, scoped
 from prism_jax.sharding import constrain
 
 
+# The logit of a padding row of the vocabulary (model.vocab_used): never predicted, yet
+# finite, so that means and variances over the vocabulary stay finite.
+PAD_LOGIT = -1e9
+
+
 def wide(dtype) -> jnp.dtype:
   """At least float32: float32 for bf16/fp32 compute, float64 for float64 references."""
   return jnp.promote_types(dtype, jnp.float32)
@@ -36,13 +41,20 @@ def compute_dtype(cfg: ModelConfig, param: jax.Array) -> jnp.dtype:
   return jnp.dtype(jnp.float64) if param.dtype == jnp.float64 else jnp.dtype(cfg.dtype)
 
 
-def tied_logits(h_BxTxD: jax.Array, wte_VxD: jax.Array, dtype: str) -> jax.Array:
+def tied_logits(h_BxTxD: jax.Array, wte_VxD: jax.Array, dtype: str,
+                num_token_ids: int | None = None) -> jax.Array:
   """The tied LM head as a function of W: logits = h W^T in (at least) fp32. Full fp32
   accuracy when `dtype` (ModelConfig.dtype) is float32, so the logit decomposition is
-  exact; default (fast) matmul precision when the model computes in bf16 anyway."""
+  exact; default (fast) matmul precision when the model computes in bf16 anyway. Rows at
+  and past `num_token_ids` (ModelConfig.num_token_ids: vocabulary padding) get PAD_LOGIT:
+  never predicted, and no gradient reaches them from the head."""
   precision = jax.lax.Precision.HIGHEST if dtype == "float32" else None
   logits = jnp.einsum("btd,vd->btv", h_BxTxD.astype(wide(h_BxTxD.dtype)), wte_VxD,
                       precision=precision)
+  if num_token_ids is not None and num_token_ids < wte_VxD.shape[0]:
+    vocab_iota = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+    logits = jnp.where(vocab_iota < num_token_ids, logits,
+                       jnp.asarray(PAD_LOGIT, logits.dtype))
   return constrain(logits, ("batch", "seq", "act_vocab"))
 
 
@@ -268,7 +280,7 @@ class Backbone(nnx.Module):
 
   def lm_head(self, h_BxTxD: jax.Array) -> jax.Array:
     """Tied LM head W (V x D): logits = h W^T, in fp32."""
-    return tied_logits(h_BxTxD, self.wte[...], self.cfg.dtype)
+    return tied_logits(h_BxTxD, self.wte[...], self.cfg.dtype, self.cfg.num_token_ids)
 
   def init_cache(self, batch: int, dtype=jnp.float32) -> list[KVCache]:
     shape = (batch, self.cfg.max_len, self.cfg.n_heads, self.cfg.head_dim)

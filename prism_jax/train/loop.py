@@ -24,6 +24,7 @@ from prism_jax.io_guard import resolve_config_paths
 from prism_jax.model.lm import init_prototypes_from_hidden
 from prism_jax.train import checkpoint as ckpt_lib
 from prism_jax.train import evaluation
+from prism_jax.train import init_from as init_from_lib
 from prism_jax.train import metrics as metrics_lib
 from prism_jax.train import overrides
 from prism_jax.train import step as step_lib
@@ -131,7 +132,7 @@ def train(cfg: Config, workdir: str, *, mesh: jax.sharding.Mesh | None = None,
   t_start = time.time()
   workdir = paths.resolve(workdir)  # a local path or a gs:// URI
   paths.check_access(workdir)
-  cfg = resolve_config_paths(cfg)  # stored absolute: the run works from any cwd
+  cfg = init_from_lib.resolve(resolve_config_paths(cfg))  # stored absolute: any cwd works
   paths.path(workdir).mkdir(parents=True, exist_ok=True)
   mesh = default_mesh(cfg) if mesh is None else mesh
   tc = cfg.train
@@ -160,6 +161,8 @@ def train(cfg: Config, workdir: str, *, mesh: jax.sharding.Mesh | None = None,
       except Exception:  # pylint: disable=broad-except
         pass  # unreadable: restore_latest reports it and falls back
     packed, train_loader, val_loader = prepare(cfg, workdir, mesh)
+    if cfg.train.init_from and latest is None:
+      init_from_lib.check_source(cfg, packed.tokenizer)
     return _run(cfg, workdir, mesh, ckpt, packed, train_loader, val_loader, callbacks, allow,
                 t_start, start_over)
   finally:
@@ -189,6 +192,8 @@ def _run(cfg, workdir, mesh, ckpt, packed, train_loader, val_loader, callbacks, 
     else:
       graphdef, state, shardings = create_train_state(cfg, mesh, tx)
       data_state, start = train_loader.state(0), 0
+      if tc.init_from:
+        state = init_from_lib.with_pretrained_backbone(state, shardings, cfg)
     ckpt_lib.write_config(workdir, cfg)
 
     fns: dict[bool, Callable] = {}

@@ -53,11 +53,34 @@ def decay_mask(params: Any) -> Any:
 
 
 def make_optimizer(cfg: TrainConfig) -> optax.GradientTransformation:
-  """Clip by global norm, then AdamW (decay masked) on the warm-up + cosine schedule."""
-  return optax.chain(
+  """Clip by global norm, then AdamW (decay masked) on the warm-up + cosine schedule.
+  `trainable="prototypes"`: the same on the head's parameters alone (clipped by their own
+  norm); every other update is exactly zero (no weight decay either)."""
+  tx = optax.chain(
       optax.clip_by_global_norm(cfg.grad_clip),
       optax.adamw(lr_schedule(cfg), b1=cfg.b1, b2=cfg.b2, eps=1e-8,
                   weight_decay=cfg.weight_decay, mask=decay_mask))
+  return tx if cfg.trainable == "all" else only_head(tx)
+
+
+def only_head(tx: optax.GradientTransformation) -> optax.GradientTransformation:
+  """`tx` on the head's parameters alone: the backbone's gradients are zeroed before it (so
+  clipping sees the head's norm) and its updates after it (so weight decay cannot move
+  it). The state keeps the full tree's shape, so shardings and checkpoints are unchanged."""
+  def keep(tree):
+    return jax.tree_util.tree_map_with_path(
+        lambda p, x: x if is_head(p) else jnp.zeros_like(x), tree)
+
+  def update(updates, state, params=None):
+    updates, state = tx.update(keep(updates), state, params)
+    return keep(updates), state
+
+  return optax.GradientTransformation(tx.init, update)
+
+
+def is_head(path) -> bool:
+  """Whether a parameter (tree path) belongs to the prototype head, not the backbone."""
+  return _key_names(path)[0] != "backbone"
 
 
 def reset_moments(opt_state: Any, path: tuple[str, ...] = PROTO_PATH) -> Any:

@@ -89,6 +89,8 @@ def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation,
   """
 
   def loss_fn(params, batch, step):
+    if cfg.train.trainable == "prototypes":  # no backward pass through the frozen backbone
+      params = {**params, "backbone": jax.lax.stop_gradient(params["backbone"])}
     model = nnx.merge(graphdef, params)
     if dense_phase:
       return _dense_loss(model, batch, _dropout_key(cfg, step))

@@ -1,0 +1,33 @@
+"""Export a run as a Hugging Face GPT-2 directory (prism export-hf).
+
+  python -m experiments.export_hf --workdir=runs/x --out=x_hf [--step=N]
+
+`transformers.GPT2LMHeadModel.from_pretrained(out)` loads it: the dense twin, or a PRISM
+run's backbone (its README says the prototype head is not part of GPT-2). User errors print
+one `error: ...` line.
+"""
+
+from absl import flags
+
+from experiments import cli
+
+flags.DEFINE_string("workdir", None, "the run to export")
+flags.DEFINE_string("out", None, "new (or empty) directory to write")
+flags.DEFINE_integer("step", None, "checkpoint step (default: the newest)")
+flags.mark_flags_as_required(["workdir", "out"])
+FLAGS = flags.FLAGS
+
+
+def run_export(workdir: str, out: str, step=None) -> str:
+  """The command's work (also for `prism export-hf`): returns a one-line summary."""
+  from prism_jax import hf  # pylint: disable=g-import-not-at-top
+  return f"exported {workdir} to {hf.export_hf(workdir, out, step)}"
+
+
+def main(argv):
+  del argv
+  print(run_export(FLAGS.workdir, FLAGS.out, FLAGS.step))
+
+
+if __name__ == "__main__":
+  cli.run(main)

@@ -1,0 +1,162 @@
+"""`import_hf`: a Hugging Face GPT-2 directory -> a prism_jax run directory that
+`load_for_inference` and every command load; `export_hf`: a run -> a directory that
+`transformers.GPT2LMHeadModel.from_pretrained` loads (the dense twin, or a PRISM run's
+backbone: the prototype head is not part of GPT-2).
+
+An imported run holds `config.json`, a step-0 checkpoint (the weights; zero optimiser
+moments), `data/tokenizer.json` (the checkpoint's tokenizer) and `imported_from.json`. A
+PRISM import's bank is random, not yet set: train it with `train.init_from` (retrofit).
+Everything is read and checked before anything is written, so bad input leaves the target
+untouched; the target must be new or empty.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import hashlib
+import json
+import os
+from typing import Any
+
+import jax
+import numpy as np
+from flax import nnx
+
+from prism_jax import paths
+from prism_jax.config import Config, DataConfig, ModelConfig
+from prism_jax.hf import gpt2_config, gpt2_weights, hf_dir
+from prism_jax.hf.gpt2_config import HFFormatError
+from prism_jax.model.lm import build_model
+from prism_jax.train import checkpoint as ckpt_lib
+from prism_jax.train import inference
+from prism_jax.train.optimizer import make_optimizer
+from prism_jax.train.state import TrainState
+
+IMPORT_NOTE = "imported_from.json"
+KINDS = ("dense", "prism")
+
+
+def _check_empty(path: str, what: str) -> str:
+  path = os.path.abspath(path)
+  if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+    raise HFFormatError(f"{what} {path} exists and is not empty; choose a new or empty "
+                        "directory")
+  return path
+
+
+def read_hf(hf_dir_path: str, kind: str = "dense", **head: Any):
+  """(ModelConfig, backbone params (NumPy), tokenizer) of a GPT-2 directory, checked."""
+  if kind not in KINDS:
+    raise HFFormatError(f"kind={kind!r}: choose one of {KINDS}")
+  hf_cfg = hf_dir.read_config(hf_dir_path)
+  mcfg = gpt2_config.model_config(hf_cfg, kind, **head)
+  backbone = gpt2_weights.backbone_params(hf_dir.read_weights(hf_dir_path), mcfg)
+  tok = hf_dir.read_tokenizer(hf_dir_path)
+  if tok.vocab_size > mcfg.num_token_ids:
+    raise HFFormatError(f"the tokenizer has {tok.vocab_size} ids but config.json's "
+                        f"vocab_size is {mcfg.num_token_ids}")
+  return mcfg, backbone, tok
+
+
+def model_params(mcfg: ModelConfig, backbone: dict[str, Any], seed: int = 0) -> dict[str, Any]:
+  """The full params dict of `mcfg`'s model: `backbone` + a fresh head (PRISM: a random
+  bank, the learned mixture scale at 1)."""
+  params = nnx.to_pure_dict(nnx.state(build_model(mcfg, seed), nnx.Param))
+  _check_same_tree(params["backbone"], backbone)
+  params["backbone"] = jax.tree.map(np.asarray, backbone)
+  return params
+
+
+def _check_same_tree(want: Any, got: Any) -> None:
+  shapes = lambda t: jax.tree_util.tree_map_with_path(lambda p, x: np.shape(x), t)
+  if shapes(want) != shapes(got):
+    raise HFFormatError("the converted backbone does not match the model's parameters")
+
+
+def write_run(workdir: str, cfg: Config, params: dict[str, Any], tokenizer,
+              note: dict[str, Any]) -> None:
+  """A run directory at step 0 holding `params` (what load_for_inference reads)."""
+  tx = make_optimizer(cfg.train)
+  params = jax.tree.map(jax.numpy.asarray, params)
+  state = TrainState(jax.numpy.zeros((), jax.numpy.int32), params, tx.init(params))
+  os.makedirs(workdir, exist_ok=True)
+  ckpt_lib.write_config(workdir, cfg)
+  tokenizer.save(os.path.join(workdir, "data"))
+  ckpt = ckpt_lib.Checkpointer(workdir, keep=1)
+  try:
+    ckpt.save(0, state, {}, cfg)
+    ckpt.wait()
+  finally:
+    ckpt.close()
+  paths.write_text_atomic(os.path.join(workdir, IMPORT_NOTE), json.dumps(note, indent=2))
+
+
+def import_hf(hf_dir_path: str, workdir: str, kind: str = "dense", **head: Any) -> Config:
+  """Imports a GPT-2 directory into a new run directory; returns the run's Config.
+  `head`: ModelConfig fields of the prototype head (kind="prism"), e.g. num_prototypes=512."""
+  workdir = _check_empty(workdir, "--workdir")
+  mcfg, backbone, tok = read_hf(hf_dir_path, kind, **head)
+  data = DataConfig(tokenizer="gpt2" if mcfg.num_token_ids == 50257 else "bpe",
+                    seq_len=min(mcfg.max_len, 1024))
+  cfg = Config(model=mcfg, data=data)
+  weights = os.path.join(hf_dir_path, hf_dir.WEIGHTS_FILE)
+  note = {"hf_dir": os.path.abspath(hf_dir_path), "kind": kind,
+          "model.safetensors sha256": _sha256(weights),
+          "bank": "random, not yet set (train with train.init_from)" if kind == "prism" else None}
+  write_run(workdir, cfg, model_params(mcfg, backbone), tok, note)
+  return cfg
+
+
+def _sha256(path: str) -> str:
+  h = hashlib.sha256()
+  with open(path, "rb") as f:
+    while chunk := f.read(1 << 20):
+      h.update(chunk)
+  return h.hexdigest()
+
+
+README = """# {name}
+
+Exported by prism_jax (`prism export-hf`) from the run `{workdir}` (step {step}, model.kind
+{kind}). Load it with `transformers.GPT2LMHeadModel.from_pretrained(DIR)` and
+`AutoTokenizer.from_pretrained(DIR)`.
+{prism_note}"""
+PRISM_NOTE = """
+This is the PRISM run's backbone with GPT-2's tied LM head: its logits W z are the PRISM
+model's full logits (PRISM's decomposition W r + sum_i a_i W p_i equals W z exactly). The
+prototype head (the bank of {num_prototypes} prototypes, k {k}) is not part of GPT-2 and is
+not exported; load the run with prism_jax for it.
+"""
+
+NO_TOKENIZER_NOTE = """
+The run's tokenizer is prism_jax's {kind!r} tokenizer, which has no Hugging Face tokenizer
+files: none are written (token ids are the run's own).
+"""
+
+
+def export_hf(workdir: str, out: str, step: int | None = None) -> str:
+  """Writes `out` (new or empty) from the run's newest (or given) checkpoint; returns it."""
+  out = _check_empty(out, "--out")
+  cfg = inference.load_config(workdir)
+  mcfg = cfg.model
+  hf_cfg = gpt2_config.hf_config(mcfg)  # refuses a backbone GPT-2 cannot express
+  _, params, cfg, step = inference.load_params(workdir, step=step)
+  tok = inference.load_tokenizer(workdir, cfg)
+  tensors = gpt2_weights.hf_tensors(jax.device_get(params["backbone"]), mcfg)
+  hf_cfg.update(bos_token_id=int(tok.eos_id), eos_token_id=int(tok.eos_id))
+  note = (PRISM_NOTE.format(num_prototypes=mcfg.num_prototypes, k=mcfg.k)
+          if mcfg.kind == "prism" else "")
+  if not hasattr(tok, "hf_tokenizer"):
+    tok = None
+    note += NO_TOKENIZER_NOTE.format(kind=inference.load_tokenizer(workdir, cfg).kind)
+  readme = README.format(name=os.path.basename(out), workdir=os.path.abspath(workdir),
+                         step=step, kind=mcfg.kind, prism_note=note)
+  os.makedirs(out, exist_ok=True)
+  hf_dir.write_dir(out, hf_cfg, tensors, tok, readme)
+  return out
+
+
+def head_fields(cfg: ModelConfig) -> dict[str, Any]:
+  """The prototype-head fields of a ModelConfig (kept when a backbone is swapped)."""
+  skip = set(gpt2_config.backbone_fields(cfg)) | {"kind"}
+  return {k: v for k, v in dataclasses.asdict(cfg).items() if k not in skip}
