@@ -4,7 +4,8 @@ TRAIN: a train step's config by name, (preset, overrides) on prism_jax.config's 
   byte   issue 11's byte-level config: 4 layers / 4 heads / d 128 / ctx 64 / batch 12,
          K 512, k 8 (the tiny preset at byte vocabulary)
   tiny   the tiny preset itself (batch 16 x 128)
-  small  GPT-2 124M with K 8192, k 16 at a CPU-sized batch 1 x 256
+  small  GPT-2 124M with K 8192, k 16 at a CPU-sized batch 1 x 256 (the small_smoke preset:
+         the short-run schedule these timings were taken with)
   The loss is the preset's (tiny: λ_proto_kl 1; small: no W z_hat term); bench_train adds
   its loss variants, profile_train its PROFILE_LOSS.
 LAYER: the prototype layer's op shapes by name, (N tokens, D, K, k): the kernel op's table
@@ -22,7 +23,7 @@ TRAIN: dict[str, tuple[str, tuple[str, ...]]] = {
                       "data.seq_len=64", "train.batch_size=12", "train.lr=1e-3",
                       "train.min_lr_ratio=0.1", "train.warmup_steps=100", "train.b2=0.99")),
     "tiny": ("tiny", ()),
-    "small": ("small", ("data.seq_len=256", "train.batch_size=1")),
+    "small": ("small_smoke", ("data.seq_len=256", "train.batch_size=1")),
 }
 # profile_train's loss on top of TRAIN (its round-2 profile timed λ_proto 1 at small)
 PROFILE_LOSS: dict[str, tuple[str, ...]] = {"small": ("loss.lambda_proto=1.0",)}

@@ -7,6 +7,11 @@ No --data: the embedded corpus (CPython's pydoc topics). Re-running with the sam
 --workdir resumes from its newest checkpoint; a different config is refused, except a
 larger train.steps (train a finished run longer) and the fields named by --allow_change.
 User errors print one `error: ...` line (prism_jax/cli/launcher.py; --debug for the traceback).
+
+Preemption: SIGTERM or SIGINT (on several processes: to any of them) finishes the step,
+saves it on every process and exits 0 with one line `preempted by ...: saved step N ...`;
+the same command resumes (prism_jax/train/preemption.py). A process that dies makes the
+others exit with an error naming it after --heartbeat_timeout_s.
 """
 
 import json
@@ -15,7 +20,9 @@ from absl import flags, logging
 
 from prism_jax.cli import launcher
 
-flags.DEFINE_string("config", "tiny", "preset name (prism_jax.config.MODEL_PRESETS)")
+flags.DEFINE_string("config", "tiny", "preset: tiny, the GPT-2 recipes small/medium/large/xl "
+                    "(prism_jax.config.preset; --set train.steps=N rescales warm-up, prototype "
+                    "init, eval and checkpoints) or small_smoke ... xl_smoke (10 steps)")
 flags.DEFINE_string("data", None, "comma-separated .txt/.jsonl/.parquet files or globs; "
                     "default: the embedded corpus")
 flags.DEFINE_string("workdir", None, "the run directory trained into or resumed "
@@ -36,26 +43,42 @@ distributed.define_flags()
 
 
 def build_config(preset_name: str, data: str | None, model: str | None, sets: list[str]):
+  """The preset, built for the step count of a `train.steps` override (so a GPT-2 recipe
+  places its warm-up, prototype init, evals and checkpoints in that run), then the
+  overrides: one given explicitly, e.g. train.warmup_steps, wins over the recipe's."""
   from prism_jax.config import preset  # pylint: disable=g-import-not-at-top
-  from prism_jax.train.overrides import apply_overrides  # pylint: disable=g-import-not-at-top
+  from prism_jax.train.overrides import apply_overrides, parse_override  # pylint: disable=g-import-not-at-top
+  steps = None
+  for item in sets:
+    key, value = parse_override(item)
+    if key == "train.steps" and value.isdigit() and int(value) > 0:
+      steps = int(value)  # anything else: apply_overrides names the bad value
   items = []
   if data:
     items.append(f"data.sources={data}")
   if model:
     items.append(f"model.kind={model}")
-  return apply_overrides(preset(preset_name), items + list(sets))
+  return apply_overrides(preset(preset_name, steps), items + list(sets))
 
 
-def main(argv):
+def main(argv, callbacks=()):
+  """`callbacks(step, state)`: run after each step (tests pace a run with one)."""
   del argv
   distributed.initialize_from_flags()  # no-op for a single process
   distributed.configure_logging()
   cfg = build_config(FLAGS.config, FLAGS.data, FLAGS.model, FLAGS.set)
   from prism_jax.train import train  # pylint: disable=g-import-not-at-top
   from prism_jax.train.metrics import quiet_library_logs  # pylint: disable=g-import-not-at-top
+  from prism_jax.train import preemption  # pylint: disable=g-import-not-at-top
   quiet_library_logs()
-  result = train(cfg, FLAGS.workdir, start_over=FLAGS.start_over,
-                 allow_config_change=FLAGS.allow_change)
+  with preemption.install() as notice:
+    result = train(cfg, FLAGS.workdir, start_over=FLAGS.start_over,
+                   allow_config_change=FLAGS.allow_change, preemption=notice,
+                   callbacks=callbacks)
+  if result.preempted:
+    print(f"preempted by {notice.describe()}: saved step {result.final_step} of "
+          f"{cfg.train.steps} in {result.workdir}; the same command resumes", flush=True)
+    return
   printable = result.summary()
   ev = printable["eval"]
   logging.info("done: steps %d..%d in %.0f s, val loss %s, steady tokens/s %s",
