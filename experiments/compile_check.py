@@ -96,17 +96,29 @@ def topology_devices(name: str):
                        "install the tpu-aot extra: pip install libtpu==0.0.51") from e
 
 
-def compile_train_step(preset_name: str, topology: str, mesh_sizes=(1, -1, 1),
-                       per_device_batch: int = 1, seq_len: int = 0, dtype: str = "bfloat16",
-                       remat: bool = False, kind: str = "prism",
-                       implementation: str = "pallas_tpu") -> Report:
-  """AOT-compiles the PRISM train step of a preset for `topology`; returns its Report.
+@dataclasses.dataclass
+class CompiledStep:
+  """One AOT-compiled train step and what it was compiled for."""
+  compiled: Any  # jax.stages.Compiled
+  cfg: Any  # the prism_jax Config it was built from
+  devices: list
+  mesh_shape: tuple[int, int, int]
+  params: int
+  compile_s: float
+
+
+def compile_step(preset_name: str, topology: str, mesh_sizes=(1, -1, 1),
+                 per_device_batch: int = 1, seq_len: int = 0, dtype: str = "bfloat16",
+                 remat: bool = False, kind: str = "prism",
+                 implementation: str = "pallas_tpu") -> CompiledStep:
+  """AOT-compiles the train step of a preset for `topology` (global batch = per-device
+  batch x devices). Raises what the compiler raises (an HBM overflow included).
 
   `implementation` is explicit: compiling from a CPU box, None would resolve to the
   XLA reference (the default backend is CPU), not the Mosaic kernel a TPU run uses."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from prism_jax import flops, sharding  # pylint: disable=import-outside-toplevel
+  from prism_jax import sharding  # pylint: disable=import-outside-toplevel
   from prism_jax.config import MeshConfig, preset  # pylint: disable=import-outside-toplevel
   from prism_jax.train import state as state_lib  # pylint: disable=import-outside-toplevel
   from prism_jax.train import step as step_lib  # pylint: disable=import-outside-toplevel
@@ -135,23 +147,37 @@ def compile_train_step(preset_name: str, topology: str, mesh_sizes=(1, -1, 1),
   start = time.perf_counter()
   with jax.set_mesh(mesh):
     compiled = step.lower(state, batch_spec).compile()
-  compile_s = time.perf_counter() - start
-  mem = compiled.memory_analysis()
-  cost = compiled.cost_analysis()
+  return CompiledStep(compiled, cfg, list(devices),
+                      sharding.resolve_mesh_shape(mesh_cfg, len(devices)),
+                      sum(int(x.size) for x in jax.tree.leaves(state.params)),
+                      time.perf_counter() - start)
+
+
+def compile_train_step(preset_name: str, topology: str, mesh_sizes=(1, -1, 1),
+                       per_device_batch: int = 1, seq_len: int = 0, dtype: str = "bfloat16",
+                       remat: bool = False, kind: str = "prism",
+                       implementation: str = "pallas_tpu") -> Report:
+  """AOT-compiles the PRISM train step of a preset for `topology`; returns its Report."""
+  from prism_jax import flops  # pylint: disable=import-outside-toplevel
+
+  c = compile_step(preset_name, topology, mesh_sizes, per_device_batch, seq_len, dtype, remat,
+                   kind, implementation)
+  mem = c.compiled.memory_analysis()
+  cost = c.compiled.cost_analysis()
   cost = cost[0] if isinstance(cost, (list, tuple)) else cost
-  n_params = sum(int(x.size) for x in jax.tree.leaves(state.params))
-  kind_name = devices[0].device_kind
-  analytic = flops.flops_per_token(cfg.model, seq)["train"] * batch * seq / len(devices)
+  kind_name = c.devices[0].device_kind
+  batch, seq = c.cfg.train.batch_size, c.cfg.data.seq_len
+  analytic = flops.flops_per_token(c.cfg.model, seq)["train"] * batch * seq / len(c.devices)
   return Report(
       preset=preset_name, implementation=implementation, topology=topology, device_kind=kind_name,
-      mesh=sharding.resolve_mesh_shape(mesh_cfg, len(devices)), global_batch=batch,
-      seq_len=seq, params=n_params, argument_bytes=int(mem.argument_size_in_bytes),
+      mesh=c.mesh_shape, global_batch=batch,
+      seq_len=seq, params=c.params, argument_bytes=int(mem.argument_size_in_bytes),
       temp_bytes=int(mem.temp_size_in_bytes), output_bytes=int(mem.output_size_in_bytes),
       alias_bytes=int(mem.alias_size_in_bytes),
       code_bytes=int(mem.generated_code_size_in_bytes),
       flops_per_device=(float(cost["flops"]) if cost and "flops" in cost else None),
       analytic_flops_per_device=analytic, hbm_bytes=HBM_BYTES.get(kind_name),
-      compile_s=compile_s, kernel_calls=compiled.as_text().count("tpu_custom_call"))
+      compile_s=c.compile_s, kernel_calls=c.compiled.as_text().count("tpu_custom_call"))
 
 
 def format_table(reports: list[Report]) -> str:

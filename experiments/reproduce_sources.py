@@ -107,6 +107,65 @@ def cache_scale(data: dict) -> list[dict]:
                   "command": data["command"]})
   return out
 
+def _scale_ratio(data: dict, preset: str):
+  """The PRISM/dense ratio of `preset` (best over targets and remat), or None."""
+  hits = [r for r in data["ratios"] if r["preset"] == preset]
+  return max(hits, key=lambda r: r["prism_over_dense"]) if hits else None
+
+
+def scale_table(data: dict) -> list[dict]:
+  """Paper-vs-ours rows of benchmarks/scale_table.py: predicted PRISM/dense throughput."""
+  out = []
+  for name in ("small", "xl"):
+    r = _scale_ratio(data, name)
+    if r is not None:
+      out.append({"metric": f"predicted PRISM/dense train tokens/s/chip, {name}, TPU roofline",
+                  "paper": "97.3% (H200, XL, measured)" if name == "xl" else "not reported",
+                  "ours": f"{100 * r['prism_over_dense']:.1f}%",
+                  "note": f"{r['target']}, remat {'on' if r['remat'] else 'off'}: compiler "
+                          "estimate, not a measurement",
+                  "command": data["command"]})
+  return out
+
+
+def _gb(n: float) -> str:
+  return f"{n / 1e9:.2f}"
+
+
+def scale_table_markdown(data: dict) -> str:
+  """The "Scale table" section's tables (between its markers in docs/RESULTS.md)."""
+  chips = "; ".join(f"{k}: {v['source']}" for k, v in data["chips"].items())
+  lines = [f"Compiler estimates, not measurements (commit `{data['commit'][:12]}`, "
+           f"`{data['command']}`). Chip figures: {chips}.", "",
+           "| target | preset | kind | remat | batch/chip | HBM peak GiB (compiler) "
+           "| TFLOP/chip/step compiled / analytic | GB accessed (compiler) "
+           "| all-gather n / GB | reduce-scatter n / GB | all-reduce n / GB "
+           "| all-to-all n / GB | N×K moved | roofline ms (bound) | tokens/s/chip | MFU |",
+           "|" + "---|" * 16]
+  for r in data["rows"]:
+    head = (f"| {r['target']} | {r['preset']} | {r['kind']} | {'on' if r['remat'] else 'off'} ")
+    if not r["fits"]:
+      lines.append(head + "| none fits |" + " |" * 11)
+      continue
+    c = r["collectives"]
+    coll = " | ".join(f"{c[k]['count']} / {_gb(c[k]['bytes'])}"
+                      for k in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all"))
+    nxk = "no" if not r["nxk_collectives"] else f"YES ({len(r['nxk_collectives'])})"
+    if r["kind"] == "dense":
+      nxk = "–"
+    lines.append(head + f"| {r['per_chip_batch']} | {r['peak_GiB']:.2f} / {r['hbm_GiB']:.0f} "
+                 f"| {r['compiled_TFLOP']:.2f} / {r['analytic_TFLOP']:.2f} "
+                 f"| {r['bytes_accessed_GB']:.0f} | {coll} | {nxk} "
+                 f"| {r['roofline_step_ms']:.0f} ({r['bound']}) "
+                 f"| {r['tokens_per_s_per_chip']:.0f} | {100 * r['mfu']:.0f}% |")
+  lines += ["", "| target | preset | remat | predicted PRISM/dense tokens/s/chip | paper |",
+            "|---|---|---|---|---|"]
+  for r in data["ratios"]:
+    paper = "97.3% (XL, H200, measured)" if r["preset"] == "xl" else "–"
+    lines.append(f"| {r['target']} | {r['preset']} | {'on' if r['remat'] else 'off'} "
+                 f"| {100 * r['prism_over_dense']:.1f}% | {paper} |")
+  return "\n".join(lines)
+
 
 # File stem -> reader; stems not listed must hold schema rows.
 READERS: dict[str, Callable[[dict], list[dict]]] = {
@@ -116,7 +175,13 @@ READERS: dict[str, Callable[[dict], list[dict]]] = {
     "throughput": throughput,
     "cards": cards,
     "cache_scale": cache_scale,
+    "scale_table": scale_table,
 }
 # Variants recorded beside a headline file (other selections, the dense twin): detail in
 # RESULTS.md's sections, not rows of the table.
 DETAIL_PREFIXES = ("suppression_",)
+# File stem -> (markdown of its own section, the marker name): reproduce.py writes it
+# between `<!-- NAME:begin -->` and `<!-- NAME:end -->` in RESULTS.md.
+SECTIONS: dict[str, tuple[Callable[[dict], str], str]] = {
+    "scale_table": (scale_table_markdown, "scale_table"),
+}
