@@ -41,6 +41,7 @@ import numpy as np
 from absl import flags
 
 from experiments import cli
+from experiments import provenance
 
 flags.DEFINE_list("configs", ["byte", "small"], "configs to benchmark (see CONFIGS)")
 flags.DEFINE_string("baseline", None, "a checkout of the old code to time beside this one")
@@ -287,8 +288,7 @@ def main(argv):
   print(format_table(rows))
   if FLAGS.out:
     with open(FLAGS.out, "w", encoding="utf-8") as f:
-      json.dump({"command": " ".join(["python", "-m", "experiments.bench_train"] + sys.argv[1:]),
-                 "rows": rows}, f, indent=1)
+      json.dump({**provenance.record("experiments.bench_train"), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import time
 from absl import flags
 
 from experiments import cli
+from experiments import provenance
 
 flags.DEFINE_string("workdir", "/tmp/cache_scale", "scratch directory (local or gs://)")
 flags.DEFINE_string("preset", "small", "model preset (small = the paper's 124M)")
@@ -89,7 +90,7 @@ def main(argv):
   if FLAGS.json:
     os.makedirs(os.path.dirname(FLAGS.json) or ".", exist_ok=True)
     with open(FLAGS.json, "w") as f:
-      json.dump({"command": "python -m experiments.cache_scale " + " ".join(sys.argv[1:]),
+      json.dump({**provenance.record("experiments.cache_scale"),
                  "model": {"preset": FLAGS.preset, "d_model": mcfg.d_model,
                            "K": mcfg.num_prototypes, "k": mcfg.k, "seq_len": FLAGS.seq_len},
                  "rows": rows}, f, indent=1)
