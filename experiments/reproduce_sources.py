@@ -166,6 +166,51 @@ def scale_table_markdown(data: dict) -> str:
                  f"| {100 * r['prism_over_dense']:.1f}% | {paper} |")
   return "\n".join(lines)
 
+REHEARSAL_CHECKS = ("bank_set_from_data", "losses_finite", "losses_falling",
+                    "resume_bit_exact", "preemption_same_step", "cache_equal_one_process",
+                    "report_written")
+
+
+def rehearsal(data: dict) -> list[dict]:
+  """Paper-vs-ours row of experiments/rehearsal.py: the CPU pod rehearsal's checks."""
+  c = data["checks"]
+  passed = [k for k in REHEARSAL_CHECKS if c.get(k)]
+  return [{"metric": f"CPU pod rehearsal ({data['config']} shape, {data['num_processes']} "
+                     f"processes x {data['local_devices']} devices, gs://)",
+           "paper": "not reported",
+           "ours": f"{len(passed)}/{len(REHEARSAL_CHECKS)} checks pass, "
+                   f"{data['total_s']:.0f} s",
+           "command": data["command"]}]
+
+
+def rehearsal_markdown(data: dict) -> str:
+  """The "CPU pod rehearsal" section's tables (between its markers in docs/RESULTS.md)."""
+  c = data["checks"]
+  lines = [f"`{data['command']}` (commit `{data['commit'][:12]}`); overrides of the "
+           f"`{data['config']}` recipe: `" + " ".join(data["overrides"]) + "`", "",
+           "| stage | wall s |", "|---|---|"]
+  lines += [f"| {k} | {v:.0f} |" for k, v in data["stages_s"].items()]
+  lines += [f"| total | {data['total_s']:.0f} |", "", "| check | result |", "|---|---|"]
+  details = {"bank_set_from_data": c.get("bank_init"),
+             "losses_falling": ", ".join(f"{x:.3f}" for x in c.get("losses", [])),
+             "resume_bit_exact": f"SIGTERM after step {c.get('sigterm_after_step')}, "
+                                 f"resumed from checkpoint {c.get('resumed_from')}",
+             "preemption_same_step": f"saved steps {c.get('preemption_saved_steps')}, exit "
+                                     f"codes {c.get('preempted_exit_codes')}",
+             "cache_equal_one_process": f"{c.get('cache_tokens')} tokens",
+             "report_written": f"{c.get('report_bytes')} bytes of HTML, cards "
+                               f"{'written' if c.get('cards') else 'missing'}"}
+  for k in REHEARSAL_CHECKS:
+    extra = details.get(k)
+    lines.append(f"| {k} | {'yes' if c.get(k) else 'NO'}" + (f" ({extra})" if extra else "")
+                 + " |")
+  ev = c.get("eval", {})
+  if ev:
+    keys = [k for k in ("loss", "ce", "r1", "r2", "residual_share") if k in ev]
+    lines += ["", "Evaluation at the last step: "
+              + ", ".join(f"{k} {ev[k]:.4g}" for k in keys) + "."]
+  return "\n".join(lines)
+
 
 # File stem -> reader; stems not listed must hold schema rows.
 READERS: dict[str, Callable[[dict], list[dict]]] = {
@@ -176,6 +221,7 @@ READERS: dict[str, Callable[[dict], list[dict]]] = {
     "cards": cards,
     "cache_scale": cache_scale,
     "scale_table": scale_table,
+    "rehearsal": rehearsal,
 }
 # Variants recorded beside a headline file (other selections, the dense twin): detail in
 # RESULTS.md's sections, not rows of the table.
@@ -184,4 +230,5 @@ DETAIL_PREFIXES = ("suppression_",)
 # between `<!-- NAME:begin -->` and `<!-- NAME:end -->` in RESULTS.md.
 SECTIONS: dict[str, tuple[Callable[[dict], str], str]] = {
     "scale_table": (scale_table_markdown, "scale_table"),
+    "rehearsal": (rehearsal_markdown, "rehearsal"),
 }

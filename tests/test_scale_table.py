@@ -14,7 +14,7 @@ import pytest
 from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from benchmarks import hlo_collectives as hc
-from benchmarks import scale_table
+from benchmarks import scale_lib as scale_table
 
 
 def test_collectives_of_a_compiled_cpu_program():
