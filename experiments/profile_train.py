@@ -34,7 +34,7 @@ FLAGS = flags.FLAGS
 CONFIGS: dict[str, tuple[str, tuple[str, ...]]] = {
     "byte": ("tiny", ("model.vocab_size=258", "model.max_len=64", "data.seq_len=64",
                       "train.batch_size=12")),
-    "small": ("small", ("data.seq_len=256", "train.batch_size=1", "loss.lambda_proto=1.0")),
+    "small": ("small_smoke", ("data.seq_len=256", "train.batch_size=1", "loss.lambda_proto=1.0")),
 }
 
 

@@ -15,7 +15,9 @@ from absl import flags, logging
 
 from experiments import cli
 
-flags.DEFINE_string("config", "tiny", "preset name (prism_jax.config.MODEL_PRESETS)")
+flags.DEFINE_string("config", "tiny", "preset: tiny, the GPT-2 recipes small/medium/large/xl "
+                    "(prism_jax.config.preset; --set train.steps=N rescales warm-up, prototype "
+                    "init, eval and checkpoints) or small_smoke ... xl_smoke (10 steps)")
 flags.DEFINE_string("data", None, "comma-separated .txt/.jsonl/.parquet files or globs; "
                     "default: the embedded corpus")
 flags.DEFINE_string("workdir", None, "run directory (checkpoints, metrics, config.json)")
@@ -35,14 +37,22 @@ distributed.define_flags()
 
 
 def build_config(preset_name: str, data: str | None, model: str | None, sets: list[str]):
+  """The preset, built for the step count of a `train.steps` override (so a GPT-2 recipe
+  places its warm-up, prototype init, evals and checkpoints in that run), then the
+  overrides: one given explicitly, e.g. train.warmup_steps, wins over the recipe's."""
   from prism_jax.config import preset  # pylint: disable=g-import-not-at-top
-  from prism_jax.train.overrides import apply_overrides  # pylint: disable=g-import-not-at-top
+  from prism_jax.train.overrides import apply_overrides, parse_override  # pylint: disable=g-import-not-at-top
+  steps = None
+  for item in sets:
+    key, value = parse_override(item)
+    if key == "train.steps" and value.isdigit() and int(value) > 0:
+      steps = int(value)  # anything else: apply_overrides names the bad value
   items = []
   if data:
     items.append(f"data.sources={data}")
   if model:
     items.append(f"model.kind={model}")
-  return apply_overrides(preset(preset_name), items + list(sets))
+  return apply_overrides(preset(preset_name, steps), items + list(sets))
 
 
 def main(argv):

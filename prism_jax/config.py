@@ -276,20 +276,90 @@ def model_preset(name: str, **overrides: Any) -> ModelConfig:
   return dataclasses.replace(MODEL_PRESETS[name], **overrides)
 
 
-def preset(name: str) -> Config:
+# GPT-2 training recipes. Global batch 512 rows x 1024 tokens = 524,288 tokens (GPT-3's
+# 0.5M for the 125M-760M models; nanoGPT's GPT-2 reproduction uses the same). `steps`: the
+# token budget, about 20 tokens per PRISM parameter (Chinchilla, Hoffmann et al. 2022),
+# rounded up to 100 steps (tests/test_config.py checks it against prism_jax.flops). Peak
+# learning rates: GPT-3 (Brown et al. 2020, Table 2.1) at the nearest size (125M 6e-4,
+# 350M 3e-4, 760M 2.5e-4, 1.3B 2e-4); cosine decay to 10% of the peak (GPT-3, App. B).
+RECIPE_ROWS = 512
+TOKENS_PER_PARAM = 20
+RECIPES: dict[str, tuple[int, float]] = {  # name -> (steps, peak lr)
+    "small": (5000, 6e-4),  # 130.7M PRISM params, 2.62B tokens
+    "medium": (13900, 3e-4),  # 363.2M, 7.29B tokens
+    "large": (30400, 2.5e-4),  # 795.0M, 15.94B tokens
+    "xl": (60500, 2e-4),  # 1.584B, 31.72B tokens
+}
+WARMUP_TOKENS = 375_000_000  # GPT-3's linear warm-up (App. B) ...
+WARMUP_MAX_FRACTION = 0.1  # ... at most 10% of the run
+PROTO_INIT_FRACTION = 0.05  # the bank is set from data after 5% of the run (dense warm-up)
+EVAL_FRACTION = 0.02  # 50 evaluations per run, 8 val batches (4.2M tokens) each
+CKPT_EVERY_MAX = 500  # checkpoints every 20% of the run, at most every 500 steps
+SMOKE = "_smoke"  # "small_smoke": the GPT-2 model with a 10-step, batch-8 run (tests)
+
+
+def recipe_train(name: str, steps: int | None = None) -> TrainConfig:
+  """The training recipe of GPT-2 preset `name` for `steps` steps (default: its token
+  budget). Warm-up, the prototype init, evaluation and checkpoints are placed as fractions
+  of the run, so any step count gives a coherent recipe."""
+  default_steps, lr = RECIPES[name]
+  steps = default_steps if steps is None else steps
+  _check(isinstance(steps, int) and steps > 0, f"train.steps must be positive, got {steps!r}")
+  warmup = min(round(WARMUP_TOKENS / (RECIPE_ROWS * GPT2_CONTEXT)),
+               int(WARMUP_MAX_FRACTION * steps))
+  init = min(max(round(PROTO_INIT_FRACTION * steps), 1), steps - 1)
+  return TrainConfig(steps=steps, batch_size=RECIPE_ROWS, lr=lr, warmup_steps=warmup,
+                     min_lr_ratio=0.1, proto_init_step=init,
+                     eval_every=max(round(EVAL_FRACTION * steps), 1), eval_batches=8,
+                     ckpt_every=max(min(CKPT_EVERY_MAX, steps // 5), 1), keep_checkpoints=3,
+                     log_every=10)
+
+
+def preset_names() -> list[str]:
+  """Every name `preset` takes: the model presets and the GPT-2 smoke runs."""
+  return list(MODEL_PRESETS) + [name + SMOKE for name in RECIPES]
+
+
+def preset(name: str, steps: int | None = None) -> Config:
   """A full run config: the model preset with data/train settings that suit its size.
 
-  The GPT-2 presets tokenize with GPT-2's own BPE (installed by `make venv`; packing says
-  what to install when it is missing; `--set data.tokenizer=bpe` trains one instead)."""
-  model = model_preset(name)
+  small/medium/large/xl: the GPT-2 recipe (`recipe_train`; `steps` rescales it). The
+  GPT-2 presets tokenize with GPT-2's own BPE (installed by `make venv`; packing says
+  what to install when it is missing; `--set data.tokenizer=bpe` trains one instead).
+  "<gpt2 name>_smoke": that model with 10 steps at batch 8 (bank set at step 5), for tests
+  and smoke runs. tiny: the CPU preset (`steps` sets train.steps only).
+  """
+  smoke = name.endswith(SMOKE) and name[:-len(SMOKE)] in RECIPES
+  if not smoke and name not in MODEL_PRESETS:
+    raise ValueError(f"unknown preset {name!r}; choose from {preset_names()}")
+  model = model_preset(name[:-len(SMOKE)] if smoke else name)
   if name == "tiny":
     # λ_proto_kl = 1 (issue 11's faithfulness sweep, docs/RESULTS.md "Faithfulness"): the
     # prototype path distilled towards the model's distribution; on both sweep configs it is
     # as faithful as λ_proto = 1 (the first round's default) at a lower full CE. It stays 0
     # in LossConfig: the attribution code evaluates LossConfig() without W z_hat.
+    train = TrainConfig() if steps is None else TrainConfig(steps=steps)
     return Config(model=model, loss=LossConfig(lambda_proto_kl=1.0),
-                  data=DataConfig(seq_len=model.max_len))
-  return Config(model=model, data=DataConfig(seq_len=model.max_len,
-                                             tokenizer="gpt2"),
-                train=TrainConfig(batch_size=8, steps=10, lr=6e-4, warmup_steps=2))
+                  data=DataConfig(seq_len=model.max_len), train=train)
+  if smoke:
+    train = TrainConfig(batch_size=8, steps=10 if steps is None else steps, lr=6e-4,
+                        warmup_steps=2, proto_init_step=5)
+  else:
+    train = recipe_train(name, steps)
+  return Config(model=model, data=DataConfig(seq_len=model.max_len, tokenizer="gpt2"),
+                train=train)
 
+
+def bank_init_problem(cfg: Config) -> str | None:
+  """Why a run of `cfg` would never set its prototype bank from data, or None.
+
+  A PRISM run with model.proto_init="data" trains dense until train.proto_init_step; at or
+  past train.steps the bank stays random and the run is not the PRISM it claims to be."""
+  tc = cfg.train
+  if (cfg.model.kind == "prism" and cfg.model.proto_init == "data"
+      and tc.proto_init_step >= tc.steps):
+    return (f"train.proto_init_step={tc.proto_init_step} >= train.steps={tc.steps}: the "
+            "prototype bank would never be set from data; lower train.proto_init_step or "
+            "raise train.steps (the GPT-2 presets scale both with --set train.steps=N), or "
+            "set model.proto_init=normal for random prototypes")
+  return None

@@ -91,3 +91,101 @@ def test_configs_are_frozen_and_presets_match_the_spec():
   with pytest.raises(ValueError, match="model.k=999 exceeds"):
     C.model_preset("tiny", k=999)
   assert json.loads(C.to_json(cfg))["model"]["num_prototypes"] == 512
+
+
+def test_gpt2_recipes_budget_batch_lr_and_placement():
+  """Each GPT-2 recipe: ~20 tokens per PRISM parameter (analytic count), 512 x 1024 tokens
+  a step, GPT-3's peak LR by size, warm-up, bank init, evals and checkpoints inside the run."""
+  from prism_jax import flops  # pylint: disable=import-outside-toplevel
+  gpt3_lr = {"small": 6e-4, "medium": 3e-4, "large": 2.5e-4, "xl": 2e-4}
+  for name, lr in gpt3_lr.items():
+    cfg = C.preset(name)
+    tc = cfg.train
+    params = flops.param_counts(cfg.model)["prism"]
+    tokens = tc.steps * tc.batch_size * cfg.data.seq_len
+    assert tc.batch_size * cfg.data.seq_len == 524_288 and cfg.data.seq_len == 1024
+    assert 20 <= tokens / params < 20 * (1 + 100 * 524_288 / (20 * params))  # rounded up
+    assert tc.steps % 100 == 0 and tc.lr == lr and tc.min_lr_ratio == 0.1
+    assert 0 < tc.warmup_steps <= tc.steps // 10
+    assert tc.warmup_steps == min(715, tc.steps // 10)  # 375M tokens / 524,288
+    assert 0 < tc.proto_init_step < tc.steps and C.bank_init_problem(cfg) is None
+    assert tc.proto_init_step == round(0.05 * tc.steps)
+    assert tc.steps // tc.eval_every == 50 and tc.steps // tc.ckpt_every >= 5
+    assert cfg.data.tokenizer == "gpt2"
+
+
+def test_steps_rescale_the_recipe_and_explicit_sets_win():
+  from experiments.train import build_config  # pylint: disable=import-outside-toplevel
+  full = C.preset("medium")
+  for steps in (2, 40, 1000, 100_000):
+    cfg = build_config("medium", None, None, [f"train.steps={steps}"])
+    tc = cfg.train
+    assert tc.steps == steps and cfg.model == full.model and tc.lr == full.train.lr
+    assert C.bank_init_problem(cfg) is None, steps
+    assert 1 <= tc.proto_init_step < steps
+    assert tc.warmup_steps <= max(steps // 10, 0) and tc.warmup_steps <= 715
+    assert 1 <= tc.eval_every <= steps and 1 <= tc.ckpt_every <= steps
+  assert build_config("medium", None, None, ["train.steps=1000"]).train == C.preset(
+      "medium", 1000).train
+  assert C.preset("medium", 1000).train.proto_init_step == 50
+  cfg = build_config("small", None, None, ["train.steps=1000", "train.warmup_steps=7",
+                                           "train.proto_init_step=9"])
+  assert (cfg.train.steps, cfg.train.warmup_steps, cfg.train.proto_init_step) == (1000, 7, 9)
+  with pytest.raises(ValueError, match="train.steps='ten': expected int"):
+    build_config("small", None, None, ["train.steps=ten"])
+  with pytest.raises(ValueError, match="train.steps must be positive"):
+    build_config("small", None, None, ["train.steps=0"])
+
+
+def test_smoke_presets_and_names():
+  smoke = C.preset("small_smoke")
+  assert smoke.model == C.model_preset("small")
+  assert (smoke.train.steps, smoke.train.batch_size, smoke.train.proto_init_step) == (10, 8, 5)
+  assert C.bank_init_problem(smoke) is None
+  assert C.preset("xl_smoke").model == C.model_preset("xl")
+  assert C.preset("tiny") == C.Config(model=C.model_preset("tiny"),
+                                      loss=C.LossConfig(lambda_proto_kl=1.0),
+                                      data=C.DataConfig(seq_len=128))
+  assert C.preset("tiny", 30).train == C.TrainConfig(steps=30)
+  assert set(C.preset_names()) == {"tiny", "small", "medium", "large", "xl", "small_smoke",
+                                   "medium_smoke", "large_smoke", "xl_smoke"}
+  for bad in ("tiny_smoke", "huge", "small_smokes"):
+    with pytest.raises(ValueError, match=f"unknown preset '{bad}'"):
+      C.preset(bad)
+
+
+def test_a_bank_never_set_from_data_is_refused(tmp_path):
+  """The refusal: one line naming both settings, before anything is prepared or written;
+  random prototypes (model.proto_init=normal) and the dense twin are not refused."""
+  from prism_jax.train import apply_overrides, train  # pylint: disable=import-outside-toplevel
+  cfg = apply_overrides(C.preset("small"), ["train.steps=100"])  # recipe init 250
+  problem = C.bank_init_problem(cfg)
+  assert problem == (
+      "train.proto_init_step=250 >= train.steps=100: the prototype bank would never be set "
+      "from data; lower train.proto_init_step or raise train.steps (the GPT-2 presets scale "
+      "both with --set train.steps=N), or set model.proto_init=normal for random prototypes")
+  with pytest.raises(ValueError) as e:
+    train(cfg, str(tmp_path / "run"))
+  assert str(e.value) == problem and "\n" not in problem
+  assert not (tmp_path / "run").exists() or not any((tmp_path / "run").iterdir())
+  at_end = apply_overrides(cfg, ["train.proto_init_step=100"])
+  assert C.bank_init_problem(at_end).startswith("train.proto_init_step=100 >= train.steps=100")
+  assert C.bank_init_problem(apply_overrides(cfg, ["train.proto_init_step=99"])) is None
+  assert C.bank_init_problem(apply_overrides(cfg, ["model.proto_init=normal"])) is None
+  assert C.bank_init_problem(apply_overrides(cfg, ["model.kind=dense"])) is None
+
+
+def test_the_cli_refuses_it_in_one_line(tmp_path):
+  import os, subprocess, sys  # pylint: disable=import-outside-toplevel,multiple-imports
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=repo)
+  out = subprocess.run([sys.executable, "-m", "experiments.train", "--config=tiny",
+                        f"--workdir={tmp_path / 'run'}", "--set=train.steps=30"],
+                       cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+  assert out.returncode == 2, out.stderr[-2000:]
+  assert out.stderr.strip().splitlines()[-1] == (
+      "error: train.proto_init_step=50 >= train.steps=30: the prototype bank would never be "
+      "set from data; lower train.proto_init_step or raise train.steps (the GPT-2 presets "
+      "scale both with --set train.steps=N), or set model.proto_init=normal for random "
+      "prototypes")
+  assert not (tmp_path / "run").exists()

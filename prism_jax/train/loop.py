@@ -19,7 +19,7 @@ from flax import nnx
 
 from prism_jax import paths
 from prism_jax import sharding as shard_lib
-from prism_jax.config import Config
+from prism_jax.config import Config, bank_init_problem
 from prism_jax.io_guard import resolve_config_paths
 from prism_jax.model.lm import init_prototypes_from_hidden
 from prism_jax.train import checkpoint as ckpt_lib
@@ -131,6 +131,9 @@ def train(cfg: Config, workdir: str, *, mesh: jax.sharding.Mesh | None = None,
   t_start = time.time()
   workdir = paths.resolve(workdir)  # a local path or a gs:// URI
   paths.check_access(workdir)
+  problem = bank_init_problem(cfg)
+  if problem:
+    raise ValueError(problem)
   cfg = resolve_config_paths(cfg)  # stored absolute: the run works from any cwd
   paths.path(workdir).mkdir(parents=True, exist_ok=True)
   mesh = default_mesh(cfg) if mesh is None else mesh
