@@ -24,7 +24,10 @@ import os
 import time
 from typing import Any, Callable
 
-from experiments import compile_check  # sets the compile-only environment first
+# Compile-only: no TPU is opened, so other compiling processes (tests) may hold libtpu too.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+
+from experiments import compile_check  # noqa: E402  sets the compile-only environment
 
 from benchmarks import hlo_collectives  # noqa: E402  pylint: disable=wrong-import-order
 

@@ -4,9 +4,11 @@
       --batch=8 --seq_len=128 --json=docs/results/rehearsal.json]    (make rehearsal)
 
 The real model shape of --config (small: d 768, 12 layers, K 8192, k 16, GPT-2 BPE) and
-its recipe, cut only where this box cannot afford it: --steps (bank set from data at
---proto_init_step), the global batch --batch and the sequence length --seq_len, evaluation
-on --eval_batches val batches, checkpoints every --ckpt_every steps. Stages, each timed:
+its recipe (`preset(config, steps)`: learning rate, warm-up, decay, weight decay, loss,
+checkpoint cadence), cut only where this box cannot afford it: --steps (bank set from data
+at --proto_init_step, not the recipe's 5% of the run), the global batch --batch and the
+sequence length --seq_len, one evaluation at the end on --eval_batches val batches (not
+at the start and every 2%). Stages, each timed:
 
   data       the embedded corpus written as parquet into gs:// (tests/gcs_emulator.py)
   reference  an uninterrupted run: --num_processes processes x --local_devices CPU
@@ -49,7 +51,7 @@ flags.DEFINE_integer("steps", 12, "train.steps (cut: the box's budget)")
 flags.DEFINE_integer("proto_init_step", 6, "train.proto_init_step (cut with --steps)")
 flags.DEFINE_integer("batch", 8, "train.batch_size, global rows (cut)")
 flags.DEFINE_integer("seq_len", 128, "data.seq_len (cut)")
-flags.DEFINE_integer("ckpt_every", 4, "train.ckpt_every")
+flags.DEFINE_integer("ckpt_every", 0, "train.ckpt_every (0: the recipe's for --steps)")
 flags.DEFINE_integer("eval_batches", 2, "train.eval_batches (val batches per evaluation)")
 flags.DEFINE_integer("sigterm_step", 9, "SIGTERM once this step is logged")
 flags.DEFINE_integer("num_processes", 2, "processes (hosts)")
@@ -73,11 +75,12 @@ def _emulator():
 
 def overrides() -> list[str]:
   """The recipe's settings this box cannot afford, then FSDP over every device."""
-  return [f"train.steps={FLAGS.steps}", f"train.proto_init_step={FLAGS.proto_init_step}",
-          f"train.batch_size={FLAGS.batch}", f"data.seq_len={FLAGS.seq_len}",
-          f"train.ckpt_every={FLAGS.ckpt_every}", f"train.eval_every={FLAGS.steps}",
-          f"train.eval_batches={FLAGS.eval_batches}", "train.log_every=1",
-          "mesh.data=1", "mesh.fsdp=-1", "mesh.model=1"] + list(FLAGS.set)
+  return ([f"train.steps={FLAGS.steps}", f"train.proto_init_step={FLAGS.proto_init_step}",
+           f"train.batch_size={FLAGS.batch}", f"data.seq_len={FLAGS.seq_len}",
+           f"train.eval_every={FLAGS.steps}", "train.eval_at_start=false",
+           f"train.eval_batches={FLAGS.eval_batches}", "train.log_every=1"]
+          + ([f"train.ckpt_every={FLAGS.ckpt_every}"] if FLAGS.ckpt_every else [])
+          + ["mesh.data=1", "mesh.fsdp=-1", "mesh.model=1"] + list(FLAGS.set))
 
 
 def _env(extra: dict) -> dict:
