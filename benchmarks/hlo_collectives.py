@@ -6,8 +6,8 @@ halves skipped) with its operand and result shapes. `summary` sums count and byt
 kind; the bytes of one op are the size of the whole (unsharded side) array it moves, per
 device: an all-gather's output, every other kind's operand (a reduce-scatter's input, an
 all-reduce's buffer). `moves_tokens_by_protos` names the ops whose arrays have a prototype
-dimension (K, or K over the model axis) and a token dimension (at least one sequence of
-tokens on the other axes): the N×K similarity a K-sharded bank must never communicate.
+axis (K, or K over the model axis) and, on another axis, a whole number of sequences: the
+N×K similarity a K-sharded bank must never communicate.
 """
 
 from __future__ import annotations
@@ -97,20 +97,15 @@ def with_proto_dim(ops: list[Collective], proto_dims: set[int]) -> list[Collecti
 
 def moves_tokens_by_protos(ops: list[Collective], proto_dims: set[int], seq_len: int,
                            d_model: int) -> list[Collective]:
-  """Ops carrying an array with a prototype dimension and, on its other axes, at least
-  `seq_len` tokens: a (tokens, K) matrix. The bank itself (K, D) or (D, K) is exempt:
-  its gradient is what FSDP reduces."""
-  hits = []
-  for op in ops:
-    for shape in op.operands + op.results:
-      for i, dim in enumerate(shape):
-        if dim not in proto_dims:
-          continue
-        rest = tuple(d for d in shape[:i] + shape[i + 1:] if d != 1)
-        if math.prod(rest) >= seq_len and rest != (d_model,):
-          hits.append(op)
-          break
-      else:
-        continue
-      break
-  return hits
+  """Ops carrying an array with a prototype axis (a size in `proto_dims`) and, on another
+  axis, a whole number of sequences (a size divisible by `seq_len`): a (tokens x K) matrix.
+  Two distinct axes, so activations whose token count happens to equal K (attention's
+  (heads, N, Dh)) do not count. The bank itself, (K, D) or (D, K), is exempt: its gradient
+  is what FSDP reduces."""
+  def nxk(shape):
+    for i, dim in enumerate(shape):
+      rest = tuple(d for d in shape[:i] + shape[i + 1:] if d != 1)
+      if dim in proto_dims and rest != (d_model,) and any(d % seq_len == 0 for d in rest):
+        return True
+    return False
+  return [op for op in ops if any(nxk(s) for s in op.operands + op.results)]

@@ -99,7 +99,6 @@ def measure(target: Target, preset_name: str, kind: str, remat: bool, seq_len: i
   k = c.cfg.model.num_prototypes
   proto_dims = {k, k // c.mesh_shape[2]}
   with_k = hlo_collectives.with_proto_dim(ops, proto_dims)
-  nxk = hlo_collectives.moves_tokens_by_protos(ops, proto_dims, seq_len, c.cfg.model.d_model)
   return {
       "fits": peak <= chip.hbm_bytes, "peak_bytes": peak,
       "argument_bytes": int(mem.argument_size_in_bytes),
@@ -108,8 +107,9 @@ def measure(target: Target, preset_name: str, kind: str, remat: bool, seq_len: i
       "flops": float(cost.get("flops", 0.0)),
       "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
       "collectives": hlo_collectives.summary(ops),
-      "proto_collectives": [[op.kind, op.operands, op.results] for op in with_k][:24],
-      "nxk_collectives": [[op.kind, op.operands, op.results] for op in nxk],
+      # every collective with a prototype axis: the N x K check reads them (row_for)
+      "proto_collectives": [[op.kind, op.operands, op.results, op.bytes] for op in with_k],
+      "proto_dims": sorted(proto_dims), "d_model": c.cfg.model.d_model,
       "mesh_shape": list(c.mesh_shape), "chips": len(c.devices),
       "device_kind": c.devices[0].device_kind, "params": c.params,
       "optimization_barriers": c.compiled.as_text().count("opt-barrier"),
@@ -209,6 +209,10 @@ def row_for(target: Target, preset_name: str, kind: str, remat: bool, seq_len: i
   model = dataclasses.replace(cfg.model, kind=kind)
   tokens_per_chip = batch * seq_len  # global batch = per-chip batch x chips
   analytic = flops.flops_per_token(model, seq_len, cfg.loss)["train"] * tokens_per_chip
+  with_k = [hlo_collectives.Collective(op, tuple(map(tuple, ins)), tuple(map(tuple, outs)), n)
+            for op, ins, outs, n in m["proto_collectives"]]
+  nxk = hlo_collectives.moves_tokens_by_protos(with_k, set(m["proto_dims"]), seq_len,
+                                               m["d_model"])
   t_compute = m["flops"] / chip.peak_flops
   t_memory = m["bytes_accessed"] / chip.hbm_bandwidth
   t_step = max(t_compute, t_memory)
@@ -218,7 +222,8 @@ def row_for(target: Target, preset_name: str, kind: str, remat: bool, seq_len: i
               peak_GiB=m["peak_bytes"] / GIB, hbm_GiB=chip.hbm_bytes / GIB,
               compiled_TFLOP=m["flops"] / 1e12, analytic_TFLOP=analytic / 1e12,
               bytes_accessed_GB=m["bytes_accessed"] / 1e9, collectives=m["collectives"],
-              proto_collectives=m["proto_collectives"], nxk_collectives=m["nxk_collectives"],
+              proto_collectives=m["proto_collectives"][:24],
+              nxk_collectives=[[op.kind, op.operands, op.results] for op in nxk],
               optimization_barriers=m["optimization_barriers"],
               roofline_compute_ms=1e3 * t_compute, roofline_memory_ms=1e3 * t_memory,
               roofline_step_ms=1e3 * t_step,

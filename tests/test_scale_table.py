@@ -71,6 +71,11 @@ def test_collectives_of_tpu_style_async_text():
       "reduce-scatter"]
   bank = hc.Collective("all-reduce", ((4096, 1024),), ((4096, 1024),), 0)
   assert hc.moves_tokens_by_protos([bank], protos, 1024, 1024) == []  # (K/2, D), D = T
+  # attention's (heads, tokens, Dh) with 8 x 1024 tokens = K: one axis, not N x K
+  attn = hc.Collective("all-to-all", ((12, 8192, 64),), ((12, 8192, 64),), 0)
+  assert hc.moves_tokens_by_protos([attn], protos, 1024, 768) == []
+  flat = hc.Collective("all-gather", ((16384, 4096),), ((16384, 8192),), 0)  # (N, K)
+  assert hc.moves_tokens_by_protos([flat], protos, 1024, 768) == [flat]
 
 
 @pytest.mark.parametrize("seed", [0, 1, 2])
@@ -112,9 +117,11 @@ def test_largest_fitting_without_peaks_is_doubling_and_bisection():
   assert calls[:7] == [1, 2, 4, 8, 16, 32, 64]
 
 
-def _measured(flops, nbytes, kind="prism"):
+def _measured(flops, nbytes, kind="prism", nxk=False):
   return {"fits": True, "peak_bytes": 3 * 2 ** 30, "flops": flops, "bytes_accessed": nbytes,
-          "collectives": hc.summary([]), "proto_collectives": [], "nxk_collectives": [],
+          "collectives": hc.summary([]), "proto_dims": [4096, 8192], "d_model": 768,
+          "proto_collectives": [["all-reduce", [[4096, 768]], [[4096, 768]], 12582912]]
+          + ([["all-gather", [[1024, 4096]], [[1024, 8192]], 33554432]] if nxk else []),
           "mesh_shape": [1, 16, 1], "chips": 16, "device_kind": "TPU v5 lite", "params": 1,
           "optimization_barriers": 0, "kind": kind}
 
@@ -133,6 +140,10 @@ def test_rows_roofline_mfu_and_ratio_rendered_by_reproduce(tmp_path):
   assert prism["tokens_per_s_per_chip"] == pytest.approx(4 * 1024 / t)
   per_token = flops.flops_per_token(preset("small").model, 1024, preset("small").loss)["train"]
   assert prism["mfu"] == pytest.approx(per_token * 4 * 1024 / t / chip.peak_flops)
+  assert prism["nxk_collectives"] == []  # the bank's gradient only
+  leaky = scale_table.row_for(target, "small", "prism", False, 1024, 4,
+                              _measured(fl, nb, nxk=True))
+  assert [op[0] for op in leaky["nxk_collectives"]] == ["all-gather"]
   dense = scale_table.row_for(target, "small", "dense", False, 1024, 8,
                               _measured(fl * 1.5, nb, "dense"))
   none = scale_table.row_for(target, "xl", "prism", True, 1024, None, None)
