@@ -1,9 +1,13 @@
-r"""Prints the model card of every preset: parameter counts and forward FLOPs per token.
+r"""Prints the model card of every preset: parameter counts and forward FLOPs per token,
+then each GPT-2 preset's training recipe with its expected wall time on TPU slices.
 
-  python -m experiments.model_card [--presets=small,xl] [--seq_len=1024]
+  python -m experiments.model_card [--presets=small,xl] [--seq_len=1024] [--mfu=0.4]
 
 Counts are analytic (prism_jax.flops, checked against real NNX models in
 tests/test_flops.py); nothing is instantiated, so the 1.5B preset prints instantly.
+Wall times are analytic too: the recipe's training FLOPs (3 x forward per token, every
+step) plus its evaluations' forward passes, over the slice's published bf16 peak at an
+assumed MFU. They are planning figures, not measurements.
 """
 
 from __future__ import annotations
@@ -44,10 +48,77 @@ def format_card(rows: Sequence[dict]) -> str:
   return "\n".join(lines)
 
 
+# Slices the wall time is given for: (label, prism_jax.flops.PEAK_BF16_FLOPS key, chips).
+# Peaks per chip, dense bf16: v5e 197 TFLOP/s, v5p 459 TFLOP/s (Google Cloud TPU docs,
+# cloud.google.com/tpu/docs/v5e and /v5p). v5p-32 counts TensorCores: 16 chips, 2x2x4.
+SLICES = (("v5e:4x4", "TPU v5e", 16), ("v5p-32", "TPU v5p", 16))
+ASSUMED_MFU = 0.4
+
+
+def recipe_rows(preset_names: Sequence[str], mfu: float = ASSUMED_MFU) -> list[dict]:
+  """The training recipe of each GPT-2 preset in `preset_names` (others are skipped)."""
+  if not 0 < mfu <= 1:
+    raise ValueError(f"--mfu={mfu}: an MFU is a fraction in (0, 1]")
+  rows = []
+  for name in preset_names:
+    if name not in config.RECIPES:
+      continue
+    cfg = config.preset(name)
+    tc, seq = cfg.train, cfg.data.seq_len
+    fl = flops.flops_per_token(cfg.model, seq, cfg.loss)
+    batch_tokens = tc.batch_size * seq
+    evals = tc.steps // tc.eval_every + int(tc.eval_at_start)
+    # each evaluation: eval_batches of val and as many of the train split, forward only
+    eval_flops = evals * 2 * tc.eval_batches * batch_tokens * fl["fwd"]
+    total = tc.steps * batch_tokens * fl["train"] + eval_flops
+    params = flops.param_counts(cfg.model)["prism"]
+    hours = {label: total / (chips * flops.PEAK_BF16_FLOPS[kind] * mfu) / 3600
+             for label, kind, chips in SLICES}
+    rows.append({"preset": name, "params": params, "tokens": tc.steps * batch_tokens,
+                 "tokens_per_param": tc.steps * batch_tokens / params,
+                 "batch_size": tc.batch_size, "seq_len": seq, "batch_tokens": batch_tokens,
+                 "steps": tc.steps, "lr": tc.lr, "warmup_steps": tc.warmup_steps,
+                 "proto_init_step": tc.proto_init_step, "eval_every": tc.eval_every,
+                 "ckpt_every": tc.ckpt_every, "train_flops": total,
+                 "eval_share": eval_flops / total, "hours": hours})
+  return rows
+
+
+def format_recipes(rows: Sequence[dict], mfu: float = ASSUMED_MFU) -> str:
+  slices = [label for label, _, _ in SLICES]
+  lines = ["| preset | PRISM params | tokens (per param) | batch (rows x T = tokens) | steps "
+           "| peak LR | warm-up | bank from data at | eval / ckpt every | training FLOPs "
+           "(evals) | " + " | ".join(f"hours on {s}" for s in slices) + " |",
+           "|" + " --- |" * (10 + len(slices))]
+  for r in rows:
+    lines.append(
+        f"| {r['preset']} | {r['params'] / 1e6:,.1f}M | {r['tokens'] / 1e9:.2f}B "
+        f"({r['tokens_per_param']:.1f}) | {r['batch_size']} x {r['seq_len']} = "
+        f"{r['batch_tokens']:,} | {r['steps']:,} | {r['lr']:.1e} | {r['warmup_steps']} | "
+        f"step {r['proto_init_step']} | {r['eval_every']} / {r['ckpt_every']} | "
+        f"{r['train_flops']:.3g} ({100 * r['eval_share']:.1f}%) | "
+        + " | ".join(f"{r['hours'][s]:.1f}" for s in slices) + " |")
+  peaks = ", ".join(f"{label}: {chips} x {flops.PEAK_BF16_FLOPS[kind] / 1e12:.0f} TFLOP/s"
+                    for label, kind, chips in SLICES)
+  lines.append(
+      f"\nHours: analytic training + evaluation FLOPs (prism_jax.flops, 3 x forward per "
+      f"trained token) / (chips x dense bf16 peak x an ASSUMED MFU of {100 * mfu:.0f}%), not "
+      f"a measurement. Peaks per chip from the Google Cloud TPU docs "
+      f"(cloud.google.com/tpu/docs/v5e, /v5p): {peaks}. Schedule: linear warm-up, cosine "
+      f"decay to 10% of the peak LR; --set train.steps=N rescales warm-up, bank init, evals "
+      f"and checkpoints (prism_jax.config.recipe_train).")
+  return "\n".join(lines)
+
+
 def main(argv: Sequence[str], presets: Sequence[str] | None = None,
-         seq_len: int | None = None) -> None:
+         seq_len: int | None = None, mfu: float = ASSUMED_MFU) -> None:
   del argv
-  print(format_card(card_rows(presets or list(config.MODEL_PRESETS), seq_len)))
+  names = presets or list(config.MODEL_PRESETS)
+  print(format_card(card_rows(names, seq_len)))
+  rows = recipe_rows(names, mfu)
+  if rows:
+    print("\nTraining recipes (python -m experiments.train --config=NAME):\n")
+    print(format_recipes(rows, mfu))
 
 
 if __name__ == "__main__":
@@ -57,4 +128,5 @@ if __name__ == "__main__":
                                "Presets to describe, comma-separated.")
   _SEQ_LEN = flags.DEFINE_integer(
       "seq_len", None, "Sequence length for the attention FLOPs (default: max_len).")
-  cli.run(lambda argv: main(argv, _PRESETS.value, _SEQ_LEN.value))
+  _MFU = flags.DEFINE_float("mfu", ASSUMED_MFU, "MFU assumed for the wall-time estimates.")
+  cli.run(lambda argv: main(argv, _PRESETS.value, _SEQ_LEN.value, _MFU.value))

@@ -7,6 +7,11 @@ No --data: the embedded corpus (CPython's pydoc topics). Re-running with the sam
 --workdir resumes from its newest checkpoint; a different config is refused, except a
 larger train.steps (train a finished run longer) and the fields named by --allow_change.
 User errors print one `error: ...` line (experiments/cli.py; --debug for the traceback).
+
+Preemption: SIGTERM or SIGINT (on several processes: to any of them) finishes the step,
+saves it on every process and exits 0 with one line `preempted by ...: saved step N ...`;
+the same command resumes (prism_jax/train/preemption.py). A process that dies makes the
+others exit with an error naming it after --heartbeat_timeout_s.
 """
 
 import json
@@ -55,16 +60,24 @@ def build_config(preset_name: str, data: str | None, model: str | None, sets: li
   return apply_overrides(preset(preset_name, steps), items + list(sets))
 
 
-def main(argv):
+def main(argv, callbacks=()):
+  """`callbacks(step, state)`: run after each step (tests pace a run with one)."""
   del argv
   distributed.initialize_from_flags()  # no-op for a single process
   distributed.configure_logging()
   cfg = build_config(FLAGS.config, FLAGS.data, FLAGS.model, FLAGS.set)
   from prism_jax.train import train  # pylint: disable=g-import-not-at-top
   from prism_jax.train.metrics import quiet_library_logs  # pylint: disable=g-import-not-at-top
+  from prism_jax.train import preemption  # pylint: disable=g-import-not-at-top
   quiet_library_logs()
-  result = train(cfg, FLAGS.workdir, start_over=FLAGS.start_over,
-                 allow_config_change=FLAGS.allow_change)
+  with preemption.install() as notice:
+    result = train(cfg, FLAGS.workdir, start_over=FLAGS.start_over,
+                   allow_config_change=FLAGS.allow_change, preemption=notice,
+                   callbacks=callbacks)
+  if result.preempted:
+    print(f"preempted by {notice.describe()}: saved step {result.final_step} of "
+          f"{cfg.train.steps} in {result.workdir}; the same command resumes", flush=True)
+    return
   printable = result.summary()
   ev = printable["eval"]
   logging.info("done: steps %d..%d in %.0f s, val loss %s, steady tokens/s %s",

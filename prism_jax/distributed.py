@@ -29,6 +29,7 @@ _ENV = {
     "process_id": ("PRISM_PROCESS_ID", "JAX_PROCESS_ID"),
 }
 MODES = ("auto", "on", "off")
+HEARTBEAT_TIMEOUT_S = 100  # jax.distributed's default
 
 
 def define_flags() -> None:
@@ -41,6 +42,9 @@ def define_flags() -> None:
   flags.DEFINE_string("coordinator_address", None, "host:port of process 0")
   flags.DEFINE_integer("num_processes", None, "total number of processes")
   flags.DEFINE_integer("process_id", None, "this process's id in [0, num_processes)")
+  flags.DEFINE_integer("heartbeat_timeout_s", HEARTBEAT_TIMEOUT_S,
+                       "a process silent this long is dead: the others stop with an error "
+                       "naming it (jax.distributed's heartbeat), instead of waiting forever")
 
 
 def detected_cluster(env: Mapping[str, str] = os.environ) -> str | None:
@@ -90,14 +94,21 @@ def resolve(coordinator_address: str | None = None, num_processes: int | None = 
 
 def initialize(coordinator_address: str | None = None, num_processes: int | None = None,
                process_id: int | None = None, mode: str = "auto",
-               initialization_timeout: int = 300) -> bool:
+               initialization_timeout: int = 300,
+               heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S) -> bool:
   """Starts the distributed runtime if needed (idempotent). Returns True if multi-process.
 
   Must run before the first use of a device. Also restricts logging to process 0.
+  A process that dies (no heartbeat for `heartbeat_timeout_s`) makes the runtime end the
+  others with an error naming it (tests/test_preemption.py). The runtime's preemption
+  notifier is started too (train/preemption.py).
   """
+  if heartbeat_timeout_s <= 0:
+    raise ValueError(f"heartbeat_timeout_s={heartbeat_timeout_s} must be positive")
   kwargs = resolve(coordinator_address, num_processes, process_id, mode)
   if kwargs is not None and not jax.distributed.is_initialized():
-    jax.distributed.initialize(initialization_timeout=initialization_timeout, **kwargs)
+    jax.distributed.initialize(initialization_timeout=initialization_timeout,
+                               heartbeat_timeout_seconds=heartbeat_timeout_s, **kwargs)
   configure_logging()
   return jax.process_count() > 1
 
@@ -105,7 +116,8 @@ def initialize(coordinator_address: str | None = None, num_processes: int | None
 def initialize_from_flags() -> bool:
   """`initialize` with the values of the flags registered by `define_flags`."""
   f = flags.FLAGS
-  return initialize(f.coordinator_address, f.num_processes, f.process_id, f.distributed)
+  return initialize(f.coordinator_address, f.num_processes, f.process_id, f.distributed,
+                    heartbeat_timeout_s=f.heartbeat_timeout_s)
 
 
 def is_main_process() -> bool:

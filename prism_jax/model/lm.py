@@ -154,13 +154,17 @@ def decompose(model: PrismLM, protos: PrototypeOutput, target_N: jax.Array) -> D
 
 def init_prototypes_from_hidden(model: PrismLM, tokens_BxT: jax.Array, *, seed: int = 0,
                                 mask_BxT: jax.Array | None = None,
-                                kmeans_pp: bool = True) -> np.ndarray:
+                                kmeans_pp: bool = True,
+                                z_BxTxD: np.ndarray | None = None) -> np.ndarray:
   """Set the bank to hidden states z of given tokens (PRISM.md §1 'prototype init').
 
   Picks K distinct valid token positions, spread by k-means++ seeding on cosine distance
   when `kmeans_pp` (else uniformly at random). Returns the chosen flat token indices.
+  `z_BxTxD`: the tokens' hidden states when the caller computed them (the training loop:
+  a jitted forward whose result every process holds).
   """
-  z_BxTxD, _ = model.backbone(tokens_BxT)
+  if z_BxTxD is None:
+    z_BxTxD, _ = model.backbone(tokens_BxT)
   z_NxD = np.asarray(z_BxTxD, np.float64).reshape(-1, z_BxTxD.shape[-1])
   valid = np.ones(len(z_NxD), bool) if mask_BxT is None else np.asarray(mask_BxT).reshape(-1)
   candidates = np.flatnonzero(valid)

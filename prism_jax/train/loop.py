@@ -29,6 +29,7 @@ from prism_jax.train import overrides
 from prism_jax.train import step as step_lib
 from prism_jax.train import trainer
 from prism_jax.train.optimizer import PROTO_PATH, make_optimizer, reset_moments
+from prism_jax.train.preemption import Preemption
 from prism_jax.train.progress import format_metrics
 from prism_jax.train.state import (TrainState, abstract_state, create_train_state,
                                    default_mesh, model_template, state_shardings)
@@ -69,8 +70,15 @@ def init_prototypes(graphdef, state: TrainState, shardings: TrainState, cfg: Con
   step = int(jax.device_get(state.step))
   seed = int(np.random.SeedSequence([cfg.train.seed, step]).generate_state(1)[0])
   module = nnx.merge(graphdef, state.params)
+  # The forward jitted with a replicated result: on several processes the parameters span
+  # devices this process cannot read, and every process must pick the same prototypes.
+  replicated = jax.sharding.NamedSharding(shardings.step.mesh,
+                                          jax.sharding.PartitionSpec())
+  hidden = jax.jit(lambda params, tokens: nnx.merge(graphdef, params).backbone(tokens)[0],
+                   out_shardings=replicated)
+  z_BxTxD = np.asarray(hidden(state.params, tokens_BxT))
   init_prototypes_from_hidden(module, tokens_BxT, seed=seed, mask_BxT=mask_BxT,
-                              kmeans_pp=True)
+                              kmeans_pp=True, z_BxTxD=z_BxTxD)
   protos = np.asarray(module.bank.protos[...])
   params = jax.tree.map(lambda x: x, state.params)
   params[PROTO_PATH[0]][PROTO_PATH[1]] = jax.device_put(
@@ -108,6 +116,7 @@ class TrainResult:
   # the prototype init are left out (metrics.Throughput)
   state: TrainState
   graphdef: Any
+  preempted: bool = False  # stopped at final_step by a preemption notice, that step saved
 
   def summary(self) -> dict[str, Any]:
     """The JSON fields (everything but the live state and graphdef)."""
@@ -118,7 +127,8 @@ class TrainResult:
 def train(cfg: Config, workdir: str, *, mesh: jax.sharding.Mesh | None = None,
           callbacks: Sequence[Callback] = (),
           allow_config_change: Sequence[str] = (),
-          start_over: bool = False) -> TrainResult:
+          start_over: bool = False,
+          preemption: Preemption | None = None) -> TrainResult:
   """Trains (or resumes) `cfg` in `workdir`.
 
   `callbacks(step, state)` run after each dispatched step (and its checkpoint, if any).
@@ -127,6 +137,9 @@ def train(cfg: Config, workdir: str, *, mesh: jax.sharding.Mesh | None = None,
   records them in metrics.jsonl (split "config_change").
   `start_over` trains from step 0 when every checkpoint was quarantined as corrupt
   (otherwise that is refused with ckpt_lib.NoReadableCheckpointError).
+  `preemption` (the launcher's, train/preemption.install): asked after every step; on a
+  notice the step is saved and the run returns with `preempted` set (every process
+  saves the same step).
   """
   t_start = time.time()
   workdir = paths.resolve(workdir)  # a local path or a gs:// URI
@@ -164,7 +177,7 @@ def train(cfg: Config, workdir: str, *, mesh: jax.sharding.Mesh | None = None,
         pass  # unreadable: restore_latest reports it and falls back
     packed, train_loader, val_loader = prepare(cfg, workdir, mesh)
     return _run(cfg, workdir, mesh, ckpt, packed, train_loader, val_loader, callbacks, allow,
-                t_start, start_over)
+                t_start, start_over, preemption)
   finally:
     ckpt.close()
 
@@ -179,7 +192,7 @@ def _train_sample_loader(packed, cfg: Config, mesh):
 
 
 def _run(cfg, workdir, mesh, ckpt, packed, train_loader, val_loader, callbacks, allow,
-         t_start, start_over=False) -> TrainResult:
+         t_start, start_over=False, preemption=None) -> TrainResult:
   tc = cfg.train
   tx = make_optimizer(tc)
   with jax.set_mesh(mesh):
@@ -216,7 +229,8 @@ def _run(cfg, workdir, mesh, ckpt, packed, train_loader, val_loader, callbacks, 
     saving = trainer.Checkpointing(ckpt, tc.ckpt_every, train_loader.state, cfg)
     loop = trainer.Loop(start=start, steps=tc.steps, log_every=tc.log_every,
                         workdir=workdir, checkpointing=saving, throughput=thr,
-                        hint="Lower train.lr or check the data.")
+                        hint="Lower train.lr or check the data.",
+                        stop=None if preemption is None else preemption.reached)
     last_eval: dict[str, float] = {}
 
     def before_step(s: int, state: TrainState) -> TrainState:
@@ -260,7 +274,7 @@ def _run(cfg, workdir, mesh, ckpt, packed, train_loader, val_loader, callbacks, 
     last_eval = {k: v for k, v in vals[-1].items() if k not in ("step", "split")} if vals else {}
   return TrainResult(workdir, out.start_step, out.final_step, out.checkpoint_step,
                      dict(out.train), last_eval, time.time() - t_start,
-                     out.steady_tokens_per_s, out.state, graphdef)
+                     out.steady_tokens_per_s, out.state, graphdef, out.preempted)
 
 
 def _record_config_changes(loop: trainer.Loop, ckpt, step: int, cfg: Config) -> None:

@@ -149,6 +149,7 @@ class LoopResult:
   checkpoint_step: int | None  # the newest step saved (or restored), None if none
   train: Mapping[str, float]  # the last step's metrics (and rates, if logged)
   steady_tokens_per_s: float | None  # steps' tokens / their time (see metrics.Throughput)
+  preempted: bool = False  # stopped early by `stop`, after saving its last step
 
 
 class Loop:
@@ -157,11 +158,14 @@ class Loop:
 
   def __init__(self, *, start: int, steps: int, log_every: int, workdir: str | None = None,
                checkpointing: Checkpointing | None = None,
-               throughput: metrics_lib.Throughput | None = None, hint: str = ""):
+               throughput: metrics_lib.Throughput | None = None, hint: str = "",
+               stop: Callable[[int], bool] | None = None):
+    """`stop(done)`, asked once after every step on every process (preemption.Preemption.
+    reached): True saves that step (with `checkpointing`) and ends the run there."""
     if log_every < 1:
       raise ValueError(f"log_every must be >= 1, got {log_every}")
     self.start, self.steps, self.log_every = start, steps, log_every
-    self.ckpt, self.thr, self.hint = checkpointing, throughput, hint
+    self.ckpt, self.thr, self.hint, self.stop = checkpointing, throughput, hint, stop
     self.writer = metrics_lib.MetricsWriter(workdir, start) if workdir else None
     self.progress = Progress(start, steps)
     self._pending = None  # (step, device metrics) not yet fetched
@@ -227,7 +231,7 @@ class Loop:
     """Runs the steps; `before_step(s, state) -> state` and `after_step(done, state)` may
     call `flush()` first when they need the state known to be finite (they sync)."""
     ckpt_step = self.start if restored else None
-    done = self.start
+    done, stopping = self.start, False
     try:
       if self.thr is not None:
         self.thr.start()
@@ -249,7 +253,9 @@ class Loop:
         self.flush()
         self._pending = (s + 1, m_dev)
         done = s + 1
-        if self.ckpt is not None and (done % self.ckpt.every == 0 or done == self.steps):
+        stopping = self.stop is not None and self.stop(done)
+        if self.ckpt is not None and (done % self.ckpt.every == 0 or done == self.steps
+                                      or stopping):
           self.flush()  # never save a state that is not known to be finite
           with self.paused():
             self.ckpt.checkpointer.save(done, state, self.ckpt.data_state(done),
@@ -261,6 +267,8 @@ class Loop:
           after_step(done, state)
         for cb in callbacks:
           cb(done, state)
+        if stopping:
+          break
       self.flush()
       if self.ckpt is not None:
         self.ckpt.checkpointer.wait()
@@ -269,7 +277,8 @@ class Loop:
       if self.writer is not None:
         self.writer.close()
     return LoopResult(state, self.start, done, ckpt_step, self._last,
-                      None if self.thr is None else self.thr.overall())
+                      None if self.thr is None else self.thr.overall(),
+                      stopping and done < self.steps)
 
 
 def _batches_from(batches: Iterable | Callable[[int], Iterator], start: int) -> Iterator:
