@@ -8,7 +8,8 @@ its recipe (`preset(config, steps)`: learning rate, warm-up, decay, weight decay
 checkpoint cadence), cut only where this box cannot afford it: --steps (bank set from data
 at --proto_init_step, not the recipe's 5% of the run), the global batch --batch and the
 sequence length --seq_len, one evaluation at the end on --eval_batches val batches (not
-at the start and every 2%). Stages, each timed:
+at the start and every 2%), checkpoints every --ckpt_every steps keeping
+--keep_checkpoints (the emulator holds them in memory). Stages, each timed:
 
   data       the embedded corpus written as parquet into gs:// (tests/gcs_emulator.py)
   reference  an uninterrupted run: --num_processes processes x --local_devices CPU
@@ -51,7 +52,9 @@ flags.DEFINE_integer("steps", 12, "train.steps (cut: the box's budget)")
 flags.DEFINE_integer("proto_init_step", 6, "train.proto_init_step (cut with --steps)")
 flags.DEFINE_integer("batch", 8, "train.batch_size, global rows (cut)")
 flags.DEFINE_integer("seq_len", 128, "data.seq_len (cut)")
-flags.DEFINE_integer("ckpt_every", 0, "train.ckpt_every (0: the recipe's for --steps)")
+flags.DEFINE_integer("ckpt_every", 6, "train.ckpt_every (0: the recipe's for --steps)")
+flags.DEFINE_integer("keep_checkpoints", 1, "train.keep_checkpoints (cut: the emulator holds "
+                     "every checkpoint in memory)")
 flags.DEFINE_integer("eval_batches", 2, "train.eval_batches (val batches per evaluation)")
 flags.DEFINE_integer("sigterm_step", 9, "SIGTERM once this step is logged")
 flags.DEFINE_integer("num_processes", 2, "processes (hosts)")
@@ -78,14 +81,19 @@ def overrides() -> list[str]:
   return ([f"train.steps={FLAGS.steps}", f"train.proto_init_step={FLAGS.proto_init_step}",
            f"train.batch_size={FLAGS.batch}", f"data.seq_len={FLAGS.seq_len}",
            f"train.eval_every={FLAGS.steps}", "train.eval_at_start=false",
-           f"train.eval_batches={FLAGS.eval_batches}", "train.log_every=1"]
+           f"train.eval_batches={FLAGS.eval_batches}", "train.log_every=1",
+           f"train.keep_checkpoints={FLAGS.keep_checkpoints}"]
           + ([f"train.ckpt_every={FLAGS.ckpt_every}"] if FLAGS.ckpt_every else [])
           + ["mesh.data=1", "mesh.fsdp=-1", "mesh.model=1"] + list(FLAGS.set))
 
 
-def _env(extra: dict) -> dict:
+def _env(extra: dict, out: str) -> dict:
+  """Every stage's environment: the emulator's, CPU devices per process, and JAX's
+  persistent compilation cache (later stages reuse the programs the reference compiled,
+  as a pod's restarts would with a cache dir)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(FLAGS.local_devices),
-             PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
+             PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
+             JAX_COMPILATION_CACHE_DIR=os.path.join(out, "jax_cache"), **extra)
   env.pop("XLA_FLAGS", None)
   return env
 
@@ -281,7 +289,7 @@ def main(argv):
   print(f"logs in {out}", flush=True)
   t0 = time.perf_counter()
   with _emulator().running() as gcs:
-    result = rehearse(out, _env(gcs))
+    result = rehearse(out, _env(gcs, out))
   result["total_s"] = round(time.perf_counter() - t0, 1)
   checks = result["checks"]
   print("\n| stage | wall s |\n| --- | --- |")

@@ -13,7 +13,7 @@ import subprocess
 import sys
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-STEPS, INIT, SIGTERM_AT = 6, 2, 3
+STEPS, INIT, SIGTERM_AT = 12, 2, 3
 
 
 def test_tiny_rehearsal_passes_its_checks(tmp_path):
