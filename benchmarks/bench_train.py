@@ -45,6 +45,8 @@ if __package__:  # python -m benchmarks.bench_train
 else:  # run as a file: the --baseline worker (this folder is sys.path[0])
   from configs import TRAIN as CONFIGS  # pylint: disable=import-error
 
+from prism_jax.cli import provenance
+
 FLAGS = flags.FLAGS
 
 
@@ -287,8 +289,7 @@ def main(argv):
   print(format_table(rows))
   if FLAGS.results_json:
     with open(FLAGS.results_json, "w", encoding="utf-8") as f:
-      json.dump({"command": " ".join(["python", "-m", "benchmarks.bench_train"] + sys.argv[1:]),
-                 "rows": rows}, f, indent=1)
+      json.dump({**provenance.record("benchmarks.bench_train"), "rows": rows}, f, indent=1)
 
 
 if __name__ == "__main__":

@@ -23,6 +23,7 @@ import time
 from absl import flags
 
 from prism_jax.cli import launcher
+from experiments import provenance
 
 flags.DEFINE_string("out", "/tmp/cache_scale", "scratch directory written: data and caches "
                     "(local or gs://)")
@@ -91,7 +92,7 @@ def main(argv):
   if FLAGS.results_json:
     os.makedirs(os.path.dirname(FLAGS.results_json) or ".", exist_ok=True)
     with open(FLAGS.results_json, "w") as f:
-      json.dump({"command": "python -m benchmarks.cache_scale " + " ".join(sys.argv[1:]),
+      json.dump({**provenance.record("benchmarks.cache_scale"),
                  "model": {"preset": FLAGS.config, "d_model": mcfg.d_model,
                            "K": mcfg.num_prototypes, "k": mcfg.k, "seq_len": FLAGS.seq_len},
                  "rows": rows}, f, indent=1)

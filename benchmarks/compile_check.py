@@ -25,6 +25,9 @@ os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
 os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-16")
 os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
 os.environ.setdefault("TPU_WORKER_ID", "0")
+# libtpu takes a process-wide lockfile; compile-only use from two processes (test workers,
+# another compile check) is safe.
+os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 from absl import flags  # noqa: E402
 
@@ -43,8 +46,9 @@ def define_flags() -> None:
   flags.DEFINE_enum("dtype", "bfloat16", ["float32", "bfloat16"], "compute dtype")
   flags.DEFINE_bool("remat", False, "rematerialise each block in the backward pass")
   flags.DEFINE_enum("kind", "prism", ["prism", "dense"], "PRISM or the dense baseline")
-  flags.DEFINE_enum("implementation", "pallas_tpu", ["pallas_tpu", "xla"],
-                    "prototype layer: the Mosaic kernel (what a TPU run picks) or the XLA "
+  flags.DEFINE_enum("implementation", "default", ["default", "pallas_tpu", "xla"],
+                    "prototype layer: the default (what a TPU run picks: resolved for the "
+                    "platform compiled for, the Mosaic kernel), the kernel, or the XLA "
                     "reference")
 
 
@@ -96,17 +100,16 @@ def topology_devices(name: str):
                        "install the tpu-aot extra: pip install libtpu==0.0.51") from e
 
 
-def compile_train_step(preset_name: str, topology: str, mesh_sizes=(1, -1, 1),
-                       per_device_batch: int = 1, seq_len: int = 0, dtype: str = "bfloat16",
-                       remat: bool = False, kind: str = "prism",
-                       implementation: str = "pallas_tpu") -> Report:
-  """AOT-compiles the PRISM train step of a preset for `topology`; returns its Report.
+def lower_train_step(preset_name: str, topology: str, mesh_sizes=(1, -1, 1),
+                     per_device_batch: int = 1, seq_len: int = 0, dtype: str = "bfloat16",
+                     remat: bool = False, kind: str = "prism", implementation: str | None = None):
+  """The train step of a preset lowered for `topology`: (lowered, cfg, state, devices).
 
-  `implementation` is explicit: compiling from a CPU box, None would resolve to the
-  XLA reference (the default backend is CPU), not the Mosaic kernel a TPU run uses."""
+  `implementation` None is the model's default, resolved for the platform being compiled
+  (the Mosaic kernel on TPU), as a TPU run gets it: no CPU path is lowered."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
-  from prism_jax import flops, sharding  # pylint: disable=import-outside-toplevel
+  from prism_jax import sharding  # pylint: disable=import-outside-toplevel
   from prism_jax.config import MeshConfig, preset  # pylint: disable=import-outside-toplevel
   from prism_jax.train import state as state_lib  # pylint: disable=import-outside-toplevel
   from prism_jax.train import step as step_lib  # pylint: disable=import-outside-toplevel
@@ -132,9 +135,29 @@ def compile_train_step(preset_name: str, topology: str, mesh_sizes=(1, -1, 1),
   batch_spec = {"inputs": jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=row),
                 "targets": jax.ShapeDtypeStruct((batch, seq), jnp.int32, sharding=row),
                 "mask": jax.ShapeDtypeStruct((batch, seq), jnp.bool_, sharding=row)}
-  start = time.perf_counter()
   with jax.set_mesh(mesh):
-    compiled = step.lower(state, batch_spec).compile()
+    lowered = step.lower(state, batch_spec)
+  return lowered, cfg, state, devices
+
+
+def compile_train_step(preset_name: str, topology: str, mesh_sizes=(1, -1, 1),
+                       per_device_batch: int = 1, seq_len: int = 0, dtype: str = "bfloat16",
+                       remat: bool = False, kind: str = "prism",
+                       implementation: str | None = None) -> Report:
+  """AOT-compiles the train step of a preset for `topology`; returns its Report."""
+  import jax  # pylint: disable=import-outside-toplevel
+  from pallas_kernels.topk_reconstruct import api  # pylint: disable=import-outside-toplevel
+  from prism_jax import flops, sharding  # pylint: disable=import-outside-toplevel
+  from prism_jax.config import MeshConfig  # pylint: disable=import-outside-toplevel
+
+  start = time.perf_counter()
+  lowered, cfg, state, devices = lower_train_step(
+      preset_name, topology, mesh_sizes, per_device_batch, seq_len, dtype, remat, kind,
+      implementation)
+  mesh_cfg, batch, seq = MeshConfig(*mesh_sizes), cfg.train.batch_size, cfg.data.seq_len
+  implementation = api.resolve_implementation(implementation, "tpu")
+  with jax.set_mesh(sharding.make_mesh(mesh_cfg, devices)):
+    compiled = lowered.compile()
   compile_s = time.perf_counter() - start
   mem = compiled.memory_analysis()
   cost = compiled.cost_analysis()
@@ -180,9 +203,10 @@ def main(argv: list[str]) -> None:
   reports: list[Any] = []
   for topology in FLAGS.topology:
     for name in FLAGS.config:
+      impl = None if FLAGS.implementation == "default" else FLAGS.implementation
       reports.append(compile_train_step(name, topology, mesh_sizes, FLAGS.per_device_batch,
                                         FLAGS.seq_len, FLAGS.dtype, FLAGS.remat, FLAGS.kind,
-                                        FLAGS.implementation))
+                                        impl))
       print(format_table(reports[-1:]).splitlines()[-1], flush=True)
   print()
   print(format_table(reports))

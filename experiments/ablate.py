@@ -24,6 +24,7 @@ import sys
 from absl import flags
 
 from prism_jax.cli import launcher
+from experiments import provenance
 
 # name -> --set overrides on top of the preset (PRISM defaults: raw mixture, straight-
 # through residual, λ_rec = λ_1 = λ_2 = 0.05).
@@ -269,9 +270,9 @@ def main(argv):
     with open(FLAGS.table_md, "w") as f:
       f.write(table + "\n")
   if FLAGS.results_json:
-    command = "python -m experiments.ablate " + " ".join(sys.argv[1:])
-    write_results_json(FLAGS.results_json,
-                       headline_row(results, FLAGS.headline, FLAGS.base, command))
+    rec = provenance.record("experiments.ablate")
+    row = headline_row(results, FLAGS.headline, FLAGS.base, rec["command"])
+    write_results_json(FLAGS.results_json, dict(row, argv=rec["argv"], commit=rec["commit"]))
 
 
 if __name__ == "__main__":

@@ -22,6 +22,7 @@ import time
 from absl import flags
 
 from prism_jax.cli import launcher
+from experiments import provenance
 
 flags.DEFINE_string("workdir", None, "trained PRISM run (local or gs://)")
 flags.DEFINE_string("out", None, "where the two caches go (local or gs://)")
@@ -104,13 +105,14 @@ def main(argv):
     print(f"| {r['processes']} | {r['wall_s']:.1f} | {r['tokens_per_s_per_process']:.0f} | "
           f"{'bit for bit (' + str(len(one)) + ' arrays + metadata)' if equal else 'NO'} |")
   if FLAGS.results_json:  # experiments/reproduce.py's schema: one row, the builds as detail
-    command = "python -m experiments.cache_multihost " + " ".join(sys.argv[1:])
+    rec = provenance.record("experiments.cache_multihost")
+    command = rec["command"]
     row = {"metric": f"attribution cache built by {FLAGS.num_processes} processes vs 1",
            "paper": "not reported", "command": command,
            "ours": (f"bit for bit ({len(one)} arrays + metadata)" if equal else "differs"),
            "note": f"{tokens} tokens, {FLAGS.local_devices} CPU devices per process"}
     with open(FLAGS.results_json, "w") as f:
-      json.dump({"rows": [row], "command": command, "num_tokens": tokens,
+      json.dump({"rows": [row], **rec, "num_tokens": tokens,
                  "equal_bit_for_bit": bool(equal), "builds": rows, "arrays": sorted(one)},
                 f, indent=1)
   if not equal:

@@ -18,6 +18,7 @@ import time
 from absl import flags, logging
 
 from prism_jax.cli import launcher
+from experiments import provenance
 
 flags.DEFINE_string("workdir", "runs/demo", "trained PRISM run")
 flags.DEFINE_string("cache_dir", None, "default: <workdir>/attribution_cache")
@@ -113,8 +114,7 @@ def main(argv):
          "train_tokens": num_tokens, "top_m": FLAGS.top_m, "cards_wall_s": round(wall, 2),
          "cards_cpu_s": round(cpu, 2), "budget_s": 60, "brute_force_s": round(brute_s, 1),
          "cards_equal_brute_force": ok, "max_abs_activation_diff": dmax,
-         "command": "python -m experiments.cards_check --workdir=runs/demo "
-                    "--results_json=docs/results/cards.json"}
+         **provenance.record("experiments.cards_check")}
   print("\n| K | train tokens | top_m | cards from cache (wall / CPU s) | budget | cards equal "
         "to brute force | max abs Δa |\n|---|---|---|---|---|---|---|")
   print(f"| {row['K']} | {num_tokens:,} | {FLAGS.top_m} | {wall:.1f} / {cpu:.1f} | 60 s | "

@@ -26,6 +26,7 @@ import numpy as np
 from absl import flags, logging
 
 from prism_jax.cli import launcher
+from experiments import provenance
 
 flags.DEFINE_string("out", "/tmp/prism_lds", "directory written: data, scores, retrains, "
                     "results.md")
@@ -225,14 +226,10 @@ def main(argv):
     _write_plot(FLAGS.plot, [0] + ms, {n: [0.0] + list(deltas[n].mean(0)) for n in deltas},
                 {n: [0.0] + list(sem(deltas[n])) for n in deltas})
   if FLAGS.results_json:
-    cmd = ("python -m experiments.lds --out=/tmp/prism_lds "
-           f"--subsets={FLAGS.subsets} --queries={FLAGS.queries} "
-           f"--ceiling_subsets={FLAGS.ceiling_subsets} "
-           f"--removal_queries={FLAGS.removal_queries} --results_json={FLAGS.results_json}"
-           + (f" --plot={FLAGS.plot}" if FLAGS.plot else ""))
+    rec = provenance.record("experiments.lds")
     for r in rows_json:
-      r["command"] = cmd
-    out = {"rows": rows_json, "removal": {n: deltas[n].tolist() for n in deltas},
+      r["command"] = rec["command"]
+    out = {**rec, "rows": rows_json, "removal": {n: deltas[n].tolist() for n in deltas},
            "removal_m": ms, "queries": q_rows, "table": table}
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.results_json)), exist_ok=True)
     with open(FLAGS.results_json, "w") as f:

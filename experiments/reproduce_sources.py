@@ -107,6 +107,110 @@ def cache_scale(data: dict) -> list[dict]:
                   "command": data["command"]})
   return out
 
+def _scale_ratio(data: dict, preset: str):
+  """The PRISM/dense ratio of `preset` (best over targets and remat), or None."""
+  hits = [r for r in data["ratios"] if r["preset"] == preset]
+  return max(hits, key=lambda r: r["prism_over_dense"]) if hits else None
+
+
+def scale_table(data: dict) -> list[dict]:
+  """Paper-vs-ours rows of benchmarks/scale_table.py: predicted PRISM/dense throughput."""
+  out = []
+  for name in ("small", "xl"):
+    r = _scale_ratio(data, name)
+    if r is not None:
+      out.append({"metric": f"predicted PRISM/dense train tokens/s/chip, {name}, TPU roofline",
+                  "paper": "97.3% (H200, XL, measured)" if name == "xl" else "not reported",
+                  "ours": f"{100 * r['prism_over_dense']:.1f}%",
+                  "note": f"{r['target']}, remat {'on' if r['remat'] else 'off'}: compiler "
+                          "estimate, not a measurement",
+                  "command": data["command"]})
+  return out
+
+
+def _gb(n: float) -> str:
+  return f"{n / 1e9:.2f}"
+
+
+def scale_table_markdown(data: dict) -> str:
+  """The "Scale table" section's tables (between its markers in docs/RESULTS.md)."""
+  chips = "; ".join(f"{k}: {v['source']}" for k, v in data["chips"].items())
+  lines = [f"Compiler estimates, not measurements (commit `{data['commit'][:12]}`, "
+           f"`{data['command']}`). Chip figures: {chips}.", "",
+           "| target | preset | kind | remat | batch/chip | HBM peak GiB (compiler) "
+           "| TFLOP/chip/step compiled / analytic | GB accessed (compiler) "
+           "| all-gather n / GB | reduce-scatter n / GB | all-reduce n / GB "
+           "| all-to-all n / GB | N×K moved | roofline ms (bound) | tokens/s/chip | MFU |",
+           "|" + "---|" * 16]
+  for r in data["rows"]:
+    head = (f"| {r['target']} | {r['preset']} | {r['kind']} | {'on' if r['remat'] else 'off'} ")
+    if not r["fits"]:
+      lines.append(head + "| none fits |" + " |" * 11)
+      continue
+    c = r["collectives"]
+    coll = " | ".join(f"{c[k]['count']} / {_gb(c[k]['bytes'])}"
+                      for k in ("all-gather", "reduce-scatter", "all-reduce", "all-to-all"))
+    nxk = "no" if not r["nxk_collectives"] else f"YES ({len(r['nxk_collectives'])})"
+    if r["kind"] == "dense":
+      nxk = "–"
+    lines.append(head + f"| {r['per_chip_batch']} | {r['peak_GiB']:.2f} / {r['hbm_GiB']:.0f} "
+                 f"| {r['compiled_TFLOP']:.2f} / {r['analytic_TFLOP']:.2f} "
+                 f"| {r['bytes_accessed_GB']:.0f} | {coll} | {nxk} "
+                 f"| {r['roofline_step_ms']:.0f} ({r['bound']}) "
+                 f"| {r['tokens_per_s_per_chip']:.0f} | {100 * r['mfu']:.0f}% |")
+  lines += ["", "| target | preset | remat | predicted PRISM/dense tokens/s/chip | paper |",
+            "|---|---|---|---|---|"]
+  for r in data["ratios"]:
+    paper = "97.3% (XL, H200, measured)" if r["preset"] == "xl" else "–"
+    lines.append(f"| {r['target']} | {r['preset']} | {'on' if r['remat'] else 'off'} "
+                 f"| {100 * r['prism_over_dense']:.1f}% | {paper} |")
+  return "\n".join(lines)
+
+REHEARSAL_CHECKS = ("bank_set_from_data", "losses_finite", "losses_falling",
+                    "resume_bit_exact", "preemption_same_step", "cache_equal_one_process",
+                    "report_written")
+
+
+def rehearsal(data: dict) -> list[dict]:
+  """Paper-vs-ours row of experiments/rehearsal.py: the CPU pod rehearsal's checks."""
+  c = data["checks"]
+  passed = [k for k in REHEARSAL_CHECKS if c.get(k)]
+  return [{"metric": f"CPU pod rehearsal ({data['config']} shape, {data['num_processes']} "
+                     f"processes x {data['local_devices']} devices, gs://)",
+           "paper": "not reported",
+           "ours": f"{len(passed)}/{len(REHEARSAL_CHECKS)} checks pass, "
+                   f"{data['total_s']:.0f} s",
+           "command": data["command"]}]
+
+
+def rehearsal_markdown(data: dict) -> str:
+  """The "CPU pod rehearsal" section's tables (between its markers in docs/RESULTS.md)."""
+  c = data["checks"]
+  lines = [f"`{data['command']}` (commit `{data['commit'][:12]}`); overrides of the "
+           f"`{data['config']}` recipe: `" + " ".join(data["overrides"]) + "`", "",
+           "| stage | wall s |", "|---|---|"]
+  lines += [f"| {k} | {v:.0f} |" for k, v in data["stages_s"].items()]
+  lines += [f"| total | {data['total_s']:.0f} |", "", "| check | result |", "|---|---|"]
+  details = {"bank_set_from_data": c.get("bank_init"),
+             "losses_falling": ", ".join(f"{x:.3f}" for x in c.get("losses", [])),
+             "resume_bit_exact": f"SIGTERM after step {c.get('sigterm_after_step')}, "
+                                 f"resumed from checkpoint {c.get('resumed_from')}",
+             "preemption_same_step": f"saved steps {c.get('preemption_saved_steps')}, exit "
+                                     f"codes {c.get('preempted_exit_codes')}",
+             "cache_equal_one_process": f"{c.get('cache_tokens')} tokens",
+             "report_written": f"{c.get('report_bytes')} bytes of HTML, cards "
+                               f"{'written' if c.get('cards') else 'missing'}"}
+  for k in REHEARSAL_CHECKS:
+    extra = details.get(k)
+    lines.append(f"| {k} | {'yes' if c.get(k) else 'NO'}" + (f" ({extra})" if extra else "")
+                 + " |")
+  ev = c.get("eval", {})
+  if ev:
+    keys = [k for k in ("loss", "ce", "r1", "r2", "residual_share") if k in ev]
+    lines += ["", "Evaluation at the last step: "
+              + ", ".join(f"{k} {ev[k]:.4g}" for k in keys) + "."]
+  return "\n".join(lines)
+
 
 # File stem -> reader; stems not listed must hold schema rows.
 READERS: dict[str, Callable[[dict], list[dict]]] = {
@@ -116,7 +220,15 @@ READERS: dict[str, Callable[[dict], list[dict]]] = {
     "throughput": throughput,
     "cards": cards,
     "cache_scale": cache_scale,
+    "scale_table": scale_table,
+    "rehearsal": rehearsal,
 }
 # Variants recorded beside a headline file (other selections, the dense twin): detail in
 # RESULTS.md's sections, not rows of the table.
 DETAIL_PREFIXES = ("suppression_",)
+# File stem -> (markdown of its own section, the marker name): reproduce.py writes it
+# between `<!-- NAME:begin -->` and `<!-- NAME:end -->` in RESULTS.md.
+SECTIONS: dict[str, tuple[Callable[[dict], str], str]] = {
+    "scale_table": (scale_table_markdown, "scale_table"),
+    "rehearsal": (rehearsal_markdown, "rehearsal"),
+}

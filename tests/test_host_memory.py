@@ -1,4 +1,5 @@
-"""train/host_memory: freed host memory stays in the process (no page faults on reuse).
+"""train/host_memory: freed host memory stays in the process (no page faults on reuse),
+applied only by the command-line launcher (experiments/cli.py), never by the library.
 
 Each case runs in a fresh interpreter: the allocator setting is process-wide and one-way.
 The probe mallocs, writes and frees a 64 MiB buffer twice (plain malloc: numpy would ask
@@ -36,12 +37,15 @@ if sys.argv[1] == "thresholds":  # the two thresholds alone (round 3's setting)
 elif sys.argv[1] == "retain":
   from prism_jax.train import host_memory
   applied = host_memory.retain_freed_memory()
-elif sys.argv[1] == "train_step":
+elif sys.argv[1] == "train_step":  # the library: building (and running) a step
   import jax, optax
   from prism_jax.train import host_memory, trainer
   loss = lambda p, b: (jax.numpy.sum(p["w"] * b), {})
-  trainer.make_step(loss, optax.sgd(0.1))
+  step = trainer.make_step(loss, optax.sgd(0.1))
   applied = host_memory._applied
+elif sys.argv[1] == "launcher":  # the command-line launcher's opt-in
+  from experiments import cli
+  applied = cli.retain_freed_host_memory()
 def faults_of_one_round(size):
   before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
   buf = libc.malloc(size)
@@ -97,8 +101,17 @@ def test_a_worker_threads_freed_heap_is_kept():
 
 
 @glibc_only
-def test_the_train_step_builder_applies_it_on_cpu():
+def test_building_a_train_step_changes_no_malloc_setting():
+  """The library changes no process state: after make_step the heap behaves as glibc's
+  default (a fresh mmap per round), and the setting was never applied."""
   res = run_probe("train_step")
+  assert res["applied"] is None
+  assert res["faults"] > PAGES // 2, res
+
+
+@glibc_only
+def test_the_launcher_opts_in():
+  res = run_probe("launcher")
   assert res["applied"] is True
   assert res["faults"] < PAGES // 20, res
 
@@ -108,5 +121,6 @@ def test_the_environment_variable_opts_out():
   res = run_probe("retain", PRISM_JAX_RETAIN_FREED_MEMORY="0")
   assert res["applied"] is False
   assert res["faults"] > PAGES // 2, res
-  res = run_probe("train_step", PRISM_JAX_RETAIN_FREED_MEMORY="0")
+  res = run_probe("launcher", PRISM_JAX_RETAIN_FREED_MEMORY="0")
   assert res["applied"] is False
+  assert res["faults"] > PAGES // 2, res

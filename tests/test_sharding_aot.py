@@ -31,3 +31,52 @@ def test_small_compiles_for_v5e_4x4_and_fits():
   assert report.fits
   assert report.implementation == "pallas_tpu" and report.kernel_calls > 0  # the kernel
   print("\n" + compile_check.format_table([report]))
+
+
+def _platform_paths(text: str) -> dict:
+  """What a lowered program holds of the CPU speed paths: barriers, and ops traced in
+  their name scope (cpu.SCOPE, in every op location)."""
+  from pallas_kernels.topk_reconstruct import cpu  # pylint: disable=import-outside-toplevel
+  return {"optimization_barrier": text.count("optimization_barrier"),
+          cpu.SCOPE: text.count(f"/{cpu.SCOPE}/")}
+
+
+def test_small_step_lowered_for_tpu_has_no_cpu_path():
+  """The default implementation and the model's CPU speed paths are chosen for the
+  platform being compiled: the `small` step lowered for a TPU holds no barrier and no op
+  of a CPU-only path (97 barriers when they were chosen by the default backend), and its
+  prototype layer is the Mosaic kernel. The same step lowered for CPU (the tiny shape)
+  holds them, so the check can fail."""
+  from experiments import compile_check  # pylint: disable=import-outside-toplevel
+  lowered, cfg, _, _ = compile_check.lower_train_step("small", "v5e:2x2", (1, -1, 1),
+                                                      seq_len=128)
+  assert cfg.model.implementation is None
+  tpu = lowered.as_text(debug_info=True)
+  assert _platform_paths(tpu) == dict.fromkeys(_platform_paths(""), 0)
+  assert "tpu_custom_call" in tpu
+  cpu = _cpu_lowered_tiny_step().as_text(debug_info=True)
+  counts = _platform_paths(cpu)
+  assert all(counts.values()), counts
+  assert "tpu_custom_call" not in cpu
+
+
+def _cpu_lowered_tiny_step():
+  import jax  # pylint: disable=import-outside-toplevel
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from prism_jax.config import preset  # pylint: disable=import-outside-toplevel
+  from prism_jax.sharding import batch_sharding, make_mesh  # pylint: disable=import-outside-toplevel
+  from prism_jax.train import abstract_state, make_optimizer  # pylint: disable=import-outside-toplevel
+  from prism_jax.train import state as state_lib  # pylint: disable=import-outside-toplevel
+  from prism_jax.train.step import make_train_step  # pylint: disable=import-outside-toplevel
+  cfg = preset("tiny")
+  mesh = make_mesh(cfg.mesh, jax.devices()[:1])
+  tx = make_optimizer(cfg.train)
+  state = abstract_state(cfg, mesh, tx)
+  graphdef, _ = state_lib.model_template(cfg.model)
+  step = make_train_step(graphdef, cfg, tx, jax.tree.map(lambda a: a.sharding, state), mesh)
+  shape, row = (cfg.train.batch_size, cfg.data.seq_len), batch_sharding(mesh)
+  batch = {"inputs": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=row),
+           "targets": jax.ShapeDtypeStruct(shape, jnp.int32, sharding=row),
+           "mask": jax.ShapeDtypeStruct(shape, jnp.bool_, sharding=row)}
+  with jax.set_mesh(mesh):
+    return step.lower(state, batch)

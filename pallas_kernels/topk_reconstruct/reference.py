@@ -6,9 +6,11 @@
     z_hat   = sum_j act_j protos[idx_j]
 
 Everything here is dtype-generic: it computes in the inputs' dtype widened to at least
-float32 (float64 under jax.enable_x64 for the curvature and EK-FAC references). The kernels
-(api.py) are tested against `topk_reconstruct_xla`; the model and the attribution code take
-`similarity`, `mixture_weights` and `topk_mixture` from here, so each piece exists once.
+float32 (float64 under jax.enable_x64 for the curvature and EK-FAC references), and plain:
+no platform-specific scheduling (the CPU speed path is cpu.py). Every implementation
+(api.py) is tested against `topk_reconstruct_xla`; the model, attribution and control take
+`similarity`, `mixture_weights`, `topk_mixture` and `sparse_mixture` from here, so each
+piece exists once.
 """
 
 from __future__ import annotations
@@ -17,8 +19,6 @@ from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
-
-from pallas_kernels.topk_reconstruct import topk_major
 
 EPS = 1e-6  # guards the norms of all-zero rows and the sum of all-zero activations
 
@@ -54,29 +54,6 @@ def similarity(z_NxD: jax.Array, protos_KxD: jax.Array) -> Similarity:
   dot_NxK = jnp.dot(z_NxD, protos_KxD.T, precision=jax.lax.Precision.HIGHEST)
   return Similarity(dot_NxK, sqnorm_z_N, sqnorm_p_K,
                     dot_NxK * inv_norm(sqnorm_z_N)[:, None] * inv_norm(sqnorm_p_K)[None, :])
-
-
-class SimilarityKxN(NamedTuple):
-  """`Similarity` laid out prototypes x tokens (XLA:CPU's fast layout for the top-k and
-  the per-prototype statistics, topk_major.py): the same values, transposed."""
-
-  dot_KxN: jax.Array
-  sqnorm_z_N: jax.Array
-  sqnorm_p_K: jax.Array
-  cos_KxN: jax.Array
-
-  def sqdist(self) -> jax.Array:
-    return jnp.maximum(self.sqnorm_z_N[None, :] + self.sqnorm_p_K[:, None]
-                       - 2.0 * self.dot_KxN, 0.0)
-
-
-def similarity_KxN(z_NxD: jax.Array, protos_KxD: jax.Array) -> SimilarityKxN:
-  """`similarity` transposed: each entry by the same ops in the same order (the dot of
-  the same two rows; XLA:CPU's dot gives the same bits in either orientation, tested)."""
-  s = similarity_terms(z_NxD, protos_KxD)
-  dot_KxN = jnp.dot(protos_KxD, z_NxD.T, precision=jax.lax.Precision.HIGHEST)
-  return SimilarityKxN(dot_KxN, s[0], s[1],
-                       dot_KxN * inv_norm(s[0])[None, :] * inv_norm(s[1])[:, None])
 
 
 def _first_extremum(x: jax.Array, axis: int, largest: bool) -> tuple[jax.Array, jax.Array]:
@@ -115,16 +92,6 @@ def mixture_weights(sim_Nxk: jax.Array, mixture: str) -> jax.Array:
   return act_Nxk
 
 
-def top_k(x_NxK: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-  """lax.top_k along the last axis (values by decreasing size, ties to the lower index).
-  On CPU its outputs pass an optimization barrier: XLA:CPU runs lax.top_k as its TopK
-  custom call (one partial selection per row) when the outputs stay unfused, and falls back
-  to a full O(K log K) sort of every row when a consumer fusion (the mixture's row
-  gathers) would absorb them: at K 8192 the sort costs ~8x the selection."""
-  out = jax.lax.top_k(x_NxK, k)
-  return jax.lax.optimization_barrier(out) if jax.default_backend() == "cpu" else out
-
-
 class Mixture(NamedTuple):
   sim_Nxk: jax.Array
   idx_Nxk: jax.Array  # int32
@@ -137,17 +104,23 @@ def topk_mixture(cos_NxK: jax.Array, protos_KxD: jax.Array, k: int, mixture: str
   """Top-k of each row of `cos_NxK`, its mixture weights and z_hat = sum_j a_j p[idx_j].
   `fixed_weights` stops the gradient through the weights (P reaches z_hat only through the
   explicit rows: the linear-layer view of PRISM.md §4)."""
-  sim_Nxk, idx_Nxk = top_k(cos_NxK, k)
+  sim_Nxk, idx_Nxk = jax.lax.top_k(cos_NxK, k)  # ties to the lower prototype id
+  idx_Nxk = idx_Nxk.astype(jnp.int32)
   act_Nxk = mixture_weights(sim_Nxk, mixture)
   if fixed_weights:
     act_Nxk = jax.lax.stop_gradient(act_Nxk)
-  return Mixture(sim_Nxk, idx_Nxk.astype(jnp.int32), act_Nxk,
-                 reconstruct(act_Nxk, protos_KxD[idx_Nxk]))
+  return Mixture(sim_Nxk, idx_Nxk, act_Nxk, sparse_mixture(act_Nxk, idx_Nxk, protos_KxD))
 
 
-def reconstruct(act_Nxk: jax.Array, rows_NxkxD: jax.Array) -> jax.Array:
-  """z_hat = sum_j act_j rows_j, rows = protos[idx] (the reference's one contraction)."""
-  return jnp.einsum("nk,nkd->nd", act_Nxk, rows_NxkxD, precision=jax.lax.Precision.HIGHEST)
+def sparse_mixture(w_Nxk: jax.Array, idx_Nxk: jax.Array, rows_KxD: jax.Array) -> jax.Array:
+  """sum_j w_j rows[idx_j], (N, D): the one sparse reconstruction (z_hat, a refill's
+  z_hat', a sparse code's direction in the logit edits)."""
+  return reconstruct(w_Nxk, rows_KxD[idx_Nxk])
+
+
+def reconstruct(w_Nxk: jax.Array, rows_NxkxD: jax.Array) -> jax.Array:
+  """sum_j w_j rows_j over already gathered rows (`sparse_mixture`'s contraction)."""
+  return jnp.einsum("nk,nkd->nd", w_Nxk, rows_NxkxD, precision=jax.lax.Precision.HIGHEST)
 
 
 def wide_dtype(*xs) -> jnp.dtype:
@@ -155,11 +128,24 @@ def wide_dtype(*xs) -> jnp.dtype:
   return jnp.promote_types(jnp.result_type(*xs), jnp.float32)
 
 
+class TopKReconstruction(NamedTuple):
+  """The op's outputs for N tokens, K prototypes, k active (every implementation's)."""
+
+  idx_Nxk: jax.Array  # int32 active prototype ids, by decreasing similarity
+  act_Nxk: jax.Array  # mixture weights (non-negative)
+  sim_Nxk: jax.Array  # cosine similarity of each active prototype
+  z_hat_NxD: jax.Array  # sum_j act_j p[idx_j]
+  row_max_cos_N: jax.Array  # max_i cos(z_t, p_i)
+  col_max_cos_K: jax.Array  # max over valid tokens of cos(p_i, z_t); -inf if none valid
+  row_min_dist_N: jax.Array  # min_i dist(z_t, p_i) for the distance
+  col_min_dist_K: jax.Array  # min over valid tokens of dist(p_i, z_t); +inf if none valid
+
+
 def topk_reconstruct_xla(z_NxD: jax.Array, protos_KxD: jax.Array, k: int, *,
                          mixture: str = "raw", distance: str = "cosine",
-                         mask_N: jax.Array | None = None):
-  """Pure-JAX reference: (idx, act, sim, z_hat, row_max_cos, col_max_cos, row_min_dist,
-  col_min_dist) in float32 (float64 for float64 inputs). The oracle of every kernel."""
+                         mask_N: jax.Array | None = None) -> TopKReconstruction:
+  """Pure-JAX reference in float32 (float64 for float64 inputs): the oracle of every
+  implementation, and autodiff end to end (forward mode too, as jax.hessian needs)."""
   dtype = wide_dtype(z_NxD, protos_KxD)
   z, p = z_NxD.astype(dtype), protos_KxD.astype(dtype)
   s = similarity(z, p)
@@ -177,8 +163,8 @@ def topk_reconstruct_xla(z_NxD: jax.Array, protos_KxD: jax.Array, k: int, *,
     sqdist_NxK = s.sqdist()
     row_min_dist_N = first_min(sqdist_NxK, -1)
     col_min_dist_K = first_min(jnp.where(valid_N[:, None], sqdist_NxK, jnp.inf), 0)
-  return (idx_Nxk, act_Nxk, sim_Nxk, z_hat_NxD, row_max_cos_N, col_max_cos_K,
-          row_min_dist_N, col_min_dist_K)
+  return TopKReconstruction(idx_Nxk, act_Nxk, sim_Nxk, z_hat_NxD, row_max_cos_N,
+                            col_max_cos_K, row_min_dist_N, col_min_dist_K)
 
 
 topk_reconstruct_reference = topk_reconstruct_xla  # the name the kernel tests use
@@ -188,19 +174,17 @@ def kernel_stats_xla(z_NxD, protos_KxD, valid_N, k: int, distance: str = "cosine
   """The kernels' statistics (launch.kernel_stats' tuple: sim_Nxk, idx_Nxk, col_max_cos_K,
   col_arg_cos_K[, row_min_sq_N, row_arg_sq_N, col_min_sq_K, col_arg_sq_K]) from the dense
   similarity, with `topk_reconstruct_xla`'s values (the same ops): the forward of the XLA
-  path whose backward is vjp.py's sparse one (implementation "xla_sparse"). On CPU the
-  similarity is laid out K x N and the top-k is topk_major's (the same bits and indices;
-  the statistics 1.7-1.9x faster at the byte config, experiments/bench_topk.py)."""
+  path whose backward is vjp.py's sparse one (implementation "xla_sparse"; on CPU it runs
+  as cpu.kernel_stats)."""
   dtype = wide_dtype(z_NxD, protos_KxD)
-  z, p = z_NxD.astype(dtype), protos_KxD.astype(dtype)
-  if jax.default_backend() == "cpu" and k <= topk_major.MAX_K:
-    s, tok = similarity_KxN(z, p), 1  # the token axis of cos and sqdist
-    cos = s.cos_KxN
-    sim_Nxk, idx_Nxk = topk_major.top_k(cos, k)
-  else:
-    s, tok = similarity(z, p), 0
-    cos = s.cos_NxK
-    sim_Nxk, idx_Nxk = top_k(cos, k)
+  s = similarity(z_NxD.astype(dtype), protos_KxD.astype(dtype))
+  sim_Nxk, idx_Nxk = jax.lax.top_k(s.cos_NxK, k)
+  return stats_from_similarity(s, s.cos_NxK, 0, sim_Nxk, idx_Nxk, valid_N, distance)
+
+
+def stats_from_similarity(s, cos, tok: int, sim_Nxk, idx_Nxk, valid_N, distance: str):
+  """kernel_stats_xla's tuple from a similarity whose token axis is `tok` (0: N x K,
+  1: K x N, cpu.py's layout) and its top-k."""
   valid = jnp.expand_dims(valid_N.astype(bool), 1 - tok)
   out = (sim_Nxk, idx_Nxk.astype(jnp.int32))
   out += _first_extremum(jnp.where(valid, cos, -jnp.inf), tok, largest=True)

@@ -3,7 +3,7 @@
 Mesh axis names come from the caller (prism_jax.sharding's rules table): `token_axes` for
 the N tokens, `model_axis` for the K prototypes. Nothing here knows a mesh's naming.
 
-Token-sharded kernel (`shard_stats`, used by api.run_with_options). Pallas kernels are
+Token-sharded kernel (`per_token_shard`, used by api.run_with_options). Pallas kernels are
 opaque to XLA's SPMD partitioner, so under an active mesh (`jax.set_mesh`) whose token axes
 are larger than one, the kernel runs per device inside `jax.shard_map` on its
 n = N / shards tokens. Row outputs stay sharded; the per-prototype statistics (R1 needs
@@ -73,29 +73,30 @@ def _gather_best(x_K, axes, largest: bool):
   return first_max(g, 0) if largest else first_min(g, 0)
 
 
-def shard_stats(stats_fn, z_NxD, p_KxD, valid_N, axes: tuple[str, ...], sqeuclid: bool):
-  """`stats_fn(z, p, valid)` (the custom_vjp kernel statistics) per token shard.
-
-  Returns (sim, idx, col_max_cos[, row_min_sq, col_min_sq]) with the column statistics
-  reduced over `axes`; the arg outputs stay local (only the backward uses them).
-  """
+def per_token_shard(layer_fn, z_NxD, p_KxD, valid_N, axes: tuple[str, ...], sqeuclid: bool):
+  """`layer_fn(z, p, valid)` (vjp.layer: statistics, act, z_hat under one custom_vjp) per
+  token shard: the unsharded layer's composition, with the column statistics reduced over
+  `axes`. Returns (stats, act, z_hat) with stats (sim, idx, col_max_cos, None[,
+  row_min_sq, None, col_min_sq, None]): the arg outputs stay inside (the backward's)."""
   rows, rows2 = P(axes), P(axes, None)
 
   def body(z, p, valid):
-    out = stats_fn(z, p, valid)
+    out, act, z_hat = layer_fn(z, p, valid)
     res = (out[0], out[1], _gather_best(out[2], axes, True))
     if sqeuclid:
       res += (out[4], _gather_best(out[6], axes, False))
-    return res
+    return res, act, z_hat
 
-  out_specs = (rows2, rows2, P()) + ((rows, P()) if sqeuclid else ())
+  out_specs = ((rows2, rows2, P()) + ((rows, P()) if sqeuclid else ()), rows2, rows2)
   # check_vma=False: the kernel body mixes token-varying and replicated operands, which
   # the Pallas interpreter's vma check rejects. Without it shard_map's transpose psums the
   # replicated bank's cotangent over the shards and splits the replicated outputs'
   # cotangents, which is exact here since the gathered column statistics are replicated.
   fn = jax.shard_map(body, mesh=jax.sharding.get_abstract_mesh(),
                      in_specs=(rows2, P(), rows), out_specs=out_specs, check_vma=False)
-  return fn(z_NxD, p_KxD, valid_N)
+  out, act, z_hat = fn(z_NxD, p_KxD, valid_N)
+  out = out[:3] + ((None, out[3], None, out[4]) if sqeuclid else (None,))
+  return out, act, z_hat
 
 
 def model_shards(model_axis: str) -> int:

@@ -50,7 +50,8 @@ def _passes(key_RxN: jax.Array, k: int) -> jax.Array:
     best = jnp.max(jnp.where(taken, floor, key_RxN), 0)
     pick = jnp.min(jnp.where((key_RxN == best) & ~taken, iota, rows), 0)
     picks.append(pick)
-    # Materialised per pass: fused, every pass would recompute all earlier masks.
+    # Materialised per pass: fused, every pass would recompute all earlier masks. (This
+    # module is the CPU path's, cpu.py; it is lowered only in programs compiled for CPU.)
     taken = jax.lax.optimization_barrier(taken | (iota == pick))
   return jnp.stack(picks)
 
@@ -82,8 +83,6 @@ def top_k(x_KxN: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
     raise ValueError(f"top_k: k={k} must be in [1, {x_KxN.shape[0]}] (rows of x)")
   if k > MAX_K:
     vals, idx = jax.lax.top_k(x_KxN.T, k)
-    out = vals, idx.astype(jnp.int32)
-    # unfused, it stays the TopK call (see reference.top_k)
-    return jax.lax.optimization_barrier(out) if jax.default_backend() == "cpu" else out
+    return vals, idx.astype(jnp.int32)
   idx_kxN = _top_rows(total_order_key(x_KxN), k)
   return jnp.take_along_axis(x_KxN, idx_kxN, 0).T, idx_kxN.T

@@ -12,9 +12,11 @@ gather-reduce into dz and a scatter-add into the bank.
               rows instead of 2k; the scatters dominate the backward's memory traffic).
 
 With `opts.backend == "xla"` the statistics come from the dense N x K similarity
-(reference.kernel_stats_xla, the XLA reference's values) instead of a kernel, and the
-backward is the same sparse one: O(N k D) gathers and scatters in place of autodiff's two
-N x K x D matmuls and its N x K elementwise chain (implementation "xla_sparse", api.py).
+(reference.kernel_stats_xla, the XLA reference's values; cpu.kernel_stats in a program
+compiled for CPU) instead of a kernel, and the backward is the same sparse one: O(N k D)
+gathers and scatters in place of autodiff's two N x K x D matmuls and its N x K
+elementwise chain (implementation "xla_sparse", api.py). Platform choices (the loop form
+of the gathers on TPU, CPU barriers) are made when the program is lowered.
 """
 
 from __future__ import annotations
@@ -24,23 +26,40 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.topk_reconstruct import launch, reference
+from pallas_kernels.topk_reconstruct import cpu, launch, reference
 from pallas_kernels.topk_reconstruct.reference import mixture_weights
 
 
 def _forward_stats(z_NxD, p_KxD, valid_N, k: int, opts):
-  """launch.kernel_stats' tuple: from the kernel, or (backend "xla") the dense similarity."""
+  """launch.kernel_stats' tuple: from the kernel, or (backend "xla") the dense similarity
+  (laid out for XLA:CPU in a program compiled for CPU, cpu.py)."""
   if opts.backend == "xla":
-    return reference.kernel_stats_xla(z_NxD, p_KxD, valid_N, k, opts.distance)
+    return cpu.on_cpu(lambda *a: cpu.kernel_stats(*a, k, opts.distance),
+                      lambda *a: reference.kernel_stats_xla(*a, k, opts.distance),
+                      z_NxD, p_KxD, valid_N)
   return launch.kernel_stats(z_NxD, p_KxD, valid_N, k, opts)
 
 
-def sequential(opts) -> bool:
-  """Row gathers one at a time in a loop: TPU's XLA does not fuse gathers (see _mix)."""
-  return opts.backend == "tpu" or (opts.backend == "xla" and jax.default_backend() == "tpu")
+def sequential(opts) -> bool | None:
+  """Row gathers one at a time in a loop: TPU's XLA does not fuse gathers (see _mix).
+  None (the XLA path): chosen for the platform being compiled (`_per_platform`)."""
+  return {"tpu": True, "gpu": False}.get(opts.backend)
 
 
-def _mix(w_Nxk, idx_Nxk, p_KxD, sequential: bool):
+def _per_platform(fn, sequential: bool | None, *args):
+  """fn(sequential, *args), with sequential=None resolved when the program is lowered:
+  the loop on TPU, unrolled elsewhere."""
+  if sequential is not None:
+    return fn(sequential, *args)
+  return jax.lax.platform_dependent(*args, tpu=lambda *a: fn(True, *a),
+                                    default=lambda *a: fn(False, *a))
+
+
+def _mix(w_Nxk, idx_Nxk, p_KxD, sequential: bool | None):
+  return _per_platform(_mix_rows, sequential, w_Nxk, idx_Nxk, p_KxD)
+
+
+def _mix_rows(sequential: bool, w_Nxk, idx_Nxk, p_KxD):
   """sum_j w_j p[idx_j] in float32. Never an N x k x D operand (6.3 GiB at the XL shape):
   unrolled row gathers that XLA:GPU fuses into one elementwise sum, or (TPU, whose XLA does
   not fuse gathers) a loop over j holding one N x D gather at a time. Rows are gathered in
@@ -56,7 +75,12 @@ def _mix(w_Nxk, idx_Nxk, p_KxD, sequential: bool):
   return out
 
 
-def _scatter_mix(terms, idx_Nxk, num_rows: int, sequential: bool):
+def _scatter_mix(terms, idx_Nxk, num_rows: int, sequential: bool | None):
+  return _per_platform(lambda seq, terms, idx: _scatter_rows(terms, idx, num_rows, seq),
+                       sequential, terms, idx_Nxk)
+
+
+def _scatter_rows(terms, idx_Nxk, num_rows: int, sequential: bool):
   """out[i] = sum over (n, j) with idx[n, j] = i of sum_t w_t[n, j] x_t[n], for
   terms = ((w_Nxk, x_NxD), ...): k scatter-adds of N rows, whatever the number of terms
   (the terms are summed per row before the scatter, so the bank is updated k times)."""
@@ -74,7 +98,11 @@ def _scatter_mix(terms, idx_Nxk, num_rows: int, sequential: bool):
   return out
 
 
-def _dot_rows(g_NxD, idx_Nxk, p_KxD, sequential: bool):
+def _dot_rows(g_NxD, idx_Nxk, p_KxD, sequential: bool | None):
+  return _per_platform(_dot_rows_of, sequential, g_NxD, idx_Nxk, p_KxD)
+
+
+def _dot_rows_of(sequential: bool, g_NxD, idx_Nxk, p_KxD):
   """<g_n, p[idx[n, j]]> for every active pair, (N, k)."""
   one = lambda j: jnp.sum(g_NxD * p_KxD[idx_Nxk[:, j]], axis=-1)
   if sequential:
@@ -192,9 +220,7 @@ def _column_pairs(z_NxD, p_KxD, arg_K, alpha_K, beta_K, gamma_K, delta_K, z_arg_
   The z side is one K-row scatter of alpha p, its operand materialised first on CPU
   (XLA:CPU runs a scatter whose update is a fused expression ~5x slower: 15 ms at
   K 8192, D 768), plus a scalar scatter of beta that scales z once per token."""
-  scaled_KxD = alpha_K[:, None] * p_KxD
-  if jax.default_backend() == "cpu":
-    scaled_KxD = jax.lax.optimization_barrier(scaled_KxD)
+  scaled_KxD = cpu.barrier(alpha_K[:, None] * p_KxD)
   beta_N = jnp.zeros(z_NxD.shape[0], z_NxD.dtype).at[arg_K].add(beta_K)
   dz = jnp.zeros_like(z_NxD).at[arg_K].add(scaled_KxD) + beta_N[:, None] * z_NxD
   z_arg_KxD = z_NxD[arg_K] if z_arg_KxD is None else z_arg_KxD

@@ -13,6 +13,7 @@ its prototype's (or SAE latent's) logit signature and top training snippets
 (<out>/traces.json).
 """
 
+import dataclasses
 import json
 import os
 import time
@@ -20,6 +21,7 @@ import time
 from absl import flags, logging
 
 from prism_jax.cli import launcher
+from experiments import provenance
 
 flags.DEFINE_string("workdir", None, "the trained PRISM run (prism train)")
 flags.DEFINE_string("dense_workdir", None, "its trained dense twin (same data and tokens)")
@@ -150,8 +152,10 @@ def main(argv):
     for t in tr[:3]:
       print(f"  code {t['code']} w={t['weight']:+.3f} signature {t['signature']} "
             f"snippets {t['snippets'][:1]}")
-  result = {"command": "prism evaluate " + " ".join(
-      f"--{k}={v}" for k, v in _flag_values().items()), "rows": rows, "sae": sae_report,
+  # The SAE's own training config (steps, seed, ...) comes from the SAE, which --sae_path
+  # may have trained in an earlier run: the flags of this one would misstate it.
+  result = {**provenance.record("prism evaluate"), "rows": rows, "sae": sae_report,
+            "sae_config": dataclasses.asdict(sae.cfg) if sae is not None else None,
             "prism_workdir": FLAGS.workdir, "dense_workdir": FLAGS.dense_workdir}
   for path in [os.path.join(out_dir, "results.json")] + ([FLAGS.results_json]
                                                          if FLAGS.results_json else []):
@@ -159,13 +163,6 @@ def main(argv):
       json.dump(result, f, indent=1)
   if sae_report:
     print("\nSAE on the dense twin: " + " | ".join(f"{k} {v:.4g}" for k, v in sae_report.items()))
-
-
-def _flag_values():
-  names = ["workdir", "dense_workdir", "tasks", "limit", "synthetic_n", "controller", "lams",
-           "controller_steps", "cal_fraction", "sae", "sae_steps", "sae_path", "too_long", "seed"]
-  return {n: (",".join(FLAGS[n].value) if n in ("tasks", "lams") else FLAGS[n].value) for n in names
-          if FLAGS[n].value is not None}
 
 
 def _dropped(row):

@@ -50,3 +50,20 @@ def run(main, argv=None) -> None:
       print(one_line(e), file=sys.stderr)
       sys.exit(USAGE_EXIT)
   app.run(guarded, argv=argv, flags_parser=_parse_flags)
+
+
+def retain_freed_host_memory() -> bool:
+  """The CPU allocator setting of prism_jax/train/host_memory.py, for a launcher whose
+  process trains on CPU (XLA:CPU mallocs each step's buffers afresh: page faults every
+  step otherwise). Process-wide, so the library never applies it; logged when applied.
+  PRISM_JAX_RETAIN_FREED_MEMORY=0 opts out."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from absl import logging  # pylint: disable=g-import-not-at-top
+  from prism_jax.train import host_memory  # pylint: disable=g-import-not-at-top
+  if jax.default_backend() != "cpu":  # the process's devices, not a traced code path
+    return False
+  applied = host_memory.retain_freed_memory()
+  if applied:
+    logging.info("host memory: glibc keeps freed memory in the process (mmap/trim "
+                 "thresholds 2 GiB, top pad 256 MiB); %s=0 opts out", host_memory.ENV_VAR)
+  return applied

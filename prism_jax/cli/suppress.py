@@ -16,12 +16,12 @@ The set is saved beside the run (<workdir>/suppression_sets/); the table goes to
 
 import json
 import os
-import sys
 import time
 
 from absl import flags, logging
 
 from prism_jax.cli import launcher
+from experiments import provenance
 
 flags.DEFINE_string("workdir", None, "the trained PRISM run")
 flags.DEFINE_string("behaviour", "planted", "planted | doctest | profanity | negative_sentiment")
@@ -141,7 +141,7 @@ def main(argv):
   if FLAGS.dense_only:
     if not FLAGS.dense_workdir:
       raise ValueError("--dense_only needs --dense_workdir")
-    dense = {"command": "prism suppress " + " ".join(sys.argv[1:]),
+    dense = {**provenance.record("prism suppress"),
              "behaviour": b.name, "score": b.description, "dense_twin": _dense_twin(b, gen_kw)}
     d = dense["dense_twin"]
     print(f"dense twin {d['workdir']}: val ppl {d['val_perplexity']:.3f} at step "
@@ -202,7 +202,7 @@ def main(argv):
   randoms = [r for r in rows if r["condition"].startswith("random")]
   supp = rows[1]
   summary = {
-      "command": "prism suppress " + " ".join(sys.argv[1:]),
+      **provenance.record("prism suppress"),
       "behaviour": b.name, "score": b.description, "selection": {
           "method": sel.method, "query": sel.query, "ids": list(sel.ids),
           "scores": list(sel.scores), "saved": saved},

@@ -20,6 +20,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from prism_jax.model.lm import LMOutput, PrismLM
+from prism_jax.model.prototypes import sparse_mixture
 
 
 def suppression_gains(num_prototypes: int, proto_ids: Sequence[int]) -> jax.Array:
@@ -65,6 +66,5 @@ def code_logits(model, dict_KxD: jax.Array, idx_Nxk: jax.Array,
   """W Σ_j coef_{t,j} d_{idx_{t,j}}, (N, V): the logit share of a sparse code over a
   dictionary (a PrismLM's prototypes; an SAE's decoder rows on a DenseLM's hidden state).
   The edit above and the controllers (control/controllers.py) both go through it."""
-  d_NxkxD = jnp.asarray(dict_KxD)[idx_Nxk]
-  delta_NxD = jnp.einsum("nk,nkd->nd", coef_Nxk, d_NxkxD, precision=jax.lax.Precision.HIGHEST)
+  delta_NxD = sparse_mixture(coef_Nxk, idx_Nxk, jnp.asarray(dict_KxD))
   return model.backbone.lm_head(delta_NxD[None])[0]

@@ -23,17 +23,17 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from pallas_kernels.topk_reconstruct import api, sharded
+from pallas_kernels.topk_reconstruct import api
 from pallas_kernels.topk_reconstruct.api import IMPLEMENTATIONS
 from pallas_kernels.topk_reconstruct.reference import (  # re-exported: the one definition
     EPS, Similarity, first_max, first_min, inv_norm, mixture_weights, similarity,
-    topk_mixture, topk_reconstruct_xla)
+    sparse_mixture, topk_mixture, topk_reconstruct_xla)
 from prism_jax import sharding
 from prism_jax.model.params import normal_param
 
 __all__ = ["EPS", "IMPLEMENTATIONS", "PrototypeBank", "PrototypeOutput", "Similarity",
            "first_max", "first_min", "inv_norm", "mixture_weights", "prototype_layer",
-           "route_residual", "similarity", "topk_mixture", "topk_reconstruct_on_mesh",
+           "route_residual", "similarity", "sparse_mixture", "topk_mixture", "topk_reconstruct_on_mesh",
            "topk_reconstruct_xla", "validate_inputs"]
 
 
@@ -100,17 +100,12 @@ def prototype_layer(z_NxD: jax.Array, protos_KxD: jax.Array, k: int, *,
 
 def topk_reconstruct_on_mesh(z_NxD, protos_KxD, k, *, mixture="raw", distance="cosine",
                              mask_N=None, implementation=None):
-  """The op with the active mesh's axes named by the rules table: the bank split over
-  the axis of "proto" when that is larger than one, the tokens over those of "tokens"."""
-  token_axes = sharding.mesh_axes("tokens")
+  """The op with the mesh axes of the rules table: the bank may be split over the axis
+  of "proto", the tokens over those of "tokens" (the op picks its mesh path)."""
   (model_axis,) = sharding.mesh_axes("proto")
-  if sharded.use_sharded(protos_KxD.shape[0], model_axis):
-    return sharded.topk_reconstruct_sharded(
-        z_NxD, protos_KxD, k, model_axis=model_axis, token_axes=token_axes, mixture=mixture,
-        distance=distance, mask_N=mask_N, opts=api.kernel_options(implementation, distance))
   return api.topk_reconstruct(z_NxD, protos_KxD, k, mixture=mixture, distance=distance,
                               mask_N=mask_N, implementation=implementation,
-                              token_axes=token_axes)
+                              token_axes=sharding.mesh_axes("tokens"), model_axis=model_axis)
 
 
 def route_residual(z_NxD: jax.Array, z_hat_NxD: jax.Array, residual_routing: str):

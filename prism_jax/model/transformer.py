@@ -19,6 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from pallas_kernels.topk_reconstruct.cpu import SCOPE as CPU_SCOPE
 from prism_jax.config import ModelConfig
 from prism_jax.model.params import const_param as _const
 from prism_jax.model.params import normal_param as _param
@@ -75,21 +76,39 @@ def _bias(param, dtype):
 
 
 def materialize(x: jax.Array) -> jax.Array:
-  """The residual stream kept in memory at a sublayer boundary, on CPU only (a value no-op).
+  """The residual stream kept in memory at a sublayer boundary in a program compiled for
+  CPU (a value no-op; other platforms' fusion is left alone).
 
   Without it XLA:CPU fuses the backward pass's running sum of residual-stream cotangents
   (every LayerNorm's backward terms, across layers) into each of its consumers, including
   the transposes of the weight gradients, and so recomputes that chain several times per
   layer (~20% of the dense CPU step at d 128; docs/RESULTS.md "Training throughput").
   optimization_barrier has JVP and transpose rules, so the cotangent is materialised too.
-  GPU/TPU fusion is left alone."""
-  return jax.lax.optimization_barrier(x) if jax.default_backend() == "cpu" else x
+  Chosen when the program is lowered (platform_dependent), not by the default backend."""
+  return _on_cpu(jax.lax.optimization_barrier, _identity, x)
+
+
+def _identity(x):
+  return x
+
+
+def _on_cpu(cpu_fn, default_fn, *args):
+  """cpu_fn in a program compiled for CPU, default_fn elsewhere (the op's cpu.on_cpu)."""
+  def cpu_scoped(*a):
+    with jax.named_scope(CPU_SCOPE):
+      return cpu_fn(*a)
+  return jax.lax.platform_dependent(*args, cpu=cpu_scoped, default=default_fn)
 
 
 def matmul(x_NxI: jax.Array, w_IxO: jax.Array) -> jax.Array:
-  """x @ w over the last axis of x. On CPU its weight gradient takes XLA:CPU's fast
-  orientation (the values are those of autodiff's x^T g; tests/test_throughput.py)."""
-  return _matmul_cpu(x_NxI, w_IxO) if jax.default_backend() == "cpu" else x_NxI @ w_IxO
+  """x @ w over the last axis of x. In a program compiled for CPU its weight gradient
+  takes XLA:CPU's fast orientation (the values are those of autodiff's x^T g;
+  tests/test_throughput.py); elsewhere it is plain autodiff of x @ w."""
+  return _on_cpu(_matmul_cpu, _matmul, x_NxI, w_IxO)
+
+
+def _matmul(x, w):
+  return x @ w
 
 
 @jax.custom_vjp

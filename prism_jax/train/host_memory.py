@@ -17,9 +17,10 @@ one process) faulted 5,000-9,000 pages per step (round 4). The pad also makes ea
 growth of the main heap reserve that much address space (not memory: pages untouched
 stay unallocated).
 
-`retain_freed_memory()` is called by the trainer's step builder when JAX runs on CPU. It
-changes the whole process's allocator (the heap no longer shrinks after a peak) and is a
-no-op off glibc. Opt out with the environment variable PRISM_JAX_RETAIN_FREED_MEMORY=0.
+The library never calls `retain_freed_memory()`: it changes the whole process's allocator
+(the heap no longer shrinks after a peak), so only a command-line launcher opts in
+(experiments/cli.py `retain_freed_host_memory`, logged when applied); a notebook may call
+it too. A no-op off glibc. The launcher's opt-out: PRISM_JAX_RETAIN_FREED_MEMORY=0.
 """
 
 from __future__ import annotations

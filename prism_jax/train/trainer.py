@@ -29,7 +29,6 @@ import numpy as np
 import optax
 
 from prism_jax.train import checkpoint as ckpt_lib
-from prism_jax.train import host_memory
 from prism_jax.train import metrics as metrics_lib
 from prism_jax.train.progress import Progress
 from prism_jax.train.state import TrainState
@@ -97,11 +96,9 @@ def make_step(loss_fn: LossFn, tx: optax.GradientTransformation, *,
   `schedule` is given, and `params_finite` (1.0 when the updated parameters are finite:
   a finite loss can still produce an overflowing update).
 
-  On CPU it also keeps freed host memory in the process (train/host_memory.py): XLA:CPU
-  allocates the step's buffers afresh every step.
+  Building a step changes no process state (the CPU allocator setting of
+  train/host_memory.py is the command-line launcher's opt-in).
   """
-  if jax.default_backend() == "cpu":
-    host_memory.retain_freed_memory()
 
   def step(state: TrainState, batch):
     extra = (state.step,) if pass_step else ()

@@ -1,0 +1,76 @@
+"""The scale table: the train step of every GPT-2 preset compiled ahead of time for TPU pods.
+
+Compiler estimates, not measurements (no TPU runs): benchmarks/scale_lib.py says what each
+figure is and where it comes from.
+
+  nice -n 10 python -m benchmarks.scale_table --json=docs/results/scale_table.json
+  python -m experiments.reproduce      # renders it into docs/RESULTS.md "Scale table"
+
+Every compile result is cached in --cache, so an interrupted run resumes. Needs libtpu
+(`pip install -e ".[tpu-aot]"`). A full table (4 presets x 2 kinds x 2 remat x 2 targets)
+is a few hundred compiles: --presets/--targets/--remat/--resolution/--max_compiles cut it.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import time
+
+from benchmarks import scale_lib  # sets the compile-only environment before jax loads
+
+from absl import flags  # noqa: E402  pylint: disable=wrong-import-order
+
+from experiments import cli, provenance  # noqa: E402
+
+TARGETS = scale_lib.TARGETS
+flags.DEFINE_list("targets", list(scale_lib.DEFAULT_TARGETS), f"of {sorted(TARGETS)}")
+flags.DEFINE_list("presets", ["small", "medium", "large", "xl"], "model presets")
+flags.DEFINE_list("kinds", ["prism", "dense"], "prism and/or dense")
+flags.DEFINE_list("remat", ["off", "on"], "rematerialise blocks: off and/or on")
+flags.DEFINE_integer("seq_len", 1024, "sequence length (the GPT-2 presets' context)")
+flags.DEFINE_integer("max_batch", 256, "largest per-chip batch tried")
+flags.DEFINE_integer("start_batch", 1, "per-chip batch the search starts at (a power of 2)")
+flags.DEFINE_float("resolution", 0.25, "bisection stops when hi - lo <= max(1, this x lo)")
+flags.DEFINE_integer("max_compiles", 0, "stop after this many new compiles (0: no limit)")
+flags.DEFINE_string("cache", "runs/scale_table_cache.json", "every compile's result")
+flags.DEFINE_string("json", None, "write the table's rows here")
+
+FLAGS = flags.FLAGS
+
+
+def main(argv: list[str]) -> None:
+  del argv
+  from experiments import reproduce_sources  # pylint: disable=import-outside-toplevel
+  bad = [t for t in FLAGS.targets if t not in TARGETS]
+  if bad:
+    raise ValueError(f"unknown --targets {bad}; choose from {sorted(TARGETS)}")
+  if set(FLAGS.remat) - {"off", "on"} or set(FLAGS.kinds) - {"prism", "dense"}:
+    raise ValueError("--remat takes off,on and --kinds prism,dense")
+  prov = provenance.record("benchmarks.scale_table")
+  cache = scale_lib.Cache(FLAGS.cache, prov["commit"])
+  start = time.time()
+  cpu0 = os.times()
+  rows = scale_lib.build(cache, FLAGS.targets, FLAGS.presets, FLAGS.kinds,
+                         [r == "on" for r in FLAGS.remat], FLAGS.seq_len, FLAGS.start_batch,
+                         FLAGS.max_batch, FLAGS.resolution, FLAGS.max_compiles)
+  cpu1 = os.times()
+  data = {**prov,
+          "note": "compiler estimates from AOT compiles (libtpu compile-only devices), "
+                  "not measurements on a TPU",
+          "chips": {k: dataclasses.asdict(v) for k, v in scale_lib.CHIPS.items()},
+          "targets": {t: dataclasses.asdict(TARGETS[t]) for t in FLAGS.targets},
+          "resolution": FLAGS.resolution, "max_batch": FLAGS.max_batch,
+          "new_compiles": cache.new, "wall_s": round(time.time() - start),
+          "cpu_s": round(cpu1.user + cpu1.system - cpu0.user - cpu0.system),
+          "rows": rows, "ratios": scale_lib.ratios(rows)}
+  print(reproduce_sources.scale_table_markdown(data))
+  if FLAGS.json:
+    with open(FLAGS.json, "w") as f:
+      json.dump(data, f, indent=1)
+    print(f"wrote {FLAGS.json} ({cache.new} new compiles, {data['cpu_s']} CPU s)")
+
+
+if __name__ == "__main__":
+  cli.run(main)

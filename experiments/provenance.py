@@ -1,0 +1,174 @@
+"""What every results JSON records about the run that wrote it, and the check of it.
+
+  record(module)  -> {"command", "argv", "commit"}: the command line that ran (sys.argv, not
+                     flag values rebuilt from defaults) and the code commit (`+dirty` when
+                     tracked files differ from it).
+  python -m experiments.provenance --check docs/results/x.json ...
+                  -> each file's recorded command(s), parsed by the script's own absl flags
+                     (a dry run: the module is imported, nothing runs): every flag named must
+                     parse, and the flags the parse sets must be the ones named. One process
+                     per script, as two scripts may define the same flag name.
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+import os
+import shlex
+import subprocess
+import sys
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def git_commit(root: str = ROOT) -> str:
+  """HEAD's sha, `+dirty` when tracked files differ from it; 'unknown (...)' outside git."""
+  def git(*args):
+    return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True,
+                          check=True).stdout.strip()
+  try:
+    sha = git("rev-parse", "HEAD")
+    dirty = git("status", "--porcelain", "--untracked-files=no")
+  except (OSError, subprocess.CalledProcessError):
+    return "unknown (not a git checkout)"
+  return sha + ("+dirty" if dirty else "")
+
+
+def record(module: str, argv: list[str] | None = None) -> dict:
+  """The provenance keys of a results JSON written by `python -m module` now."""
+  argv = list(sys.argv[1:] if argv is None else argv)
+  return {"command": " ".join(["python", "-m", module] + [shlex.quote(a) for a in argv]),
+          "argv": argv, "commit": git_commit()}
+
+
+def commands(data) -> list[str]:
+  """Every recorded command in a results file: the top-level one and each row's."""
+  return list(dict.fromkeys(r["command"] for r in records(data)))
+
+
+def split_command(command: str) -> tuple[str, list[str]]:
+  """('experiments.x', [flag args]) of 'python -m experiments.x --a=1 ...'."""
+  words = shlex.split(command)
+  if len(words) < 3 or words[1] != "-m":
+    raise ValueError(f"not a `python -m module ...` command: {command!r}")
+  return words[2], words[3:]
+
+
+def flag_names(args: list[str]) -> set[str]:
+  """The flag names an argv names (--x=1, --x 1, --nox, --x)."""
+  names = set()
+  for a in args:
+    if a.startswith("--"):
+      names.add(a[2:].partition("=")[0])
+  return names
+
+
+def _import_script(module: str):
+  """The script's module; a script moved to prism_jax/cli/ keeps its recorded name."""
+  try:
+    return importlib.import_module(module)
+  except ModuleNotFoundError:
+    if module.startswith("experiments."):
+      return importlib.import_module("prism_jax.cli." + module.split(".", 1)[1])
+    raise
+
+
+def dry_parse(module: str, args: list[str]) -> set[str]:
+  """Parse args with `module`'s absl flags in this process (imports it, runs nothing):
+  the names of the flags the parse set. Raises on a flag the script does not define."""
+  from absl import flags  # pylint: disable=g-import-not-at-top
+  _import_script(module)
+  fv = flags.FLAGS
+  fv.unparse_flags()
+  fv(["prog"] + args, known_only=False)
+  return {name for name in flag_names(args)
+          if (name in fv and fv[name].present)
+          or (name.startswith("no") and name[2:] in fv and fv[name[2:]].present)}
+
+
+def records(data) -> list[dict]:
+  """The dicts of a results file that record a command: the file itself and/or its rows. A
+  row whose command is the file's inherits the file's argv and commit."""
+  if not isinstance(data, dict):
+    return []
+  out = [data] if "command" in data else []
+  rows = data.get("rows")
+  for row in rows if isinstance(rows, list) else []:
+    if isinstance(row, dict) and "command" in row and row["command"] != data.get("command"):
+      out.append(row)
+  return out
+
+
+def check_file(path: str, module: str) -> list[str]:
+  """Problems of one results file whose commands run `module` (empty: it checks out)."""
+  with open(path) as f:
+    data = json.load(f)
+  problems = []
+  for rec in records(data):
+    mod, args = split_command(rec["command"])
+    if mod != module:
+      continue
+    where = f"{path} ({rec.get('metric', 'file')})"
+    for key in ("argv", "commit"):
+      if key not in rec:
+        problems.append(f"{where}: no {key!r} recorded")
+    if isinstance(rec.get("argv"), list) and rec["argv"] != args:
+      problems.append(f"{where}: 'argv' {rec['argv']} differs from the command's {args}")
+    try:
+      named = flag_names(args)
+      parsed = dry_parse(mod, args)
+    except Exception as e:  # pylint: disable=broad-except
+      problems.append(f"{where}: {mod} does not parse its recorded flags: "
+                      f"{type(e).__name__}: {e}")
+      continue
+    if parsed != named:
+      problems.append(f"{where}: flags named {sorted(named)} but parsed {sorted(parsed)}")
+  return problems
+
+
+def modules_of(paths: list[str]) -> dict[str, list[str]]:
+  """script module -> the results files whose commands run it."""
+  out: dict[str, list[str]] = {}
+  for path in paths:
+    with open(path) as f:
+      data = json.load(f)
+    cmds = commands(data)
+    if not cmds:
+      out.setdefault("", []).append(path)
+    for cmd in cmds:
+      out.setdefault(split_command(cmd)[0], []).append(path)
+  return {m: list(dict.fromkeys(p)) for m, p in out.items()}
+
+
+def check(paths: list[str]) -> list[str]:
+  """Problems of every file; each script's flags parsed in its own process."""
+  problems = []
+  for module, files in sorted(modules_of(paths).items()):
+    if not module:
+      problems += [f"{p}: no command recorded" for p in files]
+      continue
+    r = subprocess.run([sys.executable, "-m", "experiments.provenance", "--module", module]
+                       + files, capture_output=True, text=True, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"))
+    problems += [line for line in r.stdout.splitlines() if line.strip()]
+    if r.returncode not in (0, 1):
+      problems.append(f"{module}: checker failed: {r.stderr.strip().splitlines()[-1:]}")
+  return problems
+
+
+def main(argv: list[str]) -> int:
+  if argv[:1] == ["--module"]:
+    problems = [p for path in argv[2:] for p in check_file(path, argv[1])]
+  elif argv[:1] == ["--check"]:
+    problems = check(argv[1:])
+  else:
+    print("usage: python -m experiments.provenance --check FILE.json ...", file=sys.stderr)
+    return 2
+  for p in problems:
+    print(p)
+  return 1 if problems else 0
+
+
+if __name__ == "__main__":
+  sys.exit(main(sys.argv[1:]))

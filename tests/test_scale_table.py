@@ -1,0 +1,184 @@
+"""benchmarks/scale_table.py and hlo_collectives: the HLO collectives read from a real
+compiled CPU program and from TPU-style async text, the batch search against brute force,
+the rows' roofline arithmetic and their rendering by experiments.reproduce. The AOT run
+itself (libtpu) is the tpu_aot test at the end."""
+
+import importlib.util
+import json
+import math
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
+
+from benchmarks import hlo_collectives as hc
+from benchmarks import scale_lib as scale_table
+
+
+def test_collectives_of_a_compiled_cpu_program():
+  mesh = jax.make_mesh((8,), ("x",), axis_types=(AxisType.Explicit,))
+  shard = NamedSharding(mesh, P("x"))
+
+  def f(a, b, c, d):
+    ag = jax.lax.all_gather(a, "x", tiled=True)  # local (3, 5) -> (24, 5)
+    rs = jax.lax.psum_scatter(b, "x", tiled=True)  # local (16, 7) -> (2, 7)
+    ar = jax.lax.psum(c, "x")  # local (1, 11)
+    a2a = jax.lax.all_to_all(d, "x", 1, 1, tiled=True)  # local (1, 8, 13)
+    return ag, rs, ar, a2a
+
+  g = jax.jit(jax.shard_map(f, mesh=mesh, in_specs=(P("x"),) * 4, out_specs=(P("x"),) * 4))
+  rng = np.random.default_rng(0)
+  args = [jax.device_put(rng.standard_normal(s).astype(np.float32), shard)
+          for s in ((24, 5), (128, 7), (8, 11), (8, 8, 13))]
+  text = g.lower(*args).compile().as_text()
+  got = hc.summary(hc.collectives(text))
+  assert got["all-gather"] == {"count": 1, "bytes": 24 * 5 * 4}
+  assert got["reduce-scatter"] == {"count": 1, "bytes": 16 * 7 * 4}
+  assert got["all-to-all"]["count"] == 1 and got["all-to-all"]["bytes"] == 8 * 13 * 4
+  assert got["all-reduce"] == {"count": 1, "bytes": 11 * 4}
+
+
+# Async collectives as the TPU compiler prints them (hand-written in that syntax: layouts
+# with tiling, tuple results holding the operand first), plus a -done half to skip.
+TPU_TEXT = """
+%all-gather-start.1 = (bf16[96,768]{1,0:T(8,128)(2,1)}, bf16[1536,768]{1,0:T(8,128)(2,1)}) all-gather-start(bf16[96,768]{1,0:T(8,128)(2,1)} %fusion.3), channel_id=1, replica_groups=[1,16]<=[16], dimensions={0}
+%all-gather-done.1 = bf16[1536,768]{1,0:T(8,128)(2,1)} all-gather-done((bf16[96,768]{1,0}, bf16[1536,768]{1,0}) %all-gather-start.1)
+%all-reduce-start.2 = f32[4096,48]{1,0:T(8,128)} all-reduce-start(f32[4096,48]{1,0:T(8,128)} %g.7), channel_id=2, to_apply=%add
+%all-reduce-done.2 = f32[4096,48]{1,0} all-reduce-done(f32[4096,48]{1,0} %all-reduce-start.2)
+%reduce-scatter.9 = f32[2,1024,4096]{2,1,0} reduce-scatter(f32[2,1024,8192]{2,1,0} %sim), channel_id=3, dimensions={2}, to_apply=%add
+ROOT %collective-permute-start.4 = (s32[8,32]{1,0}, s32[8,32]{1,0}, u32[], u32[]) collective-permute-start(s32[8,32]{1,0} %idx), source_target_pairs={{0,1},{1,0}}
+"""
+
+
+def test_collectives_of_tpu_style_async_text():
+  ops = hc.collectives(TPU_TEXT)
+  assert [op.kind for op in ops] == ["all-gather", "all-reduce", "reduce-scatter",
+                                     "collective-permute"]
+  s = hc.summary(ops)
+  assert s["all-gather"] == {"count": 1, "bytes": 1536 * 768 * 2}  # output, not the tuple
+  assert s["all-reduce"] == {"count": 1, "bytes": 4096 * 48 * 4}
+  assert s["reduce-scatter"] == {"count": 1, "bytes": 2 * 1024 * 8192 * 4}  # its input
+  assert s["collective-permute"] == {"count": 1, "bytes": 8 * 32 * 4}
+  assert ops[3].results == ((8, 32),)
+  k = 8192
+  protos = {k, k // 2}
+  # the bank's gradient (4096, 48) has K/2 but no tokens; the (2, 1024, 8192) one has both
+  assert [op.kind for op in hc.with_proto_dim(ops, protos)] == ["all-reduce",
+                                                                 "reduce-scatter"]
+  assert [op.kind for op in hc.moves_tokens_by_protos(ops, protos, 1024, 768)] == [
+      "reduce-scatter"]
+  bank = hc.Collective("all-reduce", ((4096, 1024),), ((4096, 1024),), 0)
+  assert hc.moves_tokens_by_protos([bank], protos, 1024, 1024) == []  # (K/2, D), D = T
+  # attention's (heads, tokens, Dh) with 8 x 1024 tokens = K: one axis, not N x K
+  attn = hc.Collective("all-to-all", ((12, 8192, 64),), ((12, 8192, 64),), 0)
+  assert hc.moves_tokens_by_protos([attn], protos, 1024, 768) == []
+  flat = hc.Collective("all-gather", ((16384, 4096),), ((16384, 8192),), 0)  # (N, K)
+  assert hc.moves_tokens_by_protos([flat], protos, 1024, 768) == [flat]
+
+
+@pytest.mark.parametrize("seed", [0, 1, 2])
+def test_largest_fitting_matches_brute_force(seed):
+  rng = np.random.default_rng(seed)
+  for _ in range(40):
+    limit = 1000.0
+    fixed, per_row = rng.uniform(50, 900), rng.uniform(0.5, 200)
+    curve = rng.uniform(0, 0.02)  # a little superlinear: the guess can be wrong
+    calls = []
+
+    def probe(b):
+      calls.append(b)
+      peak = fixed + per_row * b + curve * b * b
+      return peak <= limit, peak
+
+    max_batch = int(rng.integers(1, 300))
+    truth = max((b for b in range(1, max_batch + 1) if probe(b)[0]), default=None)
+    calls.clear()
+    start = int(2 ** rng.integers(0, 6))
+    exact = scale_table.largest_fitting(probe, limit, start, max_batch, 0.0)
+    assert exact == truth
+    assert len(calls) <= 2 * math.log2(max_batch + 2) + 4
+    coarse = scale_table.largest_fitting(probe, limit, start, max_batch, 0.25)
+    if truth is None:
+      assert coarse is None
+    else:
+      assert probe(coarse)[0] and truth - coarse <= max(1, int(0.25 * coarse))
+
+
+def test_largest_fitting_without_peaks_is_doubling_and_bisection():
+  calls = []
+
+  def probe(b):  # an HBM overflow reports no peak: plain doubling and bisection
+    calls.append(b)
+    return b <= 37, None
+
+  assert scale_table.largest_fitting(probe, 1.0, 1, 256, 0.0) == 37
+  assert calls[:7] == [1, 2, 4, 8, 16, 32, 64]
+
+
+def _measured(flops, nbytes, kind="prism", nxk=False):
+  return {"fits": True, "peak_bytes": 3 * 2 ** 30, "flops": flops, "bytes_accessed": nbytes,
+          "collectives": hc.summary([]), "proto_dims": [4096, 8192], "d_model": 768,
+          "proto_collectives": [["all-reduce", [[4096, 768]], [[4096, 768]], 12582912]]
+          + ([["all-gather", [[1024, 4096]], [[1024, 8192]], 33554432]] if nxk else []),
+          "mesh_shape": [1, 16, 1], "chips": 16, "device_kind": "TPU v5 lite", "params": 1,
+          "optimization_barriers": 0, "kind": kind}
+
+
+def test_rows_roofline_mfu_and_ratio_rendered_by_reproduce(tmp_path):
+  from experiments import reproduce  # pylint: disable=import-outside-toplevel
+  from prism_jax import flops  # pylint: disable=import-outside-toplevel
+  from prism_jax.config import preset  # pylint: disable=import-outside-toplevel
+  target = scale_table.TARGETS["v5e-16 fsdp"]
+  chip = scale_table.CHIPS["v5e"]
+  rng = np.random.default_rng(3)
+  fl, nb = rng.uniform(1e13, 1e14), rng.uniform(1e10, 1e12)
+  prism = scale_table.row_for(target, "small", "prism", False, 1024, 4, _measured(fl, nb))
+  t = max(fl / 197e12, nb / 819e9)  # the v5e figures, written out
+  assert prism["roofline_step_ms"] == pytest.approx(1e3 * t)
+  assert prism["tokens_per_s_per_chip"] == pytest.approx(4 * 1024 / t)
+  per_token = flops.flops_per_token(preset("small").model, 1024, preset("small").loss)["train"]
+  assert prism["mfu"] == pytest.approx(per_token * 4 * 1024 / t / chip.peak_flops)
+  assert prism["nxk_collectives"] == []  # the bank's gradient only
+  leaky = scale_table.row_for(target, "small", "prism", False, 1024, 4,
+                              _measured(fl, nb, nxk=True))
+  assert [op[0] for op in leaky["nxk_collectives"]] == ["all-gather"]
+  dense = scale_table.row_for(target, "small", "dense", False, 1024, 8,
+                              _measured(fl * 1.5, nb, "dense"))
+  none = scale_table.row_for(target, "xl", "prism", True, 1024, None, None)
+  ratio = scale_table.ratios([prism, dense, none])
+  want = prism["tokens_per_s_per_chip"] / dense["tokens_per_s_per_chip"]
+  assert len(ratio) == 1 and ratio[0]["prism_over_dense"] == pytest.approx(want)
+  data = {"argv": ["x"], "commit": "abc", "command": "nice -n 10 python -m benchmarks.x",
+          "chips": {"v5e": {"source": "docs"}}, "rows": [prism, dense, none], "ratios": ratio}
+  results = tmp_path / "results"
+  results.mkdir()
+  (results / "scale_table.json").write_text(json.dumps(data))
+  md = "# R\n\n## Scale table\n\n<!-- scale_table:begin -->\nold\n<!-- scale_table:end -->\n"
+  out = reproduce.write_sections(md, str(results))
+  assert "old" not in out and "Compiler estimates, not measurements" in out
+  assert f"| {100 * want:.1f}% |" in out and "none fits" in out
+  rows = reproduce.load_rows(str(results))
+  assert rows[0]["metric"].startswith("predicted PRISM/dense") and "small" in rows[0]["metric"]
+
+
+@pytest.mark.tpu_aot
+@pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
+                    reason="needs the tpu-aot extra (pip install libtpu==0.0.51)")
+def test_tiny_table_on_two_topologies(tmp_path):
+  cache = scale_table.Cache(str(tmp_path / "cache.json"), "test")
+  rows = scale_table.build(cache, ["v5e-4 fsdp", "v5p-4 fsdp+K/2"], ["tiny"], ["prism"],
+                           [False], 128, 2, 2, 0.0, 0)  # one compile each: 2 fits the cap
+  assert [r["fits"] for r in rows] == [True, True]
+  assert all(r["per_chip_batch"] == 2 for r in rows) and cache.new == 2
+  entries = list(cache.entries.values())
+  assert all(e["optimization_barriers"] == 0 and e["mosaic_calls"] > 0 for e in entries)
+  for r in rows:
+    assert r["nxk_collectives"] == []  # the K-sharded bank moves no N x K matrix
+    assert r["compiled_TFLOP"] > 0 and r["bytes_accessed_GB"] > 0
+    assert r["collectives"]["all-gather"]["count"] > 0  # FSDP gathers weights
+  assert rows[1]["mesh_shape"] == [1, 2, 2] and rows[1]["proto_collectives"]
+  again = scale_table.Cache(str(tmp_path / "cache.json"), "test")
+  scale_table.build(again, ["v5e-4 fsdp"], ["tiny"], ["prism"], [False], 128, 2, 2, 0.0, 0)
+  assert again.new == 0  # resumed from the cache
