@@ -23,7 +23,7 @@ import time
 from absl import flags
 
 from prism_jax.cli import launcher
-from experiments import provenance
+from prism_jax.cli import provenance
 
 flags.DEFINE_string("out", "/tmp/cache_scale", "scratch directory written: data and caches "
                     "(local or gs://)")

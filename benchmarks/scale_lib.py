@@ -3,7 +3,7 @@
 Compiler estimates, not measurements: no TPU runs here. For each target (a TPU topology and
 mesh), preset (small/medium/large/xl), kind (PRISM, dense) and remat (off/on) it finds the
 largest per-chip batch whose compiled step fits the chip's HBM (doubling, then bisection
-down to --resolution; libtpu's compile-only devices, experiments/compile_check.py), and
+down to --resolution; libtpu's compile-only devices, benchmarks/compile_check.py), and
 records from that compile: the per-chip HBM peak (memory_analysis), FLOPs and bytes
 accessed (cost_analysis), the collectives of the step's HLO (benchmarks/hlo_collectives.py)
 and whether any moves a (tokens x K) matrix. Rows then add the roofline step time

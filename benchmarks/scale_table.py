@@ -22,7 +22,8 @@ from benchmarks import scale_lib  # sets the compile-only environment before jax
 
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-order
 
-from experiments import cli, provenance  # noqa: E402
+from prism_jax.cli import launcher as cli  # noqa: E402
+from prism_jax.cli import provenance  # noqa: E402
 
 TARGETS = scale_lib.TARGETS
 flags.DEFINE_list("targets", list(scale_lib.DEFAULT_TARGETS), f"of {sorted(TARGETS)}")

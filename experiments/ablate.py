@@ -24,7 +24,7 @@ import sys
 from absl import flags
 
 from prism_jax.cli import launcher
-from experiments import provenance
+from prism_jax.cli import provenance
 
 # name -> --set overrides on top of the preset (PRISM defaults: raw mixture, straight-
 # through residual, λ_rec = λ_1 = λ_2 = 0.05).

@@ -22,7 +22,7 @@ import time
 from absl import flags
 
 from prism_jax.cli import launcher
-from experiments import provenance
+from prism_jax.cli import provenance
 
 flags.DEFINE_string("workdir", None, "trained PRISM run (local or gs://)")
 flags.DEFINE_string("out", None, "where the two caches go (local or gs://)")

@@ -18,7 +18,7 @@ import time
 from absl import flags, logging
 
 from prism_jax.cli import launcher
-from experiments import provenance
+from prism_jax.cli import provenance
 
 flags.DEFINE_string("workdir", "runs/demo", "trained PRISM run")
 flags.DEFINE_string("cache_dir", None, "default: <workdir>/attribution_cache")

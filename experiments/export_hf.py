@@ -9,7 +9,7 @@ one `error: ...` line.
 
 from absl import flags
 
-from experiments import cli
+from prism_jax.cli import launcher as cli
 
 flags.DEFINE_string("workdir", None, "the run to export")
 flags.DEFINE_string("out", None, "new (or empty) directory to write")

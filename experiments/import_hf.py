@@ -9,7 +9,7 @@ model whose backbone is GPT-2 and whose bank is not set yet: train it with
 
 from absl import flags
 
-from experiments import cli
+from prism_jax.cli import launcher as cli
 
 flags.DEFINE_string("hf_dir", None, "Hugging Face GPT-2 directory (config.json, "
                     "model.safetensors, tokenizer files)")

@@ -26,7 +26,7 @@ import numpy as np
 from absl import flags, logging
 
 from prism_jax.cli import launcher
-from experiments import provenance
+from prism_jax.cli import provenance
 
 flags.DEFINE_string("out", "/tmp/prism_lds", "directory written: data, scores, retrains, "
                     "results.md")

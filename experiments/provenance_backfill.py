@@ -23,7 +23,7 @@ import shlex
 import subprocess
 import sys
 
-from experiments import provenance
+from prism_jax.cli import provenance
 
 NOTE_COMMITTED = ("committed: the run predates provenance recording, so it ran on code at or "
                   "before this commit")

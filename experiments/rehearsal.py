@@ -19,7 +19,7 @@ at the start and every 2%), checkpoints every --ckpt_every steps keeping
   resume     the same command again, to the end (evaluation at the end)
   cache      experiments.cache_multihost: the attribution cache built by every process
              vs one process, bit for bit
-  report     experiments.report: prototype cards and the HTML report, from that cache
+  report     prism report: prototype cards and the HTML report, from that cache
 
 and checks: the bank was set from data, losses finite and falling (the mean of the last
 third below the first third's), the resumed losses bit-for-bit the reference's, the cache
@@ -42,7 +42,9 @@ import time
 
 from absl import flags
 
-from experiments import cli, provenance, reproduce_sources
+from experiments import reproduce_sources
+from prism_jax.cli import launcher as cli
+from prism_jax.cli import provenance
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 BUCKET_ROOT = "gs://bucket/rehearsal"
@@ -107,7 +109,7 @@ def _free_port() -> int:
 def train_procs(workdir: str, data: str, env: dict, logs: list[str]) -> list[subprocess.Popen]:
   """The train command on every process (jax.distributed on loopback), as a pod runs it."""
   port = _free_port()
-  cmd = [sys.executable, "-m", "experiments.train", f"--config={FLAGS.config}",
+  cmd = [sys.executable, "-m", "prism_jax.cli", "train", f"--config={FLAGS.config}",
          f"--workdir={workdir}", f"--data={data}", "--distributed=on",
          f"--coordinator_address=127.0.0.1:{port}",
          f"--num_processes={FLAGS.num_processes}"] + [f"--set={s}" for s in overrides()]
@@ -218,7 +220,7 @@ def rehearse(out: str, env: dict) -> dict:
     for p in procs:
       p.send_signal(signal.SIGTERM)
     checks["preempted_exit_codes"] = wait_all(procs, logs["preempted"], 600)
-    # each process prints `preempted by ...: saved step N ...` (experiments/train.py)
+    # each process prints `preempted by ...: saved step N ...` (prism_jax/cli/train.py)
     saved = [re.findall(r"preempted by [^\n]*?saved step (\d+)", open(log, errors="replace")
                         .read()) for log in logs["preempted"]]
     checks["preemption_saved_steps"] = [int(s[-1]) if s else None for s in saved]
@@ -261,7 +263,7 @@ def rehearse(out: str, env: dict) -> dict:
     checks["cache_equal_one_process"] = bool(cache["equal_bit_for_bit"])
     checks["cache_tokens"] = cache["num_tokens"]
   with stage("report"):
-    text = _run([sys.executable, "-m", "experiments.report", f"--workdir={run}",
+    text = _run([sys.executable, "-m", "prism_jax.cli", "report", f"--workdir={run}",
                  f"--prompt={FLAGS.prompt}", f"--max_new_tokens={FLAGS.max_new_tokens}",
                  f"--cache_dir={BUCKET_ROOT}/caches/multi", f"--out={BUCKET_ROOT}/report",
                  "--detail_cards=64"],

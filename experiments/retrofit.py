@@ -29,7 +29,7 @@ import sys
 import numpy as np
 from absl import flags, logging
 
-from experiments import cli
+from prism_jax.cli import launcher as cli
 
 flags.DEFINE_string("root", None, "directory of the runs (reused when finished)")
 flags.DEFINE_list("seeds", ["0", "1"], "seeds (train.seed = data.seed)")

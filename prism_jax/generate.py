@@ -7,7 +7,7 @@
 The prompt is prefilled into the cache (positions 0..P-1), then one token is decoded per
 step. The whole loop is one jitted `lax.while_loop` (`loop="device"`, the default: no host
 round trip per token, stops early once every row hit EOS); `loop="host"` drives the same
-jitted step from Python with a host sync per token (experiments/bench_generate.py compares
+jitted step from Python with a host sync per token (benchmarks/bench_generate.py compares
 them). Either compiles once per model, batch size, prompt length, max_new_tokens and
 static choice (greedy or not, top_k, top_p on/off, cache, gains, hook); temperature, top_p,
 eos_id, seed and gains are traced, so changing them reuses the program.

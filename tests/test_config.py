@@ -115,7 +115,7 @@ def test_gpt2_recipes_budget_batch_lr_and_placement():
 
 
 def test_steps_rescale_the_recipe_and_explicit_sets_win():
-  from experiments.train import build_config  # pylint: disable=import-outside-toplevel
+  from prism_jax.cli.train import build_config  # pylint: disable=import-outside-toplevel
   full = C.preset("medium")
   for steps in (2, 40, 1000, 100_000):
     cfg = build_config("medium", None, None, [f"train.steps={steps}"])
@@ -179,7 +179,7 @@ def test_the_cli_refuses_it_in_one_line(tmp_path):
   import os, subprocess, sys  # pylint: disable=import-outside-toplevel,multiple-imports
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=repo)
-  out = subprocess.run([sys.executable, "-m", "experiments.train", "--config=tiny",
+  out = subprocess.run([sys.executable, "-m", "prism_jax.cli", "train", "--config=tiny",
                         f"--workdir={tmp_path / 'run'}", "--set=train.steps=30"],
                        cwd=repo, env=env, capture_output=True, text=True, timeout=120)
   assert out.returncode == 2, out.stderr[-2000:]

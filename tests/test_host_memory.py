@@ -44,7 +44,7 @@ elif sys.argv[1] == "train_step":  # the library: building (and running) a step
   step = trainer.make_step(loss, optax.sgd(0.1))
   applied = host_memory._applied
 elif sys.argv[1] == "launcher":  # the command-line launcher's opt-in
-  from experiments import cli
+  from prism_jax.cli import launcher as cli
   applied = cli.retain_freed_host_memory()
 def faults_of_one_round(size):
   before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt

@@ -11,7 +11,7 @@
   within the heartbeat timeout and a bound.
 
 The same file is the paced launcher: `python tests/test_preemption.py paced SECONDS
-<experiments.train flags>` runs experiments.train's main with a callback that sleeps
+<prism train flags>` runs prism train's main with a callback that sleeps
 SECONDS after each step from step 2 on, so a signal lands mid-run (sleeping changes
 nothing computed).
 """
@@ -50,12 +50,12 @@ def _env():
 
 
 def _launch(tmp_path, name, workdir, data, sets, pace=None, extra=()):
-  """Two processes of experiments.train (paced: this file's launcher); logs in tmp_path."""
+  """Two processes of prism train (paced: this file's launcher); logs in tmp_path."""
   port = _free_port()
   procs = []
   for pid in range(2):
     head = ([sys.executable, __file__, "paced", str(pace)] if pace is not None
-            else [sys.executable, "-m", "experiments.train"])
+            else [sys.executable, "-m", "prism_jax.cli", "train"])
     cmd = head + [f"--workdir={workdir}", f"--data={data}", "--distributed=on",
                   f"--coordinator_address=127.0.0.1:{port}", "--num_processes=2",
                   f"--process_id={pid}", *extra] + [f"--set={s}" for s in sets]
@@ -127,7 +127,7 @@ def test_install_routes_signals_and_restores_handlers():
 
 
 def test_one_process_saves_the_step_after_the_signal(tmp_path):
-  from experiments.train import build_config  # pylint: disable=import-outside-toplevel
+  from prism_jax.cli.train import build_config  # pylint: disable=import-outside-toplevel
   from prism_jax.train import Checkpointer, preemption, train  # pylint: disable=import-outside-toplevel
   cfg = build_config("tiny", _corpus(tmp_path / "c.txt"), None, SETS)
 
@@ -207,8 +207,8 @@ if __name__ == "__main__":
   if len(sys.argv) > 2 and sys.argv[1] == "paced":
     pace = float(sys.argv[2])
     del sys.argv[1:3]
-    from experiments import cli  # pylint: disable=g-import-not-at-top
-    from experiments import train as launcher  # pylint: disable=g-import-not-at-top
+    from prism_jax.cli import launcher as cli  # pylint: disable=g-import-not-at-top
+    from prism_jax.cli import train as launcher  # pylint: disable=g-import-not-at-top
 
     def slow(step, state):
       del state
@@ -217,4 +217,4 @@ if __name__ == "__main__":
 
     cli.run(lambda argv: launcher.main(argv, callbacks=[slow]))
   else:
-    sys.exit(f"usage: {sys.argv[0]} paced SECONDS <experiments.train flags>")
+    sys.exit(f"usage: {sys.argv[0]} paced SECONDS <prism train flags>")

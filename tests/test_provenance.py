@@ -10,7 +10,8 @@ import subprocess
 
 import pytest
 
-from experiments import provenance, provenance_backfill
+from experiments import provenance_backfill
+from prism_jax.cli import provenance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RESULTS = sorted(glob.glob(os.path.join(ROOT, "docs", "results", "**", "*.json"),

@@ -12,7 +12,7 @@ for a TPU from a CPU box holds none of it.
   kernel_stats  the kernels' statistics from the similarity laid out K x N, with
                 topk_major's selection over the major axis (the same bits and indices as
                 reference.kernel_stats_xla; 1.7-1.9x faster at the byte config,
-                experiments/bench_topk.py)
+                benchmarks/bench_topk.py)
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 XLA:CPU runs `lax.top_k` as its TopK custom call, one partial selection per row on one
 thread, 1.4-1.7 ms for 768 x 512 at k 8 (docs/RESULTS.md, "Training throughput", round 4;
-this selection: 0.6 ms, experiments/bench_topk.py), while a
+this selection: 0.6 ms, benchmarks/bench_topk.py), while a
 max over the major axis of a K x N matrix is an elementwise max of K rows of N, fully
 vectorised. So the prototype layer's CPU forward keeps its similarities as K x N (one
 prototype per row, `reference.similarity_KxN`) and selects per column:
@@ -25,7 +25,7 @@ import jax
 import jax.numpy as jnp
 
 GROUP = 8  # rows per group of step 1: of 8, 16, 32 the fastest at K 512 and 8192
-# (experiments/bench_topk.py)
+# (benchmarks/bench_topk.py)
 MAX_K = 32  # the passes beat the TopK call up to k 32 (768 x 512, 256 x 8192); at 64 they
 # take 1.4x its time
 

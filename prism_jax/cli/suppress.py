@@ -21,7 +21,7 @@ import time
 from absl import flags, logging
 
 from prism_jax.cli import launcher
-from experiments import provenance
+from prism_jax.cli import provenance
 
 flags.DEFINE_string("workdir", None, "the trained PRISM run")
 flags.DEFINE_string("behaviour", "planted", "planted | doctest | profanity | negative_sentiment")

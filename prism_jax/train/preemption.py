@@ -1,6 +1,6 @@
 """Preemption: on SIGTERM or SIGINT the run finishes its step, saves it and stops.
 
-The library changes no process-wide state. The command-line launcher (experiments/train.py)
+The library changes no process-wide state. The command-line launcher (prism_jax/cli/train.py)
 calls `install()`, a context manager that puts the signal handlers in place and restores
 the previous ones on exit; it yields a `Preemption` that `train(..., preemption=p)` asks
 after every step (`p.reached(step)`), saving that step and stopping when it says so.

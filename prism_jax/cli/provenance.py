@@ -2,8 +2,9 @@
 
   record(module)  -> {"command", "argv", "commit"}: the command line that ran (sys.argv, not
                      flag values rebuilt from defaults) and the code commit (`+dirty` when
-                     tracked files differ from it).
-  python -m experiments.provenance --check docs/results/x.json ...
+                     tracked files differ from it). `module` is a `python -m` module
+                     (experiments.lds) or a `prism` subcommand ("prism suppress").
+  python -m prism_jax.cli.provenance --check docs/results/x.json ...
                   -> each file's recorded command(s), parsed by the script's own absl flags
                      (a dry run: the module is imported, nothing runs): every flag named must
                      parse, and the flags the parse sets must be the ones named. One process
@@ -19,7 +20,18 @@ import shlex
 import subprocess
 import sys
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+# Scripts recorded under the name they had before `prism` and benchmarks/: name -> module now.
+MOVED = {
+    **{f"experiments.{n}": f"prism_jax.cli.{n}" for n in (
+        "train", "generate", "attribute", "report", "demo", "model_card", "suppress")},
+    "experiments.evaluate_mc": "prism_jax.cli.evaluate",
+    **{f"experiments.{n}": f"benchmarks.{n}" for n in (
+        "bench_train", "bench_kernels", "bench_topk", "bench_attribution", "bench_checksum",
+        "bench_gather_dtype", "bench_generate", "bench_layer_backward", "cache_scale",
+        "compile_check", "profile_train", "trace_train", "sparse_backward_drift",
+        "report_check", "gpu_check_sharded_layer")},
+}
 
 
 def git_commit(root: str = ROOT) -> str:
@@ -38,7 +50,8 @@ def git_commit(root: str = ROOT) -> str:
 def record(module: str, argv: list[str] | None = None) -> dict:
   """The provenance keys of a results JSON written by `python -m module` now."""
   argv = list(sys.argv[1:] if argv is None else argv)
-  return {"command": " ".join(["python", "-m", module] + [shlex.quote(a) for a in argv]),
+  program = module.split() if module.startswith("prism ") else ["python", "-m", module]
+  return {"command": " ".join(program + [shlex.quote(a) for a in argv]),
           "argv": argv, "commit": git_commit()}
 
 
@@ -48,8 +61,14 @@ def commands(data) -> list[str]:
 
 
 def split_command(command: str) -> tuple[str, list[str]]:
-  """('experiments.x', [flag args]) of 'python -m experiments.x --a=1 ...'."""
+  """('experiments.x', [flag args]) of 'python -m experiments.x --a=1 ...'; a `prism NAME`
+  command gives its subcommand's module (prism_jax.cli.main.COMMANDS)."""
   words = shlex.split(command)
+  if len(words) >= 2 and words[0] == "prism":
+    from prism_jax.cli.main import COMMANDS  # pylint: disable=g-import-not-at-top
+    if words[1] not in COMMANDS:
+      raise ValueError(f"unknown prism command in {command!r}")
+    return "prism_jax.cli." + COMMANDS[words[1]][0], words[2:]
   if len(words) < 3 or words[1] != "-m":
     raise ValueError(f"not a `python -m module ...` command: {command!r}")
   return words[2], words[3:]
@@ -65,13 +84,12 @@ def flag_names(args: list[str]) -> set[str]:
 
 
 def _import_script(module: str):
-  """The script's module; a script moved to prism_jax/cli/ keeps its recorded name."""
-  try:
-    return importlib.import_module(module)
-  except ModuleNotFoundError:
-    if module.startswith("experiments."):
-      return importlib.import_module("prism_jax.cli." + module.split(".", 1)[1])
-    raise
+  """The script's module; a script moved to prism_jax/cli/ or benchmarks/ keeps its
+  recorded name (MOVED)."""
+  mod = importlib.import_module(MOVED.get(module, module))
+  if hasattr(mod, "define_flags"):  # a script whose flags are defined when it runs
+    mod.define_flags()
+  return mod
 
 
 def dry_parse(module: str, args: list[str]) -> set[str]:
@@ -148,7 +166,7 @@ def check(paths: list[str]) -> list[str]:
     if not module:
       problems += [f"{p}: no command recorded" for p in files]
       continue
-    r = subprocess.run([sys.executable, "-m", "experiments.provenance", "--module", module]
+    r = subprocess.run([sys.executable, "-m", "prism_jax.cli.provenance", "--module", module]
                        + files, capture_output=True, text=True, cwd=ROOT,
                        env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"))
     problems += [line for line in r.stdout.splitlines() if line.strip()]
@@ -163,7 +181,7 @@ def main(argv: list[str]) -> int:
   elif argv[:1] == ["--check"]:
     problems = check(argv[1:])
   else:
-    print("usage: python -m experiments.provenance --check FILE.json ...", file=sys.stderr)
+    print("usage: python -m prism_jax.cli.provenance --check FILE.json ...", file=sys.stderr)
     return 2
   for p in problems:
     print(p)
