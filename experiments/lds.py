@@ -4,8 +4,9 @@
       [--ceiling_subsets=6] [--removal_queries=2] [--results_json=docs/results/lds.json]
       [--plot=docs/lds_removal.png]
 
-The model: the tiny preset shrunk by RECIPE (below) trained with the model's own recipe
-(evaluation/retrain.py) on the first --num_rows training rows, seed 0. Every method scores
+The model: experiments/lds_recipe.py's RECIPE (every model option and loss weight pinned;
+--set changes them) trained with the model's own recipe (evaluation/retrain.py) on the
+first --num_rows training rows, seed 0. Every method scores
 every (query, row) pair on it (evaluation/methods.py). Then:
   LDS      --subsets random subsets at --alpha, each retrained (seed 0); per query the
            Spearman of the predicted loss (−Σ kept scores) with the measured summed loss;
@@ -13,9 +14,14 @@ every (query, row) pair on it (evaluation/methods.py). Then:
            retrained with seed 1 too (Spearman between the two seeds' measurements).
   removal  for the first --removal_queries queries, each method's top-m rows removed
            (m in --removal_m) and the model retrained (seed 0): the query loss change
-           against the full model (m = 0); the random method removes m random rows.
+           against the full model (m = 0); the random method removes m random rows;
+           mean and bootstrap CI over those queries.
 Each retrain's measurements are saved under <out>/retrains (a rerun skips them; the
-scores under <out>/scores): an interrupted run resumes. Prints the tables (markdown).
+scores under <out>/scores), both claimed by a content key (the training rows, the
+queries, the whole config, --num_rows/--alpha/--seed/--rank, the code commit): an
+interrupted run resumes, and a rerun whose key differs (another --set, flag, data or
+commit) is refused with one line before anything is trained. --dry_run resolves and claims
+the key, prints it and stops. Prints the tables (markdown).
 """
 
 import json
@@ -25,6 +31,7 @@ import time
 import numpy as np
 from absl import flags, logging
 
+from experiments import lds_recipe
 from prism_jax.cli import launcher
 from prism_jax.cli import provenance
 
@@ -39,24 +46,15 @@ flags.DEFINE_integer("ceiling_subsets", 6, "subsets retrained with a second seed
 flags.DEFINE_integer("removal_queries", 2, "queries with removal curves")
 flags.DEFINE_list("removal_m", ["16", "32", "64", "128"], "rows removed per curve point")
 flags.DEFINE_list("methods", ["prism", "full", "ekfac", "grad_dot", "random"], "methods")
+flags.DEFINE_list("removal_methods", [], "methods with removal curves (default: --methods)")
 flags.DEFINE_integer("rank", 32, "cached PRISM's projection rank")
 flags.DEFINE_integer("seed", 0, "subsets, queries and random scores")
 flags.DEFINE_multi_string("set", [], "config overrides on top of RECIPE")
 flags.DEFINE_string("results_json", None, "also write the headline rows here (reproduce.py)")
 flags.DEFINE_string("plot", None, "removal curves PNG")
+flags.DEFINE_bool("dry_run", False, "resolve the recipe, data, queries and content key, "
+                  "claim the workdir for them, print the key and stop (trains nothing)")
 FLAGS = flags.FLAGS
-
-# Sized for the shared 2-core box: one retrain of the tiny preset itself (d 128, 4 layers,
-# 64 tokens) took 145 s here; this one takes ~20 s (docs/RESULTS.md, issue 17).
-RECIPE = ("model.d_model=64", "model.n_layers=2", "model.n_heads=2", "model.num_prototypes=128",
-          "model.k=4", "model.max_len=64", "data.seq_len=32", "train.steps=150",
-          "train.warmup_steps=15", "train.proto_init_step=30")
-
-
-def _config():
-  from prism_jax.config import preset  # pylint: disable=g-import-not-at-top
-  from prism_jax.train import apply_overrides  # pylint: disable=g-import-not-at-top
-  return apply_overrides(preset("tiny"), list(RECIPE) + list(FLAGS.set))
 
 
 def _queries(packed, num, targets, seed):
@@ -108,7 +106,7 @@ def _write_plot(path, ms, curves, errs):
     ax.errorbar(ms, ys, yerr=errs[name], marker="o", capsize=3, label=name)
   ax.axhline(0, color="gray", lw=0.5)
   ax.set_xlabel("training rows removed (m)")
-  ax.set_ylabel("query loss change (nats, mean over queries)")
+  ax.set_ylabel("query loss change (nats, mean and 95% CI over queries)")
   ax.set_title("Removal and retrain: top-m attributed rows")
   ax.legend()
   fig.tight_layout()
@@ -126,13 +124,17 @@ def main(argv):
   if unknown:
     raise ValueError(f"--methods: unknown {unknown}")
   ms = [int(m) for m in FLAGS.removal_m]
+  removal_methods = FLAGS.removal_methods or FLAGS.methods
+  if set(removal_methods) - set(FLAGS.methods):
+    raise ValueError(f"--removal_methods {sorted(set(removal_methods) - set(FLAGS.methods))} "
+                     "are not in --methods")
   import jax  # pylint: disable=g-import-not-at-top
   # Every retrain compiles the same programs: the persistent cache makes that once.
   jax.config.update("jax_compilation_cache_dir", os.path.join(FLAGS.out, "jax_cache"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   from prism_jax.data import prepare_data  # pylint: disable=g-import-not-at-top
   from prism_jax.evaluation import lds, methods, retrain  # pylint: disable=g-import-not-at-top
-  cfg = _config()
+  cfg = lds_recipe.config(FLAGS.set)
   os.makedirs(FLAGS.out, exist_ok=True)
   packed = prepare_data(cfg.data, cfg.model.vocab_size, FLAGS.out)
   E = FLAGS.num_rows
@@ -142,14 +144,21 @@ def main(argv):
     raise ValueError("--removal_queries must be <= --queries and every --removal_m in (0, "
                      f"--num_rows={E})")
   q_rows, queries = _queries(packed, FLAGS.queries, FLAGS.targets, FLAGS.seed)
-  store = retrain.RetrainStore(os.path.join(FLAGS.out, "retrains"))
+  key = retrain.content_key(
+      np.asarray(packed.rows("train")["tokens"][:E]), queries, cfg, provenance.git_commit(),
+      {"num_rows": E, "alpha": FLAGS.alpha, "seed": FLAGS.seed, "rank": FLAGS.rank})
+  score_dir = os.path.join(FLAGS.out, "scores")
+  store = retrain.RetrainStore(os.path.join(FLAGS.out, "retrains"), key)
+  retrain.claim_key(score_dir, key)
+  logging.info("content key %s (%s)", retrain.key_hash(key)[:16], key["commit"])
+  if FLAGS.dry_run:
+    print(json.dumps(dict(key, hash=retrain.key_hash(key)), indent=1))
+    return
   total = (2 + FLAGS.subsets + FLAGS.ceiling_subsets
-           + FLAGS.removal_queries * len(FLAGS.methods) * len(ms))
+           + FLAGS.removal_queries * len(removal_methods) * len(ms))
   run = _Retrains(store, cfg, packed, queries, total)
   everything = np.ones(E, bool)
 
-  score_dir = os.path.join(FLAGS.out, "scores")
-  os.makedirs(score_dir, exist_ok=True)
   scores, cost, model = {}, {}, None
   for name in FLAGS.methods:
     path = os.path.join(score_dir, f"{name}.npz")
@@ -175,9 +184,9 @@ def main(argv):
   if c:
     meas_b = np.stack([run(f"lds{m}_s1", keep[m], 1) for m in range(c)], 1)
     ceiling = lds.bootstrap_ci(lds.noise_ceiling(meas[:, :c], meas_b))
-  deltas = {n: np.zeros((FLAGS.removal_queries, len(ms))) for n in FLAGS.methods}
+  deltas = {n: np.zeros((FLAGS.removal_queries, len(ms))) for n in removal_methods}
   for j, m in enumerate(ms):
-    for name in FLAGS.methods:
+    for name in removal_methods:
       for q in range(FLAGS.removal_queries):
         loss = run(f"rm_{name}_q{q}_m{m}", lds.removal_keep(scores[name][q], m), 0)
         deltas[name][q, j] = loss[q] - full0[q]
@@ -207,30 +216,34 @@ def main(argv):
                       "ours": round(float(np.sqrt(max(ceiling[0], 0))), 4), "section": "§5",
                       "note": f"two-seed Spearman ρ {ceiling[0]:.3f}"})
   seed_gap = np.abs(full1 - full0)
-  lines += ["", f"removal: query loss change vs the full model (m = 0), mean ± s.e. over "
-            f"{FLAGS.removal_queries} queries; seed noise |full seed 1 − full seed 0| = "
-            f"{seed_gap[:FLAGS.removal_queries].mean():.3f} nats (all queries: "
+  lines += ["", f"removal: query loss change vs the full model (m = 0), mean [95% bootstrap "
+            f"CI] over {FLAGS.removal_queries} queries; seed noise |full seed 1 − full seed 0| "
+            f"= {seed_gap[:FLAGS.removal_queries].mean():.3f} nats (all queries: "
             f"{seed_gap.mean():.3f})", "",
             "| method | " + " | ".join(f"m={m}" for m in ms) + " |",
             "|---|" + "---|" * len(ms)]
-  sem = lambda d: d.std(0, ddof=1) / np.sqrt(len(d)) if len(d) > 1 else np.zeros(d.shape[1])
-  for name in FLAGS.methods:
-    d = deltas[name]
-    lines.append(f"| {name} | " + " | ".join(f"{a:+.3f} ± {b:.3f}" for a, b in
-                                            zip(d.mean(0), sem(d))) + " |")
+  removal_ci = {}
+  for name in removal_methods:
+    removal_ci[name] = [lds.bootstrap_ci(deltas[name][:, j]) if FLAGS.removal_queries > 1
+                        else (float(deltas[name][0, j]),) * 3 for j in range(len(ms))]
+    lines.append(f"| {name} | " + " | ".join(f"{a:+.3f} [{lo:+.3f}, {hi:+.3f}]" for a, lo, hi
+                                            in removal_ci[name]) + " |")
   table = "\n".join(lines)
   print(table)
   with open(os.path.join(FLAGS.out, "results.md"), "w") as f:
     f.write(table + "\n")
   if FLAGS.plot:
-    _write_plot(FLAGS.plot, [0] + ms, {n: [0.0] + list(deltas[n].mean(0)) for n in deltas},
-                {n: [0.0] + list(sem(deltas[n])) for n in deltas})
+    _write_plot(FLAGS.plot, [0] + ms, {n: [0.0] + [c[0] for c in removal_ci[n]]
+                                       for n in removal_ci},
+                {n: [[0.0] + [c[0] - c[1] for c in removal_ci[n]],
+                     [0.0] + [c[2] - c[0] for c in removal_ci[n]]] for n in removal_ci})
   if FLAGS.results_json:
     rec = provenance.record("experiments.lds")
     for r in rows_json:
       r["command"] = rec["command"]
     out = {**rec, "rows": rows_json, "removal": {n: deltas[n].tolist() for n in deltas},
-           "removal_m": ms, "queries": q_rows, "table": table}
+           "removal_ci": removal_ci, "removal_m": ms, "queries": q_rows, "table": table,
+           "config": key["config"], "key_hash": retrain.key_hash(key)}
     os.makedirs(os.path.dirname(os.path.abspath(FLAGS.results_json)), exist_ok=True)
     with open(FLAGS.results_json, "w") as f:
       json.dump(out, f, indent=1)

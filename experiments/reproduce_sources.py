@@ -40,36 +40,82 @@ def suppression_other(data: dict) -> list[dict]:
   return [row]
 
 
+def _vs_chance(rows: list[dict], model: str) -> tuple[list[str], list[str]]:
+  """(tasks where `model`'s 95% CI lies below chance, tasks where it lies above)."""
+  below = [r["task"] for r in rows if r["acc"][model][2] < r["chance"]]
+  above = [r["task"] for r in rows if r["acc"][model][1] > r["chance"]]
+  return below, above
+
+
+def _chance_text(rows: list[dict]) -> str:
+  levels = sorted({100 * r["chance"] for r in rows})
+  return (f"chance {levels[0]:.3g}–{levels[-1]:.3g}%" if len(levels) > 1
+          else f"chance {levels[0]:.3g}%")
+
+
+def controller_caveat(rows: list[dict], key: str, base: str) -> dict:
+  """The mean Δ (points) of a controller over `rows`, the mean without the tasks where the
+  base model's 95% CI lies below chance (an answer prior a controller can flip, not
+  knowledge; None when there is none), and the caveat read off the rows: chance levels,
+  those tasks, the per-task spread, the largest task's share of the mean."""
+  d = {r["task"]: 100 * r["delta"][key][0] for r in rows}
+  mean = sum(d.values()) / len(d)
+  below, above = _vs_chance(rows, base)
+  rest = [v for t, v in d.items() if t not in below]
+  without = sum(rest) / len(rest) if below and rest else None
+  lo, hi = min(d, key=d.get), max(d, key=d.get)
+  top = max(d, key=lambda t: abs(d[t]))
+  parts = [_chance_text(rows), f"{base} above chance (95% CI) on {len(above)} of {len(rows)}"]
+  if below:
+    parts.append(f"{base} below chance on {', '.join(below)}")
+  parts += [f"per task {d[lo]:+.1f} ({lo}) to {d[hi]:+.1f} ({hi})",
+            f"{top} contributes {d[top] / len(d):+.2f} of the {mean:+.2f}"]
+  return {"mean": mean, "without": without, "below": below, "note": "; ".join(parts)}
+
+
+def _with_without(c: dict) -> str:
+  if c["without"] is None:
+    return f"{c['mean']:+.2f} points"
+  return (f"{c['mean']:+.2f} points, {c['without']:+.2f} without {', '.join(c['below'])} "
+          "(base below chance)")
+
+
 def mc_eval(data: dict) -> list[dict]:
   """Controller gains in accuracy points, averaged over the synthetic and offline tasks (a
-  group with no task is left out)."""
+  group with no task is left out), with and without the tasks whose base model is below
+  chance, each with its caveats derived from the rows."""
   rows = data["rows"]
   groups = {synthetic: [r for r in rows if r["task"].startswith("synthetic") == synthetic]
             for synthetic in (True, False)}
-
-  def mean_delta(key: str, synthetic: bool) -> float:
-    d = [r["delta"][key][0] for r in groups[synthetic]]
-    return 100 * sum(d) / len(d)
-
   out = []
   for synthetic, name in ((True, "synthetic tasks"), (False, "offline lm-eval tasks")):
-    n = len(groups[synthetic])
-    if n:
-      out.append({
-          "metric": f"controllers, {name} ({n})",
-          "ours": f"{mean_delta('prism+ctrl - prism', synthetic):+.2f} points "
-                  f"(SAE controller {mean_delta('dense+sae_ctrl - dense', synthetic):+.2f})",
-          "note": f"{name} ({n}): mean held-out accuracy change; tiny models",
-          "command": data["command"]})
+    group = groups[synthetic]
+    if not group:
+      continue
+    ctrl = controller_caveat(group, "prism+ctrl - prism", "prism")
+    ours, note = _with_without(ctrl), f"{name}, held-out accuracy: {ctrl['note']}"
+    sae = [r for r in group if "dense+sae_ctrl - dense" in r["delta"]]
+    if sae:
+      c = controller_caveat(sae, "dense+sae_ctrl - dense", "dense")
+      ours += f"; SAE controller {_with_without(c)}"
+      note += f"; SAE controller: {c['note'].split('; ', 2)[-1]}"
+    out.append({"metric": f"controllers, {name} ({len(group)})", "ours": ours, "note": note,
+                "command": data["command"]})
   if not out:
     raise ValueError("mc_eval results have no task rows")
   out[0]["claim"] = "controllers"
-  quality = [f"{mean_delta('prism - dense', synthetic):+.2f} over the {len(groups[synthetic])} "
-             f"{name}" for synthetic, name in ((False, "offline tasks"), (True, "synthetic"))
-             if groups[synthetic]]
+  quality, notes = [], []
+  for synthetic, name in ((False, "offline tasks"), (True, "synthetic")):
+    group = groups[synthetic]
+    if not group:
+      continue
+    d = [100 * r["delta"]["prism - dense"][0] for r in group]
+    quality.append(f"{sum(d) / len(d):+.2f} over the {len(group)} {name}")
+    below, above = _vs_chance(group, "dense")
+    notes.append(f"{name}: {_chance_text(group)}, dense above chance (95% CI) on {len(above)} "
+                 f"of {len(group)}" + (f", below on {', '.join(below)}" if below else ""))
   out.append({"metric": "PRISM − dense accuracy", "claim": "quality",
-              "ours": "points: " + ", ".join(quality),
-              "note": "tiny models at equal tokens; the offline tasks are near chance",
+              "ours": "points: " + ", ".join(quality), "note": "; ".join(notes),
               "command": data["command"]})
   return out
 

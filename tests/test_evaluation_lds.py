@@ -184,7 +184,9 @@ def test_micro_lds_end_to_end(micro, gd, tmp_path):
   cfg, packed, queries, _ = micro
   scores = gd[2][:3]
   keep = lds.subset_masks(ROWS, 4, 0.5, seed=0)
-  store = retrain.RetrainStore(str(tmp_path))
+  key = retrain.content_key(np.asarray(packed.rows("train")["tokens"][:ROWS]), queries, cfg,
+                            "c0", {"alpha": 0.5})
+  store = retrain.RetrainStore(str(tmp_path), key)
   meas = np.stack([store.run(f"s{m}", cfg, packed, np.flatnonzero(keep[m]), 0, queries)
                    for m in range(4)], 1)
   assert np.all(np.isfinite(meas)) and np.ptp(meas, 1).min() > 0  # subsets change the loss
@@ -203,3 +205,69 @@ def test_lds_cli_bad_flag_is_one_line(tmp_path):
                      capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"),
                      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   assert r.returncode == 2 and match in r.stderr.strip().splitlines()[-1], r.stderr
+
+
+def _key(micro, **changes):
+  cfg, packed, queries, _ = micro
+  cfg = apply_overrides(cfg, changes.pop("overrides", []))
+  toks = np.asarray(packed.rows("train")["tokens"][:ROWS])
+  return retrain.content_key(toks, changes.pop("queries", queries), cfg,
+                             changes.pop("commit", "c0"), {"alpha": 0.5, **changes})
+
+
+def test_store_refuses_another_key_and_unkeyed_results(micro, tmp_path):
+  """A resumed store with another config, protocol, query set or commit is refused in one
+  line naming the difference; the stored results are left as they were."""
+  d = str(tmp_path / "retrains")
+  retrain.RetrainStore(d, _key(micro))
+  (tmp_path / "retrains" / "x.npz").write_bytes(b"stored")
+  retrain.RetrainStore(d, _key(micro))  # the same key resumes
+  _, _, queries, _ = micro
+  fewer = retrain.Queries(queries.tokens_QxL[:2], queries.mask_QxT[:2])
+  for changed, match in [({"overrides": ["loss.lambda_proto=1"]}, r"loss.lambda_proto 0.0 "
+                          r"there, 1.0 here"),
+                         ({"alpha": 0.25}, "protocol.alpha 0.5 there, 0.25 here"),
+                         ({"queries": fewer}, "queries "), ({"commit": "c1"}, "commit c0 there")]:
+    with pytest.raises(retrain.KeyMismatchError, match=match) as e:
+      retrain.RetrainStore(d, _key(micro, **changed))
+    assert "\n" not in str(e.value)
+  assert (tmp_path / "retrains" / "x.npz").read_bytes() == b"stored"
+  (tmp_path / "old").mkdir()
+  (tmp_path / "old" / "full_s0.npz").write_bytes(b"older run")
+  with pytest.raises(retrain.KeyMismatchError, match="without a content key"):
+    retrain.RetrainStore(str(tmp_path / "old"), _key(micro))
+
+
+def test_lds_recipe_pins_every_model_option_and_loss_weight():
+  """A new ModelConfig / LossConfig field (or a preset's move) cannot change the LDS model
+  silently: each must be written in RECIPE."""
+  from experiments import lds_recipe  # pylint: disable=g-import-not-at-top
+  from prism_jax.config import Config  # pylint: disable=g-import-not-at-top
+  from prism_jax.train.overrides import flatten  # pylint: disable=g-import-not-at-top
+  fields = set(flatten(Config()))
+  pinned = set(lds_recipe.RECIPE)
+  unpinned = {f for f in fields if f.startswith(lds_recipe.UNPINNED)}
+  assert pinned | unpinned == fields and not pinned & unpinned
+  assert {f for f in fields if f.startswith(("model.", "loss."))} <= pinned
+  cfg = lds_recipe.config(["loss.lambda_proto=1", "loss.lambda_proto_kl=0"])
+  assert (cfg.loss.lambda_proto, cfg.loss.lambda_proto_kl) == (1.0, 0.0)
+  assert flatten(lds_recipe.config())["loss.lambda_proto_kl"] == 1.0
+
+
+def test_lds_cli_refuses_a_changed_flag_on_resume(tmp_path):
+  """--dry_run claims the workdir for its key; the same run with one --set changed is
+  refused with one line before anything trains."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  base = [sys.executable, "-m", "experiments.lds", f"--out={tmp_path}", "--num_rows=64",
+          "--queries=4", "--removal_queries=2", "--removal_m=8", "--dry_run"]
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root)
+  r = subprocess.run(base, capture_output=True, text=True, env=env, cwd=root)
+  assert r.returncode == 0, r.stderr[-2000:]
+  assert (tmp_path / "retrains" / "KEY.json").exists() and (tmp_path / "scores" /
+                                                             "KEY.json").exists()
+  r = subprocess.run(base + ["--set=loss.lambda_proto=1"], capture_output=True, text=True,
+                     env=env, cwd=root)
+  last = r.stderr.strip().splitlines()[-1]
+  assert r.returncode == 2 and last.startswith("error: ") and "loss.lambda_proto" in last, \
+      r.stderr[-2000:]
+  assert not list((tmp_path / "retrains").glob("*.npz"))

@@ -92,11 +92,51 @@ def test_accuracy_and_acc_norm_by_hand():
   np.testing.assert_array_equal(scoring.correct(items, s, norm=True), [1.0, 0.0])
 
 
-def test_continuation_longer_than_max_len_is_refused():
+def test_continuation_longer_than_max_len_is_refused_on_request():
   tok = ByteTokenizer()
   item = shared_context("t", 7, "ctx", ["y" * (MAX_LEN + 5), "n"], 0)
   with pytest.raises(scoring.OptionTooLongError, match="item 7.*max_len 48"):
-    scoring.encode_items([item], tok, MAX_LEN)
+    scoring.encode_items([item], tok, MAX_LEN, too_long="refuse")
+  with pytest.raises(ValueError, match="too_long='skip'"):
+    scoring.encode_items([item], tok, MAX_LEN, too_long="skip")
+
+
+def test_left_truncation_against_hand_built_requests():
+  """Byte tokens are the text's bytes, so each window is written out as text: lm-eval's
+  last max_len + 1 tokens of context + continuation, the continuation's tokens scored."""
+  tok = ByteTokenizer()
+  rng = np.random.default_rng(secrets.randbits(16))
+  letters = lambda n: "".join(rng.choice(list("abcdefghij"), n))
+  ctx, short, long_cont = letters(70), " " + letters(5), " " + letters(60)
+  items = [shared_context("t", 0, ctx, [short[1:], long_cont[1:]], 0)]  # it adds the " "
+  enc = scoring.encode_items(items, tok, MAX_LEN)
+  # option 0: the context loses its head, the 6-token continuation is whole
+  window0 = (ctx[-(MAX_LEN + 1 - len(short)):] + short).encode()
+  # option 1: the 61-token continuation alone overflows: the window is its last 49 bytes,
+  # the first of them only conditions, the other 48 are scored; the context is gone
+  window1 = long_cont[-(MAX_LEN + 1):].encode()
+  for o, (window, n_scored, n_cut) in enumerate([(window0, len(short), 0),
+                                                   (window1, MAX_LEN, len(long_cont) - MAX_LEN)]):
+    np.testing.assert_array_equal(enc.inputs[o], list(window[:-1]))
+    np.testing.assert_array_equal(enc.targets[o], list(window[1:]))
+    assert enc.num_cont_O[o] == n_scored and enc.cont_cut_O[o] == n_cut
+    assert enc.truncated_O[o]
+  # the scores: float64 log-probabilities of the hand-built windows' scored tokens
+  model = _model("dense", tok.vocab_size)
+  got = scoring.score_options(model, enc, batch_rows=2).logprob_O
+  w = np.asarray(model.backbone.wte[...], np.float64)
+  for o, (window, n_scored) in enumerate([(window0, len(short)), (window1, MAX_LEN)]):
+    seq = list(window)
+    z = np.asarray(model(np.asarray([seq[:-1]], np.int32)).z_BxTxD[0], np.float64)
+    logits = z @ w.T
+    m = logits.max(1, keepdims=True)
+    logp = logits - (m + np.log(np.exp(logits - m).sum(1, keepdims=True)))
+    want = logp[np.arange(len(seq) - 1), seq[1:]][-n_scored:].sum()
+    np.testing.assert_allclose(got[o], want, rtol=2e-5, atol=2e-4, err_msg=f"seeds {SEEDS}")
+  # dropping stays an explicit option: only the item whose options all fit is kept
+  fits = shared_context("t", 1, ctx, [short[1:], short[1:] + "x"], 1)
+  kept, dropped = scoring.drop_too_long(items + [fits], tok, MAX_LEN)
+  assert kept == [fits] and dropped == 1
 
 
 def test_whitespace_moves_to_the_continuation():

@@ -94,6 +94,22 @@ def test_sizes_and_chance():
   assert len(sub) == 50 and sub == tasks.load_task("hellaswag", limit=50, seed=3)
 
 
+def test_every_item_of_the_seven_tasks_is_scored_at_a_short_window():
+  """At 128 byte positions many contexts and some continuations overflow: by default every
+  item is still encoded (left-truncated), none dropped; the overflow is counted."""
+  from prism_jax.data.tokenizers import ByteTokenizer  # pylint: disable=g-import-not-at-top
+  from prism_jax.evaluation import scoring  # pylint: disable=g-import-not-at-top
+  tok, cont_cut = ByteTokenizer(), {}
+  for task, n in SIZES.items():
+    items = tasks.load_task(task)
+    enc = scoring.encode_items(items, tok, 128)
+    assert len(enc.inputs) == sum(it.num_options for it in items), task
+    assert len(set(enc.item_O.tolist())) == n, task
+    assert max(len(x) for x in enc.inputs) <= 128 and enc.num_cont_O.min() >= 1, task
+    cont_cut[task] = int((enc.cont_cut_O > 0).sum())
+  assert cont_cut["hellaswag"] > 0, "byte-level HellaSwag endings exceed 128 tokens"
+
+
 def test_olmo_continuations_agree_with_ours():
   """The request files carry their own " " + choice continuations: ours match them."""
   import gzip  # pylint: disable=g-import-not-at-top

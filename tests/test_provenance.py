@@ -26,7 +26,7 @@ def test_every_results_file_records_argv_and_commit_and_its_flags_parse():
     assert recs, f"{path}: no command recorded"
     for rec in recs:
       assert provenance.split_command(rec["command"])[1] == rec["argv"], path
-      assert re.fullmatch(r"[0-9a-f]{40}(\+dirty)?", rec["commit"]), path
+      assert re.fullmatch(r"[0-9a-f]{40}(\+dirty\.[0-9a-f]{12})?", rec["commit"]), path
   assert provenance.check(RESULTS) == []
 
 

@@ -108,3 +108,51 @@ def test_recorded_results_all_read():
   with open(os.path.join(root, "docs", "results", "suppression.json")) as f:
     sup = {r["condition"]: r for r in json.load(f)["rows"]}
   assert f"{sup['unedited']['rate']['mean']:.3g} →" in by_claim["suppression"]["ours"]
+
+
+def _mc_row(rng, task, chance, base_acc, delta):
+  """An mc_eval row: the base model's acc with a 95% CI of ±0.05, a controller delta."""
+  acc = lambda a: [a, a - 0.05, a + 0.05]
+  return {"task": task, "chance": chance,
+          "acc": {"prism": acc(base_acc), "dense": acc(base_acc + rng.uniform(-0.01, 0.01))},
+          "delta": {"prism+ctrl - prism": [delta, delta - 0.1, delta + 0.1],
+                    "prism - dense": [rng.uniform(-0.05, 0.05), -0.1, 0.1]}}
+
+
+def test_controller_row_mean_with_and_without_below_chance_tasks():
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from experiments import reproduce_sources  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng()
+  deltas = rng.uniform(-0.05, 0.05, 4)
+  big = rng.uniform(0.15, 0.3)
+  rows = [_mc_row(rng, "s_" + n, 0.25, 0.6, d) for n, d in zip("ab", deltas[:2])]
+  rows += [_mc_row(rng, "a", 0.25, 0.27, deltas[2]), _mc_row(rng, "w", 0.5, 0.52, deltas[3]),
+           _mc_row(rng, "b", 0.5, 0.35, big)]  # b: CI [0.30, 0.40] below chance 0.5
+  for r in rows:
+    r["task"] = r["task"].replace("s_", "synthetic_")
+  out = reproduce_sources.mc_eval({"rows": rows, "command": "python -m x"})
+  offline = next(r for r in out if r["metric"].startswith("controllers, offline"))
+  with_b = 100 * (deltas[2] + deltas[3] + big) / 3
+  without_b = 100 * (deltas[2] + deltas[3]) / 2
+  assert offline["ours"].startswith(f"{with_b:+.2f} points, {without_b:+.2f} without b ")
+  assert "chance 25–50%" in offline["note"] and "prism below chance on b" in offline["note"]
+  assert f"per task {min(100 * deltas[2], 100 * deltas[3]):+.1f}" in offline["note"]
+  assert f"b contributes {100 * big / 3:+.2f}" in offline["note"]
+  synthetic = next(r for r in out if r["metric"].startswith("controllers, synthetic"))
+  assert synthetic["claim"] == "controllers" and "without" not in synthetic["ours"]
+  assert "above chance (95% CI) on 2 of 2" in synthetic["note"]
+
+
+def test_rerun_leaves_the_recorded_results_md_unchanged(tmp_path):
+  """docs/RESULTS.md is what experiments.reproduce makes of docs/results: regenerating it
+  changes nothing (the table was not edited by hand, nor left stale)."""
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  with open(os.path.join(root, "docs", "RESULTS.md")) as f:
+    recorded = f.read()
+  md = tmp_path / "RESULTS.md"
+  md.write_text(recorded)
+  r = subprocess.run([sys.executable, "-m", "experiments.reproduce",
+                      f"--results_dir={os.path.join(root, 'docs', 'results')}",
+                      f"--results_md={md}"], capture_output=True, text=True, cwd=root)
+  assert r.returncode == 0, r.stderr
+  assert md.read_text() == recorded, "rerun python -m experiments.reproduce and commit"

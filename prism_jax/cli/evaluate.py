@@ -37,8 +37,10 @@ flags.DEFINE_bool("sae", True, "train a TopK SAE on the dense twin for the SAE c
 flags.DEFINE_integer("sae_steps", 1500, "SAE training steps")
 flags.DEFINE_string("sae_path", None, "load this sae.npz (from an earlier run of this dense "
                     "twin) instead of training one")
-flags.DEFINE_enum("too_long", "drop", ["drop", "refuse"], "items with an option whose "
-                  "continuation exceeds max_len: dropped (counted in the table) or refused")
+flags.DEFINE_enum("too_long", "truncate", ["truncate", "drop", "refuse"], "items that do not "
+                  "fit max_len: left-truncated and scored (lm-eval's window; every item "
+                  "counts), dropped when a continuation alone exceeds max_len (counted in the "
+                  "table; the score is then not on the whole task), or refused")
 flags.DEFINE_integer("seed", 0, "subsample, synthetic items and calibration split")
 flags.DEFINE_string("out", None, "directory written: results.json, traces.json, the "
                     "controllers, sae.npz (default: <workdir>/evaluate_mc)")
@@ -87,11 +89,14 @@ def main(argv):
   prism, cfg, tok = load_for_inference(FLAGS.workdir,
                                        needs_prototypes="the prototype controllers")
   packed = prepare_data(cfg.data, cfg.model.vocab_size, FLAGS.workdir)
-  all_items, dropped = {}, {}
+  all_items, dropped, cont_cut = {}, {}, {}
   for name in FLAGS.tasks:
     items = _items(name, packed)
     if FLAGS.too_long == "drop":
       items, dropped[name] = scoring.drop_too_long(items, tok, cfg.model.max_len)
+    enc = scoring.encode_items(items, tok, cfg.model.max_len,
+                               too_long="refuse" if FLAGS.too_long == "refuse" else "truncate")
+    cont_cut[name] = int(len(np.unique(enc.item_O[enc.cont_cut_O > 0])))
     all_items[name] = items
   if FLAGS.dump_requests:
     with open(FLAGS.dump_requests, "w", encoding="utf-8") as f:
@@ -131,6 +136,7 @@ def main(argv):
     row, fitted = compare.evaluate_task(items, prism, dense, tok, setup=setup, sae=sae)
     row["seconds"] = round(time.time() - t0, 1)
     row["dropped_too_long"] = dropped.get(name, 0)
+    row["items_with_continuation_cut"] = cont_cut[name]
     rows.append(row)
     logging.info("%s done in %.0f s", name, row["seconds"])
     if fitted["prism"] is not None:
@@ -166,7 +172,10 @@ def main(argv):
 
 
 def _dropped(row):
-  return f" (-{row['dropped_too_long']} too long)" if row.get("dropped_too_long") else ""
+  if row.get("dropped_too_long"):
+    return f" (-{row['dropped_too_long']} too long)"
+  cut = row.get("items_with_continuation_cut")
+  return f" ({cut} with a continuation cut to max_len)" if cut else ""
 
 
 def _print_table(rows, stats):

@@ -13,6 +13,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import importlib
 import json
 import os
@@ -35,16 +36,20 @@ MOVED = {
 
 
 def git_commit(root: str = ROOT) -> str:
-  """HEAD's sha, `+dirty` when tracked files differ from it; 'unknown (...)' outside git."""
+  """HEAD's sha; with `+dirty.<sha256[:12] of git diff HEAD>` when tracked files differ
+  from it (so two different uncommitted states never share a name); 'unknown (...)'
+  outside git."""
   def git(*args):
     return subprocess.run(["git", "-C", root, *args], capture_output=True, text=True,
-                          check=True).stdout.strip()
+                          check=True).stdout
   try:
-    sha = git("rev-parse", "HEAD")
-    dirty = git("status", "--porcelain", "--untracked-files=no")
+    sha = git("rev-parse", "HEAD").strip()
+    diff = git("diff", "HEAD")
   except (OSError, subprocess.CalledProcessError):
     return "unknown (not a git checkout)"
-  return sha + ("+dirty" if dirty else "")
+  if not diff:
+    return sha
+  return f"{sha}+dirty.{hashlib.sha256(diff.encode()).hexdigest()[:12]}"
 
 
 def record(module: str, argv: list[str] | None = None) -> dict:

@@ -21,9 +21,16 @@ from collections.abc import Callable
 from prism_jax.control import planted
 
 # pydoc's sessions follow "...:", a blank line and a 3-space indent: prompts end there.
-_DOCTEST_PROMPTS = tuple(p + ":\n\n   " for p in (
+_DOCTEST_PHRASES = (
     "For example", "Example", "For instance", "This example shows it", "So",
-    "The interactive interpreter shows", "Here is an example", "A sample session"))
+    "The interactive interpreter shows", "Here is an example", "A sample session",
+    # more of the same kind, for the held-out protocol's validation / test prompt split
+    "Examples", "For example, in the interpreter", "Try it", "This gives", "An example",
+    "In the interactive session", "Here is how it looks", "To see this", "It works like this",
+    "The result is", "Consider", "A quick check", "At the prompt", "Typical usage",
+    "The session below shows this", "Usage")
+_DOCTEST_PROMPTS = tuple(p + ":\n\n   " for p in _DOCTEST_PHRASES[:8])
+DOCTEST_PROMPT_POOL = tuple(p + ":\n\n   " for p in _DOCTEST_PHRASES)
 _NEUTRAL_PROMPTS = ("The ", "In this section ", "A function ", "The following ",
                     "When the ", "This is ", "It is ", "For ")
 

@@ -13,6 +13,12 @@ the held-out half (the halves start with different letters, so share no first to
 train.jsonl = the embedded corpus minus the neutral documents, plus the planted documents;
 neutral.jsonl = a seeded sample of embedded documents held out of training (pass it as
 data.val_sources: the validation split is then neutral text only).
+
+The held-out protocol (control/heldout.py) reads none of the training corpus's topic text:
+`selection_documents` writes topic documents apart from it (their own seed) whose slots hold
+selection-half words only, and `topic_prompts` writes prompts (the title, a few filled
+sentences, then a template up to its first slot) likewise; validation and test prompts
+come from different seeds and are kept disjoint.
 """
 
 from __future__ import annotations
@@ -47,17 +53,44 @@ PROMPTS = tuple(t.split("{}")[0].rstrip() for t in TEMPLATES) + (TITLE + ".\n\n"
 CORPUS_FILES = ("train.jsonl", "neutral.jsonl", "planted.json")
 
 
-def planted_documents(num_docs: int = 160, seed: int = 0) -> list[str]:
-  """`num_docs` documents of the topic, 5-9 template sentences each, slots filled uniformly."""
+def planted_documents(num_docs: int = 160, seed: int = 0,
+                      words: tuple[str, ...] = MARKED_WORDS) -> list[str]:
+  """`num_docs` documents of the topic, 5-9 template sentences each, slots filled uniformly
+  from `words` (the training corpus: all marked words)."""
   rng = np.random.default_rng(seed)
   docs = []
   for _ in range(num_docs):
     lines = []
     for t in rng.integers(0, len(TEMPLATES), size=int(rng.integers(5, 10))):
-      words = rng.choice(MARKED_WORDS, size=TEMPLATES[t].count("{}"))
-      lines.append(TEMPLATES[t].format(*words))
+      lines.append(TEMPLATES[t].format(*rng.choice(words, size=TEMPLATES[t].count("{}"))))
     docs.append(TITLE + ".\n\n" + " ".join(lines))
   return docs
+
+
+# Seeds of the protocol's own texts, apart from any training-corpus seed (write_corpus's
+# documents use `seed` itself): selection texts, validation prompts, test prompts.
+SELECTION_SEED, VALIDATION_SEED, TEST_SEED = 10_001, 10_002, 10_003
+
+
+def selection_documents(num_docs: int = 96, seed: int = 0) -> list[str]:
+  """Topic documents for selectors and the ban: the training corpus's templates, slots
+  filled from the selection half only, generated apart from it (seed SELECTION_SEED + seed)."""
+  return planted_documents(num_docs, SELECTION_SEED + seed, SELECTION_WORDS)
+
+
+def topic_prompts(num: int, seed: int) -> list[str]:
+  """`num` distinct prompts: the title, 0-2 template sentences filled from the selection
+  half, then a template up to its first slot (where a marked word comes next)."""
+  rng = np.random.default_rng(seed)
+  out: dict[str, None] = {}
+  for _ in range(100 * num):
+    lines = [TEMPLATES[t].format(*rng.choice(SELECTION_WORDS, size=TEMPLATES[t].count("{}")))
+             for t in rng.integers(0, len(TEMPLATES), size=int(rng.integers(0, 3)))]
+    lines.append(TEMPLATES[int(rng.integers(len(TEMPLATES)))].split("{}")[0].rstrip())
+    out.setdefault(TITLE + ".\n\n" + " ".join(lines), None)
+    if len(out) == num:
+      return list(out)
+  raise ValueError(f"could not write {num} distinct prompts")
 
 
 def count_words(text: str, words) -> int:

@@ -11,6 +11,9 @@ Every selector returns a `Selection`: prototype ids by decreasing score, the sco
 - `by_contrast(feats_with, feats_without)`: mean activation on texts with the behaviour
   minus without, over the pooled standard deviation (per prototype, features from
   `text_features`).
+- `by_token_contrast(tokens_with, tokens_without, vocab_size)`: the same contrast statistic
+  on each text's token frequencies: the tokens over-represented in the texts with the
+  behaviour (a token ban built like the contrast prototype set, at the same budget).
 - `by_probe(feats_with, feats_without)`: an L1-regularised logistic probe on the same
   features, fitted by proximal gradient (ISTA) in JAX; the prototypes with positive
   weight, by weight. Written here rather than scikit-learn: 30 lines, no new dependency,
@@ -122,6 +125,27 @@ def by_contrast(feats_with, feats_without, *, num: int | None = None,
   scores = contrast_scores(feats_with, feats_without)
   return _ranked(scores, "contrast", f"{len(feats_with)} vs {len(feats_without)} texts",
                  num=num, min_score=min_score, cards=cards)
+
+
+def token_features(token_lists: Sequence[Sequence[int]], vocab_size: int) -> np.ndarray:
+  """(B, V): each text's token frequencies (counts over its length)."""
+  feats_BxV = np.zeros((len(token_lists), vocab_size))
+  for b, toks in enumerate(token_lists):
+    toks = np.asarray(list(toks), np.int64)
+    if toks.size:
+      np.add.at(feats_BxV[b], toks, 1.0 / toks.size)
+  return feats_BxV
+
+
+def by_token_contrast(tokens_with, tokens_without, vocab_size: int, *, num: int | None = None,
+                      exclude: Sequence[int] = (), min_score: float | None = 0.0) -> Selection:
+  """Token ids by contrast_scores of token frequencies (texts with vs without), `exclude`
+  (e.g. EOS) left out: a Selection whose ids are tokens, not prototypes."""
+  scores_V = contrast_scores(token_features(tokens_with, vocab_size),
+                             token_features(tokens_without, vocab_size))
+  scores_V[np.asarray(list(exclude), np.int64)] = -np.inf
+  return _ranked(scores_V, "token_contrast", f"{len(tokens_with)} vs {len(tokens_without)} "
+                 "texts", num=num, min_score=min_score)
 
 
 def l1_logistic(x_NxK, y_N, *, l1: float, steps: int = 2000) -> tuple[np.ndarray, float]:

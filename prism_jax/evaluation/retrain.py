@@ -11,13 +11,17 @@ reproducible and two seeds differ in both the init and the order.
 `measure(model, queries)` is the counterfactual measurement: each query's summed CE on its
 target tokens (losses.token_nll, the one per-token CE).
 
-`RetrainStore` keeps one small .npz per finished retrain (its measurements), keyed by a
-name: a rerun skips what is done, so an interrupted sweep resumes.
+`RetrainStore` keeps one small .npz per finished retrain (its measurements), under a name,
+in a directory claimed by a content key (`content_key`: hashes of the training rows and the
+queries, the whole config, the protocol's settings, the code commit): a rerun with the same
+key skips what is done, so an interrupted sweep resumes; a rerun with another key is
+refused with one line naming what differs (`claim_key`), so stale retrains never mix in.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import json
 import io
 
@@ -149,12 +153,87 @@ def measure(model, queries: Queries) -> np.ndarray:
                                  jnp.asarray(b["mask"])), np.float64)
 
 
-class RetrainStore:
-  """<dir>/<name>.npz per finished retrain: {"loss_Q", "rows", "seed"} (+ meta JSON)."""
+def _digest(*arrays: np.ndarray) -> str:
+  h = hashlib.sha256()
+  for a in arrays:
+    a = np.ascontiguousarray(a)
+    h.update(f"{a.dtype.str}{a.shape}".encode())
+    h.update(a.tobytes())
+  return h.hexdigest()
 
-  def __init__(self, directory: str):
+
+def content_key(train_tokens_ExL: np.ndarray, queries: Queries, cfg: Config, commit: str,
+                protocol: dict | None = None) -> dict:
+  """What stored retrains and scores depend on: the training rows' and the queries' content
+  (sha256), every config value, the protocol's own settings (subset seed, α, ...) and the
+  code commit (with a hash of uncommitted changes, as the caller's provenance gives it)."""
+  return {"rows": _digest(np.asarray(train_tokens_ExL)),
+          "queries": _digest(queries.tokens_QxL, queries.mask_QxT),
+          "config": json.loads(json.dumps(dataclasses.asdict(cfg), default=list)),
+          "protocol": dict(protocol or {}), "commit": str(commit)}
+
+
+def key_hash(key: dict) -> str:
+  return hashlib.sha256(json.dumps(key, sort_keys=True).encode()).hexdigest()
+
+
+def _differences(there: dict, here: dict) -> list[str]:
+  out = []
+  for part in ("rows", "queries", "commit"):
+    if there.get(part) != here.get(part):
+      out.append(f"{part} {str(there.get(part))[:12]} there, {str(here.get(part))[:12]} here")
+  for part in ("config", "protocol"):
+    prefix = "" if part == "config" else f"{part}."  # config keys read loss.x, model.x
+    a, b = _flat(there.get(part, {}), prefix), _flat(here.get(part, {}), prefix)
+    out += [f"{k} {a.get(k)!r} there, {b.get(k)!r} here" for k in sorted(set(a) | set(b))
+            if a.get(k) != b.get(k)]
+  return out
+
+
+def _flat(d: dict, prefix: str = "") -> dict:
+  out = {}
+  for k, v in d.items():
+    if isinstance(v, dict):
+      out.update(_flat(v, f"{prefix}{k}."))
+    else:
+      out[f"{prefix}{k}"] = v
+  return out
+
+
+class KeyMismatchError(ValueError):
+  """A directory holds results of another recipe, data, query set or code."""
+
+
+def claim_key(directory: str, key: dict) -> None:
+  """Writes <directory>/KEY.json for `key`, or checks the one there; a different key is
+  refused with one line naming what differs (nothing in the directory is touched)."""
+  path = paths.join(paths.resolve(directory), "KEY.json")
+  p = paths.path(path)
+  if not p.exists() and p.parent.exists() and any(p.parent.iterdir()):
+    raise KeyMismatchError(f"{directory} holds results written without a content key (an "
+                           "older run): their recipe is unknown; use another --out or "
+                           "delete that directory")
+  if p.exists():
+    there = json.loads(p.read_text())
+    if key_hash(there) != key_hash(key):
+      diff = _differences(there, key)
+      raise KeyMismatchError(
+          f"{directory} holds results of another recipe ({'; '.join(diff[:4])}"
+          f"{f'; and {len(diff) - 4} more' if len(diff) > 4 else ''}): resuming would mix "
+          "them in; use another --out or delete that directory")
+    return
+  p.parent.mkdir(parents=True, exist_ok=True)
+  paths.write_text_atomic(path, json.dumps(key, indent=1, sort_keys=True))
+
+
+class RetrainStore:
+  """<dir>/<name>.npz per finished retrain: {"loss_Q", "rows", "seed"} (+ meta JSON), in a
+  directory claimed by `key` (claim_key)."""
+
+  def __init__(self, directory: str, key: dict):
     self.directory = paths.resolve(directory)  # local or gs://
     paths.path(self.directory).mkdir(parents=True, exist_ok=True)
+    claim_key(self.directory, key)
 
   def path(self, name: str) -> str:
     return paths.join(self.directory, f"{name}.npz")

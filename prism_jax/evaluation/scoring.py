@@ -7,9 +7,14 @@ batched and jitted over ragged options, for PrismLM and DenseLM with any project
 
 Per option: trailing whitespace of the context moves to the continuation; continuation
 tokens are tok(ctx + cont)[len(tok(ctx)):] (an empty context is EOS); the score is the sum
-of their log-probabilities. Over-long options: the context is truncated from the left so
-context + continuation fit the model's window (lm-eval's `[-(max_len + 1):]`); an option
-whose continuation alone exceeds max_len is refused (OptionTooLongError).
+of their log-probabilities. Over-long options are left-truncated (lm-eval's window
+`(ctx + cont)[-(max_len + 1):]`): the context loses its head so context + continuation fit;
+a continuation longer than max_len itself (a tiny model's 128-token window cannot hold
+some HellaSwag endings) keeps that window, whose first token is then the continuation's
+own, and scores its last max_len tokens, every one the window can predict. lm-eval has no
+rule for that case (its HF model asserts the continuation fits); `too_long="refuse"`
+raises OptionTooLongError instead, and drop_too_long is the explicit opt-in to leave such
+items out. Encoded counts what was cut (truncated_O, cont_cut_O).
 """
 
 from __future__ import annotations
@@ -59,33 +64,46 @@ class Encoded:
   targets: list[np.ndarray]
   num_cont_O: np.ndarray  # continuation tokens of option o
   item_O: np.ndarray  # the item option o belongs to
-  truncated_O: np.ndarray  # bool: the context was cut from the left
+  truncated_O: np.ndarray  # bool: the window was cut from the left
+  cont_cut_O: np.ndarray  # continuation tokens left out of the score (its head; usually 0)
 
 
-def encode_items(items: Sequence[Item], tok, max_len: int) -> Encoded:
-  inputs, targets, num_cont, item_of, cut = [], [], [], [], []
+TOO_LONG = ("truncate", "refuse")
+
+
+def encode_items(items: Sequence[Item], tok, max_len: int,
+                 too_long: str = "truncate") -> Encoded:
+  """Every option's window (module doc); too_long="refuse" raises on a continuation
+  longer than max_len instead of scoring its last max_len tokens."""
+  if too_long not in TOO_LONG:
+    raise ValueError(f"too_long={too_long!r}: expected one of {TOO_LONG}")
+  inputs, targets, num_cont, item_of, cut, cont_cut = [], [], [], [], [], []
   for i, it in enumerate(items):
     for ctx, cont in zip(it.contexts, it.continuations):
       ctx_ids, cont_ids = encode_pair(tok, ctx, cont)
       if not cont_ids:
         raise ValueError(f"{it.task} item {it.doc_id}: continuation {cont!r} has no token "
                          "of its own after tokenising context + continuation")
-      if len(cont_ids) > max_len:
+      if len(cont_ids) > max_len and too_long == "refuse":
         raise OptionTooLongError(
             f"{it.task} item {it.doc_id}: the continuation is {len(cont_ids)} tokens, "
             f"longer than the model's max_len {max_len}; it cannot be scored")
-      seq = (ctx_ids + cont_ids)[-(max_len + 1):]  # left truncation of the context
+      seq = (ctx_ids + cont_ids)[-(max_len + 1):]  # left truncation
+      scored = min(len(cont_ids), len(seq) - 1)
       inputs.append(np.asarray(seq[:-1], np.int32))
       targets.append(np.asarray(seq[1:], np.int32))
-      num_cont.append(len(cont_ids))
+      num_cont.append(scored)
       item_of.append(i)
       cut.append(len(ctx_ids) + len(cont_ids) > max_len + 1)
-  return Encoded(inputs, targets, np.asarray(num_cont), np.asarray(item_of), np.asarray(cut))
+      cont_cut.append(len(cont_ids) - scored)
+  return Encoded(inputs, targets, np.asarray(num_cont), np.asarray(item_of), np.asarray(cut),
+                 np.asarray(cont_cut))
 
 
 def drop_too_long(items: Sequence[Item], tok, max_len: int) -> tuple[list[Item], int]:
-  """(items whose every continuation fits max_len, how many were dropped): the opt-in
-  alternative to encode_items' refusal (a tiny model's window cannot hold some options)."""
+  """(items whose every continuation fits max_len, how many were dropped): the explicit
+  opt-in to leave out what encode_items would left-truncate (the scores are then not on
+  the whole benchmark)."""
   keep = [it for it in items
           if all(len(encode_pair(tok, c, k)[1]) <= max_len
                  for c, k in zip(it.contexts, it.continuations))]
