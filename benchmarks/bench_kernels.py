@@ -57,7 +57,7 @@ def main(argv):
         for (impl, pass_), gib in benchmark.aot_memory(_AOT.value, shape, dtype).items():
           print(f"| {shape} | {dtype} | {impl} | {pass_} | {gib} |", flush=True)
     return
-  impl = api.resolve_implementation(None)
+  impl = api.resolve_implementation(None, jax.default_backend())  # what runs here
   kind, peaks = benchmark.device_peaks()
   shapes = _SHAPES.value
   if impl in ("xla", "xla_sparse"):  # no Pallas backend

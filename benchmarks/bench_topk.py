@@ -6,7 +6,7 @@
 Per shape (N tokens, K prototypes, D, k: benchmarks/configs.py's byte and small configs), in one
 process and interleaved round by round: `lax.top_k` of the N x K similarities (what the
 CPU forward ran before round 4), `topk_major.top_k` of the same matrix laid out K x N at
-each group width of `--groups`, and the whole forward statistics `reference.kernel_stats_xla`
+each group width of `--groups`, and the whole forward statistics `cpu.kernel_stats`
 (the similarity matmul included) in both layouts. Medians over rounds of the per-call wall
 time; "x" is the TopK call's (or the N x K statistics') time over the row's. Every row's
 indices are checked equal to `lax.top_k`'s.
@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import configs
-from pallas_kernels.topk_reconstruct import reference, topk_major
+from pallas_kernels.topk_reconstruct import cpu, reference, topk_major
 from prism_jax.cli import launcher
 
 SHAPES = ("byte", "small")  # configs.layer_shape: (N, D, K, k) of the train configs
@@ -36,7 +36,7 @@ FLAGS = flags.FLAGS
 def stats_NxK(z, p, valid, k):
   """The forward statistics as before round 4: N x K similarity, lax.top_k."""
   s = reference.similarity(z, p)
-  sim, idx = reference.top_k(s.cos_NxK, k)
+  sim, idx = cpu.top_k(s.cos_NxK, k)
   return (sim, idx) + reference._first_extremum(  # pylint: disable=protected-access
       jnp.where(valid[:, None], s.cos_NxK, -jnp.inf), 0, largest=True)
 
@@ -68,9 +68,9 @@ def rows_of(name: str):
   topk_major.GROUP = default
   rows.append(("statistics", "N x K + lax.top_k", jax.jit(lambda *a: stats_NxK(*a, k)),
                (z, p, valid)))
-  new = jax.jit(lambda *a: reference.kernel_stats_xla(*a, k))
+  new = jax.jit(lambda *a: cpu.kernel_stats(*a, k))
   np.testing.assert_array_equal(np.asarray(new(z, p, valid)[1]), want)
-  rows.append(("statistics", "kernel_stats_xla (K x N)", new, (z, p, valid)))
+  rows.append(("statistics", "cpu.kernel_stats (K x N)", new, (z, p, valid)))
   return (n, num_protos, d, k), rows
 
 

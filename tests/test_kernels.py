@@ -1,9 +1,12 @@
-"""Pallas top-k reconstruction kernels vs the pure-JAX reference (interpret mode on CPU).
-
-Every case draws fresh random inputs; ids must match exactly (ties: lower prototype id),
-values within 1e-5 (fp32) / 1e-2 (bf16) relative, gradients within autodiff of the
-reference. Blocks are kept small so K spans several tiles and is not a multiple of them.
+"""The top-k reconstruction op: every implementation x distance x mixture x mask x mesh
+against the float64 NumPy reference of tests/kernel_cases.py (forward values and ids, and
+gradients against autodiff of the XLA reference), then what only some implementations
+have: the kernels' ties, arg statistics, block checks, bf16, edge cases, the
+implementation switch and its platform resolution, the GPU lowering, the benchmarks.
+Interpret mode on CPU; blocks small so K spans several tiles.
 """
+
+import functools
 
 import chex
 import jax
@@ -11,20 +14,13 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+import kernel_cases as kc
+from kernel_cases import GPU_INTERP, TPU_INTERP
 from pallas_kernels.topk_reconstruct import api, reference, vjp
 
-NAMES = ("idx", "act", "sim", "z_hat", "row_max_cos", "col_max_cos", "row_min_dist",
-         "col_min_dist")
-TPU_INTERP = dict(interpret=True, block_n=16, block_k=128)
-GPU_INTERP = dict(backend="gpu", interpret=True, block_n=16, block_k=32, block_d=16)
-
-
-def _inputs(seed, n, d, num_protos, dtype=jnp.float32, masked=True):
-  rng = np.random.default_rng(seed)
-  z = jnp.asarray(rng.standard_normal((n, d)), dtype)
-  p = jnp.asarray(rng.standard_normal((num_protos, d)), dtype)
-  mask = jnp.asarray(rng.random(n) > 0.3) if masked else None
-  return z, p, mask
+_assert_matches = kc.assert_matches
+_inputs = kc.inputs
+_weighted_loss = kc.weighted_loss
 
 
 def _run(z, p, k, opts, mixture="raw", mask=None):
@@ -32,29 +28,63 @@ def _run(z, p, k, opts, mixture="raw", mask=None):
   return fn(z, p, mask)
 
 
-def _assert_matches(out, ref, rtol):
-  np.testing.assert_array_equal(np.asarray(out[0]), np.asarray(ref[0]), err_msg="idx")
-  for name, a, b in zip(NAMES[1:], out[1:], ref[1:]):
-    a, b = np.asarray(a, np.float64), np.asarray(b, np.float64)
-    np.testing.assert_array_equal(np.isfinite(a), np.isfinite(b), err_msg=name)
-    fin = np.isfinite(b)
-    scale = max(np.max(np.abs(b[fin]), initial=0.0), 1e-30)
-    np.testing.assert_allclose(a[fin], b[fin], rtol=0, atol=rtol * scale, err_msg=name)
+@functools.cache
+def _reference_grads(distance, mixture, masked):
+  z, p, mask = _case_inputs(distance, mixture, masked)
+  n, d, num_protos, k = _SHAPE
+  ref = lambda z, p: reference.topk_reconstruct_xla(z, p, k, mixture=mixture,
+                                                    distance=distance, mask_N=mask)
+  return jax.grad(_weighted_loss(ref, 1, n, num_protos, d, k), (0, 1))(z, p)
 
 
-@pytest.mark.parametrize("n,d,num_protos,k,distance,mixture", [
-    (40, 24, 300, 5, "cosine", "raw"),  # K=300: 3 tiles of 128, last one partial
-    (33, 16, 130, 1, "sqeuclidean", "raw"),  # k = 1, N not a multiple of the block
-    (24, 32, 260, 16, "cosine", "normalized"),
-    (16, 8, 100, 32, "sqeuclidean", "normalized"),  # k = 32, K smaller than one tile
-])
-def test_fp32_forward_matches_reference(n, d, num_protos, k, distance, mixture):
-  z, p, mask = _inputs(n * 7 + k, n, d, num_protos)
-  opts = api.KernelOptions(distance=distance, **TPU_INTERP)
-  out = _run(z, p, k, opts, mixture, mask)
-  ref = reference.topk_reconstruct_reference(z, p, k, mixture=mixture, distance=distance,
-                                             mask_N=mask)
-  _assert_matches(out, ref, 1e-5)
+_SHAPE = (32, 8, 260, 5)  # N, D, K (3 tiles of 128, 65 per bank shard), k
+
+
+def _case_inputs(distance, mixture, masked):
+  n, d, num_protos, _ = _SHAPE
+  seed = 3 * len(distance) + len(mixture) + masked
+  z, p, mask = _inputs(seed, n, d, num_protos, masked=masked)
+  if masked:
+    mask = mask.at[:3].set(False)
+  return z, p, mask
+
+
+_DM = [("cosine", "raw"), ("cosine", "normalized"), ("sqeuclidean", "raw"),
+       ("sqeuclidean", "normalized")]
+# implementation x distance x mixture x mesh in full; the mask (given or None) alternates
+# so that every implementation meets both with every (distance, mixture) and every mesh.
+CASES = [(impl, mesh, distance, mixture, (i + j + len(impl)) % 2 == 0)
+         for impl in kc.IMPLEMENTATIONS for i, mesh in enumerate(kc.MESHES)
+         for j, (distance, mixture) in enumerate(_DM)]
+
+
+@pytest.mark.parametrize("impl,mesh,distance,mixture,masked", CASES)
+def test_matches_float64_reference(impl, mesh, distance, mixture, masked):
+  """Outputs against float64 NumPy; gradients of every output against autodiff of the
+  XLA reference; on a mesh, a kernel runs per shard in shard_map. One compile per case."""
+  n, d, num_protos, k = _SHAPE
+  z, p, mask = _case_inputs(distance, mixture, masked)
+  want = kc.numpy_reference(z, p, k, mixture=mixture, distance=distance, mask=mask)
+  assert kc.well_separated(want, 1e-5).all()  # float32 ids are exact on these inputs
+  kw = dict(distance=distance, mixture=mixture)
+
+  def run(fn, z, p, mask):
+    loss = _weighted_loss(lambda z, p: fn(z, p, mask), 1, n, num_protos, d, k)
+    grads = jax.grad(loss, (0, 1))(z, p)
+    return fn(z, p, mask), grads
+  if kc.MESHES[mesh] is None:
+    out, grads = jax.jit(functools.partial(run, kc.op(impl, k, **kw)))(z, p, mask)
+  else:
+    m = kc.make_mesh(kc.MESHES[mesh])
+    with jax.set_mesh(m):
+      fn = kc.op(impl, k, **kw)
+      zs, ps, ms = kc.place(m, z, p, mask)
+      if impl in ("pallas_interpret", "gpu_interpret"):
+        assert "shard_map" in str(jax.make_jaxpr(fn)(zs, ps, ms))
+      out, grads = jax.jit(functools.partial(run, fn))(zs, ps, ms)
+  assert isinstance(out, api.TopKReconstruction)
+  _assert_matches(out, want, 1e-5)
+  kc.assert_grads_close(grads, _reference_grads(distance, mixture, masked))
 
 
 def test_bf16_forward_matches_reference():
@@ -65,14 +95,6 @@ def test_bf16_forward_matches_reference():
   # bf16 products are exact in fp32: ids agree unless two cosines are within fp32 noise.
   assert np.mean(np.asarray(out[0]) == np.asarray(ref[0])) > 0.99
   _assert_matches((ref[0],) + tuple(out[1:]), ref, 1e-2)
-
-
-def test_gpu_kernel_interpreted_matches_reference():
-  z, p, mask = _inputs(11, 24, 40, 150, jnp.float32)
-  opts = api.KernelOptions(distance="sqeuclidean", **GPU_INTERP)
-  out = _run(z, p, 16, opts, "raw", mask)
-  ref = reference.topk_reconstruct_reference(z, p, 16, distance="sqeuclidean", mask_N=mask)
-  _assert_matches(out, ref, 1e-5)
 
 
 @pytest.mark.parametrize("dtype", [jnp.bfloat16, jnp.float32])
@@ -131,47 +153,43 @@ def test_arg_statistics_match_reference():
     np.testing.assert_array_equal(np.asarray(a), np.asarray(b), err_msg=name)
 
 
-def _weighted_loss(fn, seed, n, num_protos, d, k):
-  rng = np.random.default_rng(seed)
-  shapes = [(n, k), (n, k), (n, d), (n,), (num_protos,), (n,), (num_protos,)]
-  weights = [jnp.asarray(rng.standard_normal(s), jnp.float32) for s in shapes]
-
-  def loss(z, p):
-    out = fn(z, p)
-    return sum(jnp.sum(w * jnp.where(jnp.isfinite(o), o, 0.0))
-               for w, o in zip(weights, out[1:]))
-  return loss
-
-
-@pytest.mark.parametrize("distance,mixture,opts", [
-    ("cosine", "raw", TPU_INTERP),
-    ("sqeuclidean", "normalized", TPU_INTERP),
-    ("cosine", "normalized", GPU_INTERP),
-])
-def test_gradients_match_autodiff_of_reference(distance, mixture, opts):
-  n, d, num_protos, k = 32, 24, 200, 6
-  z, p, mask = _inputs(23, n, d, num_protos)
-  mask = mask.at[:3].set(False)
-  kopts = api.KernelOptions(distance=distance, **opts)
-  kernel = lambda z, p: api.run_with_options(z, p, k, kopts, mixture=mixture, mask_N=mask)
-  ref = lambda z, p: reference.topk_reconstruct_reference(z, p, k, mixture=mixture,
-                                                          distance=distance, mask_N=mask)
-  g_kernel = jax.jit(jax.grad(_weighted_loss(kernel, 1, n, num_protos, d, k), (0, 1)))(z, p)
-  g_ref = jax.grad(_weighted_loss(ref, 1, n, num_protos, d, k), (0, 1))(z, p)
-  scale = max(float(jnp.max(jnp.abs(g))) for g in g_ref)
-  chex.assert_trees_all_close(g_kernel, g_ref, atol=1e-5 * scale, rtol=0)
-
-
 def test_implementation_switch():
-  assert api.resolve_implementation(None) == "xla_sparse"  # CPU: XLA with the sparse backward
-  assert api.resolve_implementation("pallas_interpret") == "pallas_interpret"
+  assert api.resolve_implementation(None, "cpu") == "xla_sparse"  # sparse backward
+  assert api.resolve_implementation(None, "tpu") == "pallas_tpu"
+  assert api.resolve_implementation(None, "rocm") == "xla"
+  assert api.resolve_implementation("pallas_interpret", "tpu") == "pallas_interpret"
   with pytest.raises(ValueError, match="implementation"):
-    api.resolve_implementation("cuda")
+    api.resolve_implementation("cuda", "cpu")
   z, p, _ = _inputs(2, 8, 8, 20)
   with pytest.raises(ValueError, match="k must be"):
     api.topk_reconstruct(z, p, 21, implementation="pallas_interpret")
   out = api.topk_reconstruct(z, p, 3, implementation=None)
   _assert_matches(out, reference.topk_reconstruct_reference(z, p, 3), 0.0)
+
+
+def test_default_is_resolved_for_the_platform_compiled_for():
+  """One traced program, lowered for CPU and for TPU: the CPU program holds the CPU speed
+  path (barriers, its name scope) and no kernel; the TPU one the Mosaic kernel and no CPU
+  path (the choice is not the default backend's: this process runs on CPU)."""
+  from pallas_kernels.topk_reconstruct import cpu  # pylint: disable=import-outside-toplevel
+  z, p, mask = _inputs(6, 64, 16, 300)
+
+  def f(z, p, mask):
+    loss = lambda z, p: jnp.sum(api.topk_reconstruct(z, p, 4, mask_N=mask).z_hat_NxD ** 2)
+    return jax.grad(loss, (0, 1))(z, p)
+  traced = jax.jit(f).trace(z, p, mask)
+  on_cpu = traced.lower(lowering_platforms=("cpu",)).as_text(debug_info=True)
+  on_tpu = traced.lower(lowering_platforms=("tpu",)).as_text(debug_info=True)
+  assert "optimization_barrier" in on_cpu and f"/{cpu.SCOPE}/" in on_cpu
+  assert "tpu_custom_call" not in on_cpu
+  assert "optimization_barrier" not in on_tpu and f"/{cpu.SCOPE}/" not in on_tpu
+  assert on_tpu.count("tpu_custom_call") == 1
+  # float64 inputs take the reference (autodiff, forward mode) on every platform
+  with jax.enable_x64(True):
+    z64, p64 = z.astype(jnp.float64), p.astype(jnp.float64)
+    text = jax.jit(lambda z, p: api.topk_reconstruct(z, p, 4)).trace(z64, p64).lower(
+        lowering_platforms=("tpu",)).as_text()
+    assert "tpu_custom_call" not in text and "f64" in text
 
 
 @pytest.mark.parametrize("impl,blocks,message", [
@@ -187,10 +205,7 @@ def test_untileable_blocks_are_refused_clearly(impl, blocks, message):
     api.topk_reconstruct(z, p, 3, implementation=impl, **blocks)
 
 
-def test_none_picks_the_backend_kernel_and_falls_back_when_missing(monkeypatch):
-  monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
-  api._kernel_importable.cache_clear()  # pylint: disable=protected-access
-  assert api.resolve_implementation(None) == "pallas_gpu"
+def test_none_falls_back_to_the_reference_when_a_kernel_is_missing(monkeypatch):
   real_import = api.importlib.import_module
 
   def no_triton(name, *args):
@@ -199,11 +214,12 @@ def test_none_picks_the_backend_kernel_and_falls_back_when_missing(monkeypatch):
     return real_import(name, *args)
   monkeypatch.setattr(api.importlib, "import_module", no_triton)
   api._kernel_importable.cache_clear()  # pylint: disable=protected-access
-  with pytest.warns(UserWarning, match="pallas_gpu unavailable.*XLA reference"):
-    assert api.resolve_implementation(None) == "xla"
-  monkeypatch.setattr(jax, "default_backend", lambda: "tpu")
-  assert api.resolve_implementation(None) == "pallas_tpu"
-  api._kernel_importable.cache_clear()  # pylint: disable=protected-access
+  try:
+    with pytest.warns(UserWarning, match="pallas_gpu unavailable.*XLA reference"):
+      assert api.resolve_implementation(None, "cuda") == "xla"
+    assert api.resolve_implementation(None, "tpu") == "pallas_tpu"
+  finally:
+    api._kernel_importable.cache_clear()  # pylint: disable=protected-access
 
 
 def test_gpu_kernel_lowers_to_triton_for_h200():
@@ -213,43 +229,22 @@ def test_gpu_kernel_lowers_to_triton_for_h200():
   mesh = jax.sharding.AbstractMesh((1,), ("x",), axis_types=(jax.sharding.AxisType.Auto,),
                                    abstract_device=device)
 
-  def f(z, p):
-    loss = lambda z, p: jnp.sum(api.topk_reconstruct(z, p, 16, implementation="pallas_gpu")[3])
+  def f(z, p, implementation):
+    loss = lambda z, p: jnp.sum(api.topk_reconstruct(
+        z, p, 16, implementation=implementation).z_hat_NxD)
     return jax.grad(loss, (0, 1))(z, p)
-  with jax.sharding.use_abstract_mesh(mesh):
-    lowered = jax.jit(f).trace(jax.ShapeDtypeStruct((256, 200), jnp.bfloat16),
-                               jax.ShapeDtypeStruct((1000, 200), jnp.bfloat16)).lower(
-                                   lowering_platforms=("cuda",))
-  text = lowered.as_text()
-  assert text.count("xla.gpu.triton") == 1
-  assert "256x1000" not in text and "256,1000" not in text  # no N x K tensor anywhere
-
-
-def test_sharded_over_tokens_matches_reference():
-  """Under a (data=4, fsdp=2) mesh the kernel runs per token shard inside shard_map and
-  the per-prototype statistics are reduced over the whole batch."""
-  from jax.sharding import AxisType, NamedSharding, PartitionSpec as P  # pylint: disable=import-outside-toplevel
-  n, d, num_protos, k = 64, 16, 200, 5
-  z, p, mask = _inputs(31, n, d, num_protos)
-  mesh = jax.make_mesh((4, 2, 1), ("data", "fsdp", "model"), axis_types=(AxisType.Auto,) * 3)
-  kernel = lambda z, p, m: api.topk_reconstruct(
-      z, p, k, distance="sqeuclidean", mask_N=m, implementation="pallas_interpret",
-      token_axes=("data", "fsdp"), block_n=8, block_k=128)
-  ref = lambda z, p, m: reference.topk_reconstruct_reference(z, p, k, distance="sqeuclidean",
-                                                             mask_N=m)
-  loss = lambda fn: lambda z, p, m: _weighted_loss(
-      lambda z, p: fn(z, p, m), 2, n, num_protos, d, k)(z, p)
-  with jax.set_mesh(mesh):
-    tokens = NamedSharding(mesh, P(("data", "fsdp")))
-    zs = jax.device_put(z, NamedSharding(mesh, P(("data", "fsdp"), None)))
-    ms = jax.device_put(mask, tokens)
-    assert "shard_map" in str(jax.make_jaxpr(kernel)(zs, p, ms))
-    out = jax.jit(kernel)(zs, p, ms)
-    grads = jax.jit(jax.grad(loss(kernel), (0, 1)))(zs, p, ms)
-  _assert_matches(out, ref(z, p, mask), 1e-5)
-  g_ref = jax.grad(loss(ref), (0, 1))(z, p, mask)
-  scale = max(float(jnp.max(jnp.abs(g))) for g in g_ref)
-  chex.assert_trees_all_close(grads, g_ref, atol=1e-5 * scale, rtol=0)
+  for implementation in ("pallas_gpu", None):  # None: the kernel, chosen for cuda
+    with jax.sharding.use_abstract_mesh(mesh):
+      lowered = jax.jit(f, static_argnums=2).trace(
+          jax.ShapeDtypeStruct((256, 200), jnp.bfloat16),
+          jax.ShapeDtypeStruct((1000, 200), jnp.bfloat16), implementation).lower(
+              lowering_platforms=("cuda",))
+    text = lowered.as_text()
+    assert text.count("xla.gpu.triton") == 1
+    if implementation is not None:  # None's program also carries the other platforms'
+      # residuals as zeros (platform_dependent joins them), which XLA removes when the
+      # forward and backward are compiled together
+      assert "256x1000" not in text and "256,1000" not in text  # no N x K tensor
 
 
 def test_benchmark_checks_what_it_times(monkeypatch):

@@ -21,7 +21,8 @@ GPU_INTERP = dict(backend="gpu", interpret=True, block_n=16, block_k=32, block_d
 
 
 def _old_layer(z, p, valid, k, opts, mixture):
-  """The composition `run_with_options` used before `vjp.layer` (still the sharded path)."""
+  """The composition `run_with_options` used before `vjp.layer` (still the K-sharded
+  path's per-shard composition, sharded._local_kernel)."""
   out = vjp.stats(z, p, valid, k, opts)
   act = mixture_weights(out[0], mixture)
   return out, act, vjp.gather_mix(act, out[1], p, opts.backend == "tpu")

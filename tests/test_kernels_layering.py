@@ -8,7 +8,8 @@ import sys
 MODULES = ["pallas_kernels.topk_reconstruct", "pallas_kernels.topk_reconstruct.reference",
            "pallas_kernels.topk_reconstruct.api", "pallas_kernels.topk_reconstruct.vjp",
            "pallas_kernels.topk_reconstruct.sharded", "pallas_kernels.topk_reconstruct.launch",
-           "pallas_kernels.topk_reconstruct.options"]
+           "pallas_kernels.topk_reconstruct.options", "pallas_kernels.topk_reconstruct.cpu",
+           "pallas_kernels.topk_reconstruct.topk_major"]
 
 
 def test_importing_the_op_loads_no_prism_jax_module():

@@ -44,7 +44,7 @@ def test_mosaic_compiles_forward_and_backward(distance, dtype):
     def loss(z, p):
       out = api.topk_reconstruct(z, p, 16, distance=distance, mask_N=mask,
                                  implementation="pallas_tpu")
-      return jnp.sum(out[3]) + jnp.sum(out[6])
+      return jnp.sum(out.z_hat_NxD) + jnp.sum(out.row_min_dist_N)
     return jax.grad(loss, (0, 1))(z, p)
   compiled = _compile(fwd_bwd, 512, 256, 1000, dtype)
   assert "prism_topk_tpu" in compiled.as_text()
@@ -65,7 +65,9 @@ def test_xl_forward_has_no_nxk_buffer():
 
 
 def test_mosaic_compiles_sharded_over_tokens():
-  """Data-parallel training: under a 4-chip mesh the kernel runs per shard in shard_map."""
+  """Data-parallel training: under a 4-chip mesh whose token axis the caller names, the op
+  runs the kernel per shard in shard_map (Mosaic kernels cannot be auto-partitioned), for
+  the kernel and for the default implementation resolved for TPU."""
   from jax.experimental import topologies  # pylint: disable=import-outside-toplevel
   topo = topologies.get_topology_desc(platform="tpu", topology_name="v5e:2x2")
   mesh = jax.sharding.Mesh(np.array(topo.devices).reshape(4, 1), ("data", "model"),
@@ -73,15 +75,17 @@ def test_mosaic_compiles_sharded_over_tokens():
   rows = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec("data"))
   rep = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
 
-  def fwd_bwd(z, p, mask):
+  def fwd_bwd(z, p, mask, implementation):
     def loss(z, p):
-      out = api.topk_reconstruct(z, p, 16, mask_N=mask, implementation="pallas_tpu")
-      return jnp.sum(out[3]) + jnp.sum(out[7])
+      out = api.topk_reconstruct(z, p, 16, mask_N=mask, implementation=implementation,
+                                 token_axes=("data",), model_axis="model")
+      return jnp.sum(out.z_hat_NxD) + jnp.sum(out.col_min_dist_K)
     return jax.grad(loss, (0, 1))(z, p)
-  with jax.set_mesh(mesh):
-    compiled = jax.jit(fwd_bwd).lower(
-        jax.ShapeDtypeStruct((2048, 256), jnp.float32, sharding=rows),
-        jax.ShapeDtypeStruct((1000, 256), jnp.float32, sharding=rep),
-        jax.ShapeDtypeStruct((2048,), jnp.bool_, sharding=rows)).compile()
-  text = compiled.as_text()
-  assert "prism_topk_tpu" in text and "all-gather" in text
+  for implementation in ("pallas_tpu", None):
+    with jax.set_mesh(mesh):
+      compiled = jax.jit(fwd_bwd, static_argnums=3).lower(
+          jax.ShapeDtypeStruct((2048, 256), jnp.float32, sharding=rows),
+          jax.ShapeDtypeStruct((1000, 256), jnp.float32, sharding=rep),
+          jax.ShapeDtypeStruct((2048,), jnp.bool_, sharding=rows), implementation).compile()
+    text = compiled.as_text()
+    assert "prism_topk_tpu" in text and "all-gather" in text, implementation

@@ -1,6 +1,6 @@
 """Issue 18's speed changes leave the maths alone: each against an independent reference.
 
-- reference.top_k (lax.top_k behind a CPU optimization barrier) returns lax.top_k's exact
+- cpu.top_k (lax.top_k behind a CPU optimization barrier) returns lax.top_k's exact
   values, indices and gradients, ties, signed zeros and -inf included, and stays XLA:CPU's
   TopK call (no sort) under the mixture's gathers; the two-reduction first extremum is
   argmax / argmin exactly (ties, NaN, signed zeros, infinities);
@@ -32,7 +32,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from pallas_kernels.topk_reconstruct import api, reference, vjp
+from pallas_kernels.topk_reconstruct import api, cpu, reference, vjp
 from prism_jax import flops, losses, sharding
 from prism_jax.config import LossConfig, MeshConfig, ModelConfig, preset
 from prism_jax.model import build_model
@@ -49,7 +49,7 @@ def test_top_k_equals_lax_top_k_with_ties_signed_zeros_and_inf(k):
   x[rng.random(x.shape) < 0.1] = -0.0
   x[rng.random(x.shape) < 0.2] = -np.inf
   x[0] = -np.inf  # a row with nothing but -inf
-  vals, idx = jax.jit(reference.top_k, static_argnums=1)(x, k)
+  vals, idx = jax.jit(cpu.top_k, static_argnums=1)(x, k)
   ref_vals, ref_idx = jax.lax.top_k(x, k)
   np.testing.assert_array_equal(np.asarray(idx), np.asarray(ref_idx))
   np.testing.assert_array_equal(np.signbit(vals), np.signbit(ref_vals))
@@ -61,8 +61,7 @@ def test_top_k_in_the_mixture_is_xla_cpus_topk_call_not_a_sort():
   mixture's gathers consume it (~8x slower at K 8192)."""
   cos = jnp.asarray(np.random.default_rng(3).normal(size=(64, 256)), jnp.float32)
   protos = jnp.asarray(np.random.default_rng(4).normal(size=(256, 16)), jnp.float32)
-  for fn in (lambda c, p: vjp._mix(*reference.top_k(c, 8), p, False),  # pylint: disable=protected-access
-             lambda c, p: reference.topk_mixture(c, p, 8, "raw").z_hat_NxD):
+  for fn in (lambda c, p: vjp._mix(*cpu.top_k(c, 8), p, False),):  # pylint: disable=protected-access
     hlo = jax.jit(fn).lower(cos, protos).compile().as_text()
     assert 'custom_call_target="TopK"' in hlo and " sort(" not in hlo
 
@@ -89,7 +88,7 @@ def test_top_k_gradient_goes_to_the_selected_entries():
   rng = np.random.default_rng(0)
   x = np.round(rng.normal(size=(30, 20)), 1).astype(np.float32)
   ct = rng.normal(size=(30, 6)).astype(np.float32)
-  grad = jax.grad(lambda a: jnp.vdot(reference.top_k(a, 6)[0], ct))(x)
+  grad = jax.grad(lambda a: jnp.vdot(cpu.top_k(a, 6)[0], ct))(x)
   _, idx = jax.lax.top_k(x, 6)
   expected = np.zeros_like(x)
   np.put_along_axis(expected, np.asarray(idx), ct, axis=1)  # brute force: one-hot scatter
@@ -268,7 +267,7 @@ def test_xla_sparse_on_meshes_matches_unsharded_autodiff(shape, distance):
 
 
 def test_xla_sparse_is_cpus_default_and_float64_stays_autodiff():
-  assert api.resolve_implementation(None) == "xla_sparse"
+  assert api.resolve_implementation(None, "cpu") == "xla_sparse"
   assert api.kernel_options("xla_sparse", "cosine").backend == "xla"
   assert api.kernel_options("xla", "cosine") is None
   z, p, mask = _tied_inputs(3)

@@ -5,7 +5,8 @@ documents) and, independently, a NumPy stable sort on the same total-order key. 
 fresh random matrices with many exact ties, signed zeros, infinities, NaNs of both signs
 and several payloads, and columns holding nothing but -inf, at shapes that take the direct
 passes, one level of group maxima and two, and K not a multiple of the group width.
-Also: `reference.similarity_KxN` is `similarity` transposed to the bit, and
+Also: `cpu.similarity_KxN` is `reference.similarity` transposed to the bit, `cpu.kernel_stats`
+(the CPU statistics) equals `reference.kernel_stats_xla` to the bit, and
 benchmarks.bench_topk refuses an unknown shape.
 """
 
@@ -20,7 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from pallas_kernels.topk_reconstruct import reference, topk_major
+from pallas_kernels.topk_reconstruct import cpu, reference, topk_major
 
 
 def _nasty(rng, rows: int, cols: int, dtype=np.float32) -> np.ndarray:
@@ -121,7 +122,7 @@ def test_similarity_KxN_is_similarity_transposed_to_the_bit(n, num_protos, d):
   z[1] = 0.0  # a zero row: the EPS guard
   p[2] = p[5]  # duplicate prototypes: exact ties
   a = jax.jit(reference.similarity)(z, p)
-  b = jax.jit(reference.similarity_KxN)(z, p)
+  b = jax.jit(cpu.similarity_KxN)(z, p)
   np.testing.assert_array_equal(np.asarray(b.dot_KxN).T, np.asarray(a.dot_NxK))
   np.testing.assert_array_equal(np.asarray(b.cos_KxN).T, np.asarray(a.cos_NxK))
   np.testing.assert_array_equal(np.asarray(b.sqdist()).T, np.asarray(a.sqdist()))
@@ -135,3 +136,20 @@ def test_bench_topk_refuses_an_unknown_shape():
   assert res.returncode == 2
   assert res.stderr.strip().splitlines()[-1] == (
       "error: --shapes: unknown ['huge']; choose from ['byte', 'small']")
+
+
+@pytest.mark.parametrize("distance,k", [("cosine", 5), ("sqeuclidean", 8),
+                                        ("sqeuclidean", topk_major.MAX_K + 1)])
+def test_cpu_statistics_equal_the_reference_statistics_to_the_bit(distance, k):
+  """cpu.kernel_stats (K x N layout, topk_major; lax.top_k behind a barrier above MAX_K)
+  against reference.kernel_stats_xla (N x K, lax.top_k): the same values and ids."""
+  rng = np.random.default_rng(k)
+  z = rng.normal(size=(70, 12)).astype(np.float32)
+  p = rng.normal(size=(90, 12)).astype(np.float32)
+  p[4] = p[40]  # exact ties
+  valid = jnp.asarray(rng.random(70) > 0.3, jnp.float32)
+  got = jax.jit(lambda *a: cpu.kernel_stats(*a, k, distance))(z, p, valid)
+  want = jax.jit(lambda *a: reference.kernel_stats_xla(*a, k, distance))(z, p, valid)
+  assert len(got) == len(want) == (8 if distance == "sqeuclidean" else 4)
+  for a, b in zip(got, want):
+    np.testing.assert_array_equal(np.asarray(a), np.asarray(b))

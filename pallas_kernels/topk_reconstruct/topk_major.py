@@ -5,7 +5,7 @@ thread, 1.4-1.7 ms for 768 x 512 at k 8 (docs/RESULTS.md, "Training throughput",
 this selection: 0.6 ms, benchmarks/bench_topk.py), while a
 max over the major axis of a K x N matrix is an elementwise max of K rows of N, fully
 vectorised. So the prototype layer's CPU forward keeps its similarities as K x N (one
-prototype per row, `reference.similarity_KxN`) and selects per column:
+prototype per row, `cpu.similarity_KxN`) and selects per column:
 
   1. group maxima: the max of each run of G consecutive rows (one pass over the matrix);
   2. the top k groups of every column (recursively, on the K / G group maxima);
