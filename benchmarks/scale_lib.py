@@ -27,7 +27,7 @@ from typing import Any, Callable
 # Compile-only: no TPU is opened, so other compiling processes (tests) may hold libtpu too.
 os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
-from experiments import compile_check  # noqa: E402  sets the compile-only environment
+from benchmarks import compile_check  # noqa: E402  sets the compile-only environment
 
 from benchmarks import hlo_collectives  # noqa: E402  pylint: disable=wrong-import-order
 

@@ -19,6 +19,7 @@ import os
 import time
 
 from benchmarks import scale_lib  # sets the compile-only environment before jax loads
+from benchmarks import scale_render
 
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-order
 
@@ -43,7 +44,6 @@ FLAGS = flags.FLAGS
 
 def main(argv: list[str]) -> None:
   del argv
-  from experiments import reproduce_sources  # pylint: disable=import-outside-toplevel
   bad = [t for t in FLAGS.targets if t not in TARGETS]
   if bad:
     raise ValueError(f"unknown --targets {bad}; choose from {sorted(TARGETS)}")
@@ -66,7 +66,7 @@ def main(argv: list[str]) -> None:
           "new_compiles": cache.new, "wall_s": round(time.time() - start),
           "cpu_s": round(cpu1.user + cpu1.system - cpu0.user - cpu0.system),
           "rows": rows, "ratios": scale_lib.ratios(rows)}
-  print(reproduce_sources.scale_table_markdown(data))
+  print(scale_render.scale_table_markdown(data))
   if FLAGS.json:
     with open(FLAGS.json, "w") as f:
       json.dump(data, f, indent=1)
