@@ -39,6 +39,10 @@ CASES = {
                  (["--workdir={w}/none", "--dense_workdir={w}/none2"], "none")],
     # model-card reads no file: its "missing input" is a preset that does not exist
     "model-card": [(["--seq_len=long"], "--seq_len"), (["--config=tiny,huge"], "huge")],
+    "import-hf": [(["--hf_dir={w}/hf", "--workdir={w}/imp", "--kind=moe"], "--kind"),
+                  (["--hf_dir={w}/none", "--workdir={w}/imp"], "none")],
+    "export-hf": [(["--workdir={w}/run", "--out={w}/exp", "--step=last"], "--step"),
+                  (["--workdir={w}/none", "--out={w}/exp"], "none")],
     "demo": [(["--workdir={w}/demo", "--temperature=warm"], "--temperature"),
              (["--workdir={w}/demo", "--set=data.sources={w}/missing.txt"], "missing.txt")],
 }

@@ -162,7 +162,7 @@ def test_cli_errors_are_one_line_exit_2(tmp_path):
   for args, message in (
       ([f"--hf_dir={tmp_path / 'not_hf'}", f"--workdir={tmp_path / 'w'}"], "no config.json"),
       ([f"--hf_dir={GOLDEN}", f"--workdir={tmp_path / 'busy'}"], "is not empty")):
-    proc = subprocess.run([sys.executable, "-m", "experiments.import_hf"] + args, env=env,
+    proc = subprocess.run([sys.executable, "-m", "prism_jax.cli", "import-hf"] + args, env=env,
                           capture_output=True, text=True, timeout=300)
     assert proc.returncode == 2, proc.stderr
     lines = [ln for ln in proc.stderr.splitlines() if ln.startswith("error:")]

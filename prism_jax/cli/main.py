@@ -25,7 +25,11 @@ COMMANDS = {
     "suppress": ("suppress", "suppress a behaviour by editing prototypes; rates before/after"),
     "evaluate": ("evaluate", "multiple-choice accuracy of a PRISM run, its dense twin and "
                  "sparse controllers"),
-    "model-card": ("model_card", "parameter counts and FLOPs per token of every preset"),
+    "model-card": ("model_card", "parameter counts and FLOPs per token of every preset, and "
+                   "the GPT-2 presets' training recipes"),
+    "import-hf": ("import_hf", "import a Hugging Face GPT-2 directory as a run (dense, or "
+                  "PRISM with its bank to set)"),
+    "export-hf": ("export_hf", "export a run's backbone as a Hugging Face GPT-2 directory"),
     "demo": ("demo", "train the tiny PRISM on the embedded corpus, then show a sample"),
 }
 

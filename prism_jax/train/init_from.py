@@ -67,7 +67,7 @@ def check_source(cfg: Config, tokenizer) -> Config:
   if not paths.path(os.path.join(src, "config.json")).is_file():
     raise FileNotFoundError(f"train.init_from={src} is not a run directory (no config.json); "
                             "a Hugging Face directory is imported first with `prism "
-                            "import-hf` (experiments/import_hf.py)")
+                            "import-hf` (prism_jax/cli/import_hf.py)")
   source = inference.load_config(src)
   check_backbone(cfg.model, source.model, src)
   check_tokenizer(tokenizer, inference.load_tokenizer(src, source), src)

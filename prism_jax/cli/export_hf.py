@@ -1,6 +1,6 @@
 """Export a run as a Hugging Face GPT-2 directory (prism export-hf).
 
-  python -m experiments.export_hf --workdir=runs/x --out=x_hf [--step=N]
+  prism export-hf --workdir=runs/x --out=x_hf [--step=N]
 
 `transformers.GPT2LMHeadModel.from_pretrained(out)` loads it: the dense twin, or a PRISM
 run's backbone (its README says the prototype head is not part of GPT-2). User errors print
@@ -9,7 +9,7 @@ one `error: ...` line.
 
 from absl import flags
 
-from prism_jax.cli import launcher as cli
+from prism_jax.cli import launcher
 
 flags.DEFINE_string("workdir", None, "the run to export")
 flags.DEFINE_string("out", None, "new (or empty) directory to write")
@@ -30,4 +30,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  launcher.run(main)

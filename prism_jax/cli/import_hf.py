@@ -1,6 +1,6 @@
 """Import a Hugging Face GPT-2 directory as a prism_jax run (prism import-hf).
 
-  python -m experiments.import_hf --hf_dir=gpt2/ --workdir=runs/gpt2 [--kind=dense|prism]
+  prism import-hf --hf_dir=gpt2/ --workdir=runs/gpt2 [--kind=dense|prism]
 
 The run loads like any other (load_for_inference, generate, ...). --kind=prism gives a PRISM
 model whose backbone is GPT-2 and whose bank is not set yet: train it with
@@ -9,7 +9,7 @@ model whose backbone is GPT-2 and whose bank is not set yet: train it with
 
 from absl import flags
 
-from prism_jax.cli import launcher as cli
+from prism_jax.cli import launcher
 
 flags.DEFINE_string("hf_dir", None, "Hugging Face GPT-2 directory (config.json, "
                     "model.safetensors, tokenizer files)")
@@ -39,4 +39,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  cli.run(main)
+  launcher.run(main)
