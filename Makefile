@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export JAX_PLATFORMS ?= cpu
 PYTEST_ARGS ?=
 
-.PHONY: venv browser demo test test-tpu-aot model-card clean
+.PHONY: venv browser demo test test-tpu-aot rehearsal model-card clean
 
 $(STAMP): setup.cfg pyproject.toml tools/fetch_gpt2_bpe.sh
 	@PYBIN="$$(tools/find_python.sh)" || exit 1; \
@@ -54,6 +54,12 @@ test: $(STAMP) browser
 # The TPU compile checks alone.
 test-tpu-aot: $(STAMP)
 	$(PY) -m pytest -q -m tpu_aot $(PYTEST_ARGS)
+
+# The CPU pod rehearsal (issue 26): the real `small` model on 2 processes x 4 CPU devices,
+# gs:// emulator, SIGTERM + resume, cache, cards, report (about an hour on 2 cores; not in
+# `make test`, whose test_rehearsal runs its checks on the tiny shape).
+rehearsal: $(STAMP)
+	$(PY) -m experiments.rehearsal --results_json=docs/results/rehearsal.json
 
 model-card: $(STAMP)
 	$(VENV)/bin/prism model-card
