@@ -16,8 +16,9 @@ claims to be the training loss, refuses a config that sets them.
 Which path of ∂L/∂P we differentiate (PRISM.md §4 "the bank as a linear layer"):
   ẑ_t = Σ_{i∈S_t} a_{t,i} p_i = Pᵀ a_t, and P reaches the loss through ẑ_t in two ways:
   * path="linear": through the explicit p_i only, with the activations a_t held fixed
-    (stop_gradient on a; with a learned mixture scale s, a_t is the scaled s a_t). This is the linear-layer view of §4: ∂L_t/∂P = a_t g_tᵀ, and the
-    exact Hessian of the ẑ-terms on this path is the Gauss-Newton matrix
+    (stop_gradient on a; with a learned mixture scale s, a_t is the scaled s a_t). This is
+    the linear-layer view of §4: ∂L_t/∂P = a_t g_tᵀ, and the exact Hessian of the ẑ-terms
+    on this path is the Gauss-Newton matrix
         H_lin = (1/N) Σ_t (a_t a_tᵀ) ⊗ G_t,     G_t = ∂²ℓ_t/∂ẑ_t²,
     because ẑ is linear in P and the logits are linear in ẑ (no second-order term).
   * path="full": also through a_t(P) = ReLU(cos(z_t, p_i)) (the similarity routing). This
@@ -52,6 +53,7 @@ from prism_jax.config import LossConfig, ModelConfig
 from prism_jax.model.head import HeadOutput, prism_head
 from prism_jax.model.prototypes import EPS, inv_norm, similarity
 from prism_jax.model.tap import Tap
+
 _HI = jax.lax.Precision.HIGHEST
 Path = Literal["linear", "full"]
 # The weighted terms of L(P) each `terms` selects (see bank_loss).
