@@ -31,18 +31,21 @@ from absl import flags, logging
 
 from prism_jax.cli import launcher as cli
 
+RUNS = ("dense", "scratch", "frozen", "full")
+
 flags.DEFINE_string("root", None, "directory of the runs (reused when finished)")
 flags.DEFINE_list("seeds", ["0", "1"], "seeds (train.seed = data.seed)")
 flags.DEFINE_integer("steps", 600, "train.steps of the dense twin and the scratch run")
-flags.DEFINE_integer("queries", 8, "val tokens whose attributions are compared")
+flags.DEFINE_integer("queries", 4, "val tokens whose attributions are compared")
 flags.DEFINE_integer("top", 100, "top-m of the retention")
 flags.DEFINE_integer("rank", 64, "rank of the attribution cache")
-flags.DEFINE_integer("max_rows", 512, "training rows in the attribution comparison")
+flags.DEFINE_integer("max_rows", 256, "training rows in the attribution comparison")
+flags.DEFINE_list("runs", list(RUNS), "measure only these runs (their rows are kept in the "
+                  "run directories; the table and --results_json need all four)")
 flags.DEFINE_string("results_json", None, "write the rows here (experiments.reproduce reads it)")
 flags.mark_flag_as_required("root")
 FLAGS = flags.FLAGS
 
-RUNS = ("dense", "scratch", "frozen", "full")
 SHOWN = ("loss", "agreement", "agreement_decisive", "decisive_share", "proto_ce_ratio",
          "r1_bar", "r2_bar", "dead_prototypes")
 
@@ -112,25 +115,40 @@ def retention(workdir: str, seed: int) -> float:
                                               FLAGS.top) for q, a in enumerate(atts)]))
 
 
-def measure(root: str, seed: int) -> dict:
+def measure_run(root: str, name: str, seed: int) -> dict:
+  """One run's row (trained or resumed first); kept in <run>/retrofit_row.json, reused
+  while the retention settings are the same."""
   from prism_jax.train import train  # pylint: disable=g-import-not-at-top
   from prism_jax.train.metrics import read_metrics  # pylint: disable=g-import-not-at-top
-  out = {}
-  for name in RUNS:
-    cfg = run_config(name, seed, root, FLAGS.steps)
-    workdir = os.path.join(root, f"{name}_s{seed}")
-    train(cfg, workdir)
-    val = read_metrics(workdir, "val")[-1]
-    if "agreement_decisive" not in val and name != "dense":  # a run of older code
-      val = evaluate_run(workdir)
-    row = {k: val.get(k) for k in SHOWN} | {"train_s": train_seconds(workdir, cfg),
-                                            "steps": cfg.train.steps}
-    if name != "dense":
-      row["retention"] = retention(workdir, seed)
-    out[name] = row
-    logging.info("seed %d %s: %s", seed, name, row)
+  cfg = run_config(name, seed, root, FLAGS.steps)
+  workdir = os.path.join(root, f"{name}_s{seed}")
+  saved = os.path.join(workdir, "retrofit_row.json")
+  settings = {"queries": FLAGS.queries, "top": FLAGS.top, "rank": FLAGS.rank,
+              "max_rows": FLAGS.max_rows}
+  train(cfg, workdir)
+  if os.path.exists(saved):
+    with open(saved, encoding="utf-8") as f:
+      row = json.load(f)
+    if row.pop("settings", None) == settings:
+      return row
+  val = read_metrics(workdir, "val")[-1]
+  if "agreement_decisive" not in val and name != "dense":  # a run of older code
+    val = evaluate_run(workdir)
+  row = {k: val.get(k) for k in SHOWN} | {"train_s": train_seconds(workdir, cfg),
+                                          "steps": cfg.train.steps}
+  if name != "dense":
+    row["retention"] = retention(workdir, seed)
+  with open(saved, "w", encoding="utf-8") as f:
+    json.dump(row | {"settings": settings}, f, indent=1)
+  logging.info("seed %d %s: %s", seed, name, row)
+  return row
+
+
+def measure(root: str, seed: int, runs=RUNS) -> dict:
+  out = {name: measure_run(root, name, seed) for name in runs}
   for row in out.values():
-    row["vs_dense"] = row["loss"] / out["dense"]["loss"] - 1
+    if "dense" in out:
+      row["vs_dense"] = row["loss"] / out["dense"]["loss"] - 1
   return out
 
 
@@ -183,7 +201,10 @@ def main(argv):
   del argv
   from prism_jax.train.metrics import quiet_library_logs  # pylint: disable=g-import-not-at-top
   quiet_library_logs()
-  results = {int(s): measure(FLAGS.root, int(s)) for s in FLAGS.seeds}
+  results = {int(s): measure(FLAGS.root, int(s), FLAGS.runs) for s in FLAGS.seeds}
+  if tuple(FLAGS.runs) != RUNS:
+    print(json.dumps(results, indent=1))
+    return
   print(table(results))
   if FLAGS.results_json:
     command = "python -m experiments.retrofit " + " ".join(sys.argv[1:])
