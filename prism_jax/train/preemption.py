@@ -59,7 +59,10 @@ class Preemption:
     return self.signal_name is not None
 
   def describe(self) -> str:
-    return self.signal_name or "a preemption notice to another process"
+    """What stopped the run, for its last line."""
+    if self.multiprocess and self.signal_name is None:  # SIGTERM went to JAX's notifier
+      return "a preemption notice (SIGTERM to one of the processes)"
+    return self.signal_name or "no signal"
 
 
 @contextlib.contextmanager
