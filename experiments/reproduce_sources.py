@@ -216,7 +216,8 @@ def rehearsal_markdown(data: dict) -> str:
                  + " |")
   ev = c.get("eval", {})
   if ev:
-    keys = [k for k in ("loss", "ce", "r1", "r2", "residual_share") if k in ev]
+    keys = [k for k in sorted(ev) if k in ("loss", "perplexity", "tokens")
+            or k.startswith(("r1", "r2", "r_bar", "residual", "dead"))][:8]
     lines += ["", "Evaluation at the last step: "
               + ", ".join(f"{k} {ev[k]:.4g}" for k in keys) + "."]
   return "\n".join(lines)

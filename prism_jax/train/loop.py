@@ -78,9 +78,12 @@ def init_prototypes(graphdef, state: TrainState, shardings: TrainState, cfg: Con
   hidden = jax.jit(lambda params, tokens: nnx.merge(graphdef, params).backbone(tokens)[0],
                    out_shardings=replicated)
   z_BxTxD = np.asarray(hidden(state.params, tokens_BxT))
-  init_prototypes_from_hidden(module, tokens_BxT, seed=seed, mask_BxT=mask_BxT,
-                              kmeans_pp=True, z_BxTxD=z_BxTxD)
-  protos = np.asarray(module.bank.protos[...])
+  chosen = init_prototypes_from_hidden(module, tokens_BxT, seed=seed, mask_BxT=mask_BxT,
+                                       kmeans_pp=True, z_BxTxD=z_BxTxD)
+  # the bank's value from the host copy (the same float32 values the module got): under
+  # FSDP over several processes the module's bank spans devices this process cannot read
+  protos = np.asarray(z_BxTxD, np.float64).reshape(-1, z_BxTxD.shape[-1])[chosen]
+  protos = protos.astype(np.float32)
   params = jax.tree.map(lambda x: x, state.params)
   params[PROTO_PATH[0]][PROTO_PATH[1]] = jax.device_put(
       protos, shardings.params[PROTO_PATH[0]][PROTO_PATH[1]])
