@@ -122,14 +122,12 @@ def test_config_mismatch_is_one_line_and_debug_shows_the_traceback(tmp_path):
   assert debug.returncode != 0 and "Traceback" in debug.stderr
 
 
-def test_demo_samples_seeded_and_its_config_mismatch_is_one_line(tmp_path):
+def test_demo_samples_by_default_greedy_on_request_and_a_mismatch_is_one_line(tmp_path):
   base = [f"--workdir={tmp_path}/demo", "--max_new_tokens=4", "--prompt=The"] + TINY
   first = prism("demo", *base)
   assert first.returncode == 0, first.stderr[-3000:]
   assert "sample (temperature 0.8, top-k 40, seed 0)" in first.stdout, first.stdout
-  again = prism("demo", *base)  # the finished run is reused: same seed, same text
-  sample = lambda out: out.split("sample (")[1].split("distinct tokens")[0]
-  assert sample(again.stdout) == sample(first.stdout)
+  assert "distinct tokens: " in first.stdout
   greedy = prism("demo", *base, "--greedy")
   assert "sample (greedy)" in greedy.stdout, greedy.stdout
   mismatch = prism("demo", *base, "--set=model.k=3")
