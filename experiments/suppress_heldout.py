@@ -45,6 +45,8 @@ flags.DEFINE_integer("max_new_tokens", 48, "tokens per generation")
 flags.DEFINE_float("temperature", 1.0, "sampling temperature")
 flags.DEFINE_integer("top_k", 40, "top-k sampling filter (0: off)")
 flags.DEFINE_integer("random_sets", 8, "random prototype sets of the chosen size")
+flags.DEFINE_float("ban_common", 0.1, "the token ban skips tokens in more than this share "
+                   "of the without-texts (fixed, not chosen on validation)")
 flags.DEFINE_integer("seed", 0, "protocol texts, prompts, samples, random sets")
 flags.DEFINE_string("json", None, "write the results here (default: "
                     "<workdir>/suppression_heldout_<behaviour>.json)")
@@ -99,7 +101,8 @@ def main(argv):
   split = _split(packed, tok)
   gen_kw = dict(num_samples=FLAGS.num_samples, max_new_tokens=FLAGS.max_new_tokens,
                 temperature=FLAGS.temperature, top_k=FLAGS.top_k or None, seed=FLAGS.seed)
-  ranked = heldout.rankings(model, tok, split, max_num=max(nums), seq_len=cfg.data.seq_len)
+  ranked = heldout.rankings(model, tok, split, max_num=max(nums), seq_len=cfg.data.seq_len,
+                            ban_common=FLAGS.ban_common)
 
   # 2. The choice, on validation only.
   evaluate = heldout.validation_evaluator(model, tok, split, ranked.contrast, gen_kw, neutral)

@@ -120,17 +120,24 @@ class Rankings:
   ban: selection.Selection  # token ids
 
 
-def rankings(model, tokenizer, split: HeldoutSplit, *, max_num: int, seq_len: int) -> Rankings:
-  """Every selector's ranking, from the split's selection texts and words only."""
+def rankings(model, tokenizer, split: HeldoutSplit, *, max_num: int, seq_len: int,
+             ban_common: float = 0.1) -> Rankings:
+  """Every selector's ranking, from the split's selection texts and words only. The ban
+  leaves out special tokens and tokens in more than `ban_common` of the without-texts
+  ('.', ' the': banning them breaks all text, which no ban meant as a baseline would do)."""
   contrast = selection.by_contrast(_features(model, tokenizer, split.with_texts, seq_len),
                                    _features(model, tokenizer, split.without_texts, seq_len),
                                    num=max_num, min_score=None)
+  with_tok = [tokenizer.encode(t) for t in split.with_texts]
+  without_tok = [tokenizer.encode(t) for t in split.without_texts]
+  share_V = np.zeros(model.cfg.vocab_size)
+  for toks in without_tok:
+    share_V[np.unique(np.asarray(toks, np.int64))] += 1.0 / len(without_tok)
+  special = [i for i in (getattr(tokenizer, "eos_id", None), getattr(tokenizer, "pad_id", None))
+             if i is not None and i < model.cfg.vocab_size]
   ban = selection.by_token_contrast(
-      [tokenizer.encode(t) for t in split.with_texts],
-      [tokenizer.encode(t) for t in split.without_texts], model.cfg.vocab_size, num=max_num,
-      exclude=[i for i in (getattr(tokenizer, "eos_id", None), getattr(tokenizer, "pad_id",
-                                                                          None)) if i is not None],
-      min_score=None)
+      with_tok, without_tok, model.cfg.vocab_size, num=max_num, min_score=None,
+      exclude=sorted(set(special) | set(np.flatnonzero(share_V > ban_common).tolist())))
   sig = selection.by_logit_signature(
       model, behaviours.word_token_ids(tokenizer, split.select_words), num=max_num)
   return Rankings(contrast, sig, ban)
