@@ -128,6 +128,8 @@ def pack_process(files) -> None:
 
 def main(argv):
   del argv
+  commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
+                          text=True).stdout.strip()  # at the start: the code that runs
   files = make_corpus(FLAGS.corpus_dir, FLAGS.text_gb, FLAGS.file_mb, FLAGS.group_rows,
                       FLAGS.seed, FLAGS.processes * max(FLAGS.workers, 1))
   if FLAGS.pid >= 0:
@@ -157,8 +159,7 @@ def main(argv):
   hours = TARGET_TOKENS / (per_core * FLAGS.host_cores * V5E16_HOSTS) / 3600
   text_bytes = sum(os.path.getsize(f) for f in files)
   result = {
-      "argv": sys.argv, "git_commit": subprocess.run(
-          ["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True, text=True).stdout.strip(),
+      "argv": sys.argv, "git_commit": commit,
       "text_gb": FLAGS.text_gb, "parquet_bytes": text_bytes, "tokens": tokens,
       "processes": FLAGS.processes, "workers": FLAGS.workers, "cores": cores, "wall_s": wall,
       "cpu_s": cpu, "tokens_per_s_per_core": per_core,

@@ -161,13 +161,15 @@ def pack(data_cfg, vocab_size: int, out_dir: str, *, workers: int | None = None,
   src_hash = procs.broadcast_hex(lambda: sources_lib.source_hash(
       data_cfg.sources, data_cfg.text_field, data_cfg.val_sources))
   state = check_existing(out_dir, config, src_hash)
-  if state == "finished":
+  if procs.all_true(state == "finished"):  # (a collective: every process decides alike)
     logging.info("packing: reusing %s", out_dir)
     return out_dir
   if not _shares_directory(out_dir, procs):
     logging.warning("packing: the processes do not share %s, so each packs the whole corpus "
                     "itself; pack into gs:// (or a shared filesystem) to split the work",
                     out_dir)
+    if state == "finished":  # this host's own copy is done
+      return out_dir
     procs = coordination.Processes()
   settings = _settings(data_cfg, vocab_size)
   if procs.index == 0:
