@@ -316,7 +316,7 @@ WARMUP_TOKENS = 375_000_000  # GPT-3's linear warm-up (App. B) ...
 WARMUP_MAX_FRACTION = 0.1  # ... at most 10% of the run
 PROTO_INIT_FRACTION = 0.05  # the bank is set from data after 5% of the run (dense warm-up)
 EVAL_FRACTION = 0.02  # 50 evaluations per run, 8 val batches (4.2M tokens) each
-CKPT_EVERY_MAX = 500  # checkpoints every 20% of the run, at most every 500 steps
+CKPT_EVERY_MAX = 500  # a checkpoint every 20% of the run or 500 steps, whichever is sooner
 SMOKE = "_smoke"  # "small_smoke": the GPT-2 model with a 10-step, batch-8 run (tests)
 
 
@@ -382,6 +382,6 @@ def bank_init_problem(cfg: Config) -> str | None:
       and tc.proto_init_step >= tc.steps):
     return (f"train.proto_init_step={tc.proto_init_step} >= train.steps={tc.steps}: the "
             "prototype bank would never be set from data; lower train.proto_init_step or "
-            "raise train.steps (the GPT-2 presets scale both with --set train.steps=N), or "
-            "set model.proto_init=normal for random prototypes")
+            "raise train.steps (a GPT-2 recipe places it by its steps: preset(name, steps) "
+            "or --set train.steps=N), or set model.proto_init=normal for random prototypes")
   return None

@@ -162,8 +162,9 @@ def test_a_bank_never_set_from_data_is_refused(tmp_path):
   problem = C.bank_init_problem(cfg)
   assert problem == (
       "train.proto_init_step=250 >= train.steps=100: the prototype bank would never be set "
-      "from data; lower train.proto_init_step or raise train.steps (the GPT-2 presets scale "
-      "both with --set train.steps=N), or set model.proto_init=normal for random prototypes")
+      "from data; lower train.proto_init_step or raise train.steps (a GPT-2 recipe places it "
+      "by its steps: preset(name, steps) or --set train.steps=N), or set model.proto_init="
+      "normal for random prototypes")
   with pytest.raises(ValueError) as e:
     train(cfg, str(tmp_path / "run"))
   assert str(e.value) == problem and "\n" not in problem
@@ -181,11 +182,11 @@ def test_the_cli_refuses_it_in_one_line(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=repo)
   out = subprocess.run([sys.executable, "-m", "prism_jax.cli", "train", "--config=tiny",
                         f"--workdir={tmp_path / 'run'}", "--set=train.steps=30"],
-                       cwd=repo, env=env, capture_output=True, text=True, timeout=120)
+                       cwd=repo, env=env, capture_output=True, text=True, timeout=600)
   assert out.returncode == 2, out.stderr[-2000:]
   assert out.stderr.strip().splitlines()[-1] == (
       "error: train.proto_init_step=50 >= train.steps=30: the prototype bank would never be "
-      "set from data; lower train.proto_init_step or raise train.steps (the GPT-2 presets "
-      "scale both with --set train.steps=N), or set model.proto_init=normal for random "
-      "prototypes")
+      "set from data; lower train.proto_init_step or raise train.steps (a GPT-2 recipe "
+      "places it by its steps: preset(name, steps) or --set train.steps=N), or set "
+      "model.proto_init=normal for random prototypes")
   assert not (tmp_path / "run").exists()
