@@ -89,8 +89,9 @@ def overrides() -> list[str]:
 
 def _env(extra: dict) -> dict:
   """Every stage's environment: the emulator's and CPU devices per process. No persistent
-  compilation cache: only process 0 hit it, and the other, compiling, reached the first
-  collective more than Gloo's 30 s rendezvous later (the preempted stage failed so)."""
+  compilation cache: with one (JAX_COMPILATION_CACHE_DIR) a process reached the first
+  collective of the preempted stage more than Gloo's 30 s rendezvous after the other and
+  the run failed (load average 35); without it both compile, as in the reference."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(FLAGS.local_devices),
              PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
   env.pop("XLA_FLAGS", None)
