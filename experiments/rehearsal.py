@@ -89,13 +89,13 @@ def overrides() -> list[str]:
           + ["mesh.data=1", "mesh.fsdp=-1", "mesh.model=1"] + list(FLAGS.set))
 
 
-def _env(extra: dict, out: str) -> dict:
-  """Every stage's environment: the emulator's, CPU devices per process, and JAX's
-  persistent compilation cache (later stages reuse the programs the reference compiled,
-  as a pod's restarts would with a cache dir)."""
+def _env(extra: dict) -> dict:
+  """Every stage's environment: the emulator's and CPU devices per process. No persistent
+  compilation cache: with one (JAX_COMPILATION_CACHE_DIR) a process reached the first
+  collective of the preempted stage more than Gloo's 30 s rendezvous after the other and
+  the run failed (load average 35); without it both compile, as in the reference."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(FLAGS.local_devices),
-             PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""),
-             JAX_COMPILATION_CACHE_DIR=os.path.join(out, "jax_cache"), **extra)
+             PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
   env.pop("XLA_FLAGS", None)
   return env
 
@@ -291,7 +291,7 @@ def main(argv):
   print(f"logs in {out}", flush=True)
   t0 = time.perf_counter()
   with _emulator().running() as gcs:
-    result = rehearse(out, _env(gcs, out))
+    result = rehearse(out, _env(gcs))
   result["total_s"] = round(time.perf_counter() - t0, 1)
   checks = result["checks"]
   print("\n| stage | wall s |\n| --- | --- |")
