@@ -8,9 +8,14 @@ process then packs the pieces k with k % P == its index, with `workers` worker
 processes; process 0 writes metadata.json once every piece is done. Rows depend on the
 sources, the config and the seeds only: the same bits for any number of processes and
 workers. A killed pack resumes: finished pieces (done.json) are kept, the rest redone.
-Memory: the packing process holds the plan and one piece's summary at a time; a worker
-one piece (plan.PIECE_BYTES of text, its tokens, one shard of rows); nothing grows with
-the corpus. A gs:// pack is written object by object, with no local copy.
+Memory (the bound, measured by benchmarks/bench_pack.py at 0.25 and 1 GB of text): a
+worker holds one piece (PIECE_BYTES of text, streamed in batches of documents; its tokens;
+one 8 MB shard of rows), a packing process the plan and the pieces' counts (~1 KB per
+piece); with GPT-2's BPE at T = 1024 each stays under 512 MB whatever the corpus size, so
+a host packing with W workers under (1 + W) x 512 MB. A source unit larger than a piece
+(a .txt/.jsonl file, a parquet row group over PIECE_BYTES) is a piece alone: the worker's
+memory then grows with that unit, not with the corpus. A gs:// pack is written object
+by object, with no local copy.
 
 Processes of a multi-host job share the work when they share the directory (gs://, or a
 local path on a shared filesystem: checked by a probe file); with a host-local directory

@@ -411,5 +411,7 @@ def _stored_checksum(path: str) -> str | None:
   if paths_lib.scheme(path) != "gs":
     return None
   import fsspec  # pylint: disable=g-import-not-at-top
-  info = fsspec.filesystem("gs").info(path)
+  fs = fsspec.filesystem("gs")
+  fs.invalidate_cache(path)  # a listing cached before the file was written would hide it
+  info = fs.info(path)
   return f"crc32c:{info['crc32c']}" if info.get("crc32c") else None
