@@ -176,15 +176,14 @@ def rows(results: dict, command: str) -> list[dict]:
   out = []
   for name, label in (("scratch", "from scratch"), ("frozen", "retrofit, backbone frozen"),
                       ("full", "retrofit, fully trained")):
-    per = [runs[name] for runs in results.values()]
-    fmt = lambda key, f: " / ".join(f(r[key]) for r in per)
+    per = {seed: runs[name] for seed, runs in results.items()}
     out.append({
-        "metric": f"tiny PRISM {label}: val CE vs dense; agreement all / decisive",
+        "metric": f"tiny PRISM {label}: val CE vs dense, agreement all / decisive",
         "paper": "not reported",
-        "ours": (f"{fmt('vs_dense', lambda x: f'{100 * x:+.1f}%')}; "
-                 f"{fmt('agreement', lambda x: f'{100 * x:.1f}%')} / "
-                 f"{fmt('agreement_decisive', lambda x: f'{100 * x:.1f}%')}"),
-        "note": f"seeds {', '.join(results)}; equal bank training tokens; RESULTS "
+        "ours": "; ".join(f"seed {seed}: {100 * r['vs_dense']:+.1f}%, "
+                          f"{100 * r['agreement']:.1f}% / {100 * r['agreement_decisive']:.1f}%"
+                          for seed, r in per.items()),
+        "note": f"seeds {', '.join(map(str, results))}; equal bank training tokens; RESULTS "
                 "'Retrofit' section", "command": command})
   return out
 
