@@ -272,6 +272,7 @@ def format_table(rows: list[dict]) -> str:
 
 def main(argv):
   del argv
+  cli.retain_freed_host_memory()  # as the training command does on CPU
   for name in FLAGS.configs:
     if name not in CONFIGS:
       raise ValueError(f"unknown config {name!r}; choose from {sorted(CONFIGS)}")
