@@ -274,6 +274,8 @@ def format_table(rows: list[dict]) -> str:
 
 def main(argv):
   del argv
+  if hasattr(launcher, "retain_freed_host_memory"):  # older checkouts' trainers set it
+    launcher.retain_freed_host_memory()  # as the training command does on CPU
   for name in FLAGS.config:
     if name not in CONFIGS:
       raise ValueError(f"unknown config {name!r}; choose from {sorted(CONFIGS)}")

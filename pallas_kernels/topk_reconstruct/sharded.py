@@ -42,8 +42,8 @@ import jax.numpy as jnp
 from jax.sharding import AxisType, PartitionSpec as P
 
 from pallas_kernels.topk_reconstruct import vjp
-from pallas_kernels.topk_reconstruct.reference import (first_max, first_min, mixture_weights,
-                                                       similarity)
+from pallas_kernels.topk_reconstruct.reference import (TopKReconstruction, first_max, first_min,
+                                                       mixture_weights, similarity)
 
 
 def _manual(mesh, axis: str) -> bool:
@@ -245,4 +245,4 @@ def topk_reconstruct_sharded(z_NxD: jax.Array, protos_KxD: jax.Array, k: int, *,
   fn = jax.shard_map(body, mesh=mesh, in_specs=(rows2, P(model_axis, None), row),
                      out_specs=(rows2, rows2, rows2, rows2, row, col, row, col),
                      check_vma=opts is None)
-  return fn(z_NxD, protos_KxD, mask)
+  return TopKReconstruction(*fn(z_NxD, protos_KxD, mask))
