@@ -199,7 +199,7 @@ def main(argv: list[str]) -> None:
   del argv
   mesh_sizes = tuple(int(x) for x in FLAGS.mesh.split(","))
   if len(mesh_sizes) != 3:
-    raise app.UsageError(f"--mesh needs data,fsdp,model; got {FLAGS.mesh!r}")
+    raise ValueError(f"--mesh needs data,fsdp,model; got {FLAGS.mesh!r}")
   reports: list[Any] = []
   for topology in FLAGS.topology:
     for name in FLAGS.config:

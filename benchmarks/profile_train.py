@@ -188,7 +188,7 @@ def format_table(name: str, rows: list[tuple]) -> str:
 
 def main(argv):
   del argv
-  cli.retain_freed_host_memory()  # as the training command does on CPU
+  launcher.retain_freed_host_memory()  # as the training command does on CPU
   print(f"devices: {jax.devices()}")
   for name in FLAGS.config:
     if name not in CONFIGS:

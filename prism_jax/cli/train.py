@@ -66,7 +66,7 @@ def main(argv, callbacks=()):
   del argv
   distributed.initialize_from_flags()  # no-op for a single process
   distributed.configure_logging()
-  cli.retain_freed_host_memory()  # CPU runs: the allocator setting, process-wide, opt-in
+  launcher.retain_freed_host_memory()  # CPU runs: the allocator setting, process-wide, opt-in
   cfg = build_config(FLAGS.config, FLAGS.data, FLAGS.model, FLAGS.set)
   from prism_jax.train import train  # pylint: disable=g-import-not-at-top
   from prism_jax.train.metrics import quiet_library_logs  # pylint: disable=g-import-not-at-top

@@ -19,7 +19,7 @@ stay unallocated).
 
 The library never calls `retain_freed_memory()`: it changes the whole process's allocator
 (the heap no longer shrinks after a peak), so only a command-line launcher opts in
-(experiments/cli.py `retain_freed_host_memory`, logged when applied); a notebook may call
+(prism_jax/cli/launcher.py `retain_freed_host_memory`, logged when applied); a notebook may call
 it too. A no-op off glibc. The launcher's opt-out: PRISM_JAX_RETAIN_FREED_MEMORY=0.
 """
 
