@@ -82,6 +82,37 @@ def _with_without(c: dict) -> str:
           "(base below chance)")
 
 
+def suppression_heldout(data: dict) -> list[dict]:
+  """The held-out protocol (experiments/suppress_heldout.py): the test prompts' rate before
+  → after at the setting chosen on validation, CIs over prompts, and the baselines' falls."""
+  rows = data["rows"]
+  by = {r["condition"].split(" (")[0]: r for r in rows}
+  before, edit = rows[0], rows[1]
+  fall = lambda r: (f"{100 * r['rate_fall']['mean']:+.1f}% [{100 * r['rate_fall']['lo']:.1f}, "
+                    f"{100 * r['rate_fall']['hi']:.1f}]") if "rate_fall" in r else "n/a"
+  rnd = [r for r in rows if r["condition"].startswith("random")]
+  c, test = data["choices"], data["protocol"]["test"]
+  note = (f"chosen on validation ({c['set_size']['on']}): {c['set_size']['chosen']} prototypes, "
+          f"refill {c['refill']['chosen']}; test: {len(test['prompts'])} prompts × "
+          f"{data['protocol']['generations_per_prompt']}, CIs over prompts; neutral perplexity "
+          f"{_pct(edit['ppl_change'])}; logit signature {fall(by['logit signature'])}; token "
+          f"ban {fall(by['token ban'])} (ppl {_pct(by['token ban']['ppl_change'])})")
+  if rnd and data.get("random_over_suppression") is not None:
+    note += (f"; {len(rnd)} random sets: rate moved {data['random_over_suppression']:.2f}× as "
+             "much")
+  return [{"metric": f"suppression, held-out protocol ({data['behaviour']})",
+           "ours": f"rate {before['rate']['mean']:.3g} [{before['rate']['lo']:.3g}, "
+                   f"{before['rate']['hi']:.3g}] → {edit['rate']['mean']:.3g} "
+                   f"[{edit['rate']['lo']:.3g}, {edit['rate']['hi']:.3g}] (fall {fall(edit)})",
+           "note": note, "command": data["command"]}]
+
+
+def suppression_heldout_headline(data: dict) -> list[dict]:
+  row = suppression_heldout(data)[0]
+  row["claim"] = "suppression"
+  return [row]
+
+
 def mc_eval(data: dict) -> list[dict]:
   """Controller gains in accuracy points, averaged over the synthetic and offline tasks (a
   group with no task is left out), with and without the tasks whose base model is below
@@ -225,7 +256,10 @@ def rehearsal_markdown(data: dict) -> str:
 
 # File stem -> reader; stems not listed must hold schema rows.
 READERS: dict[str, Callable[[dict], list[dict]]] = {
-    "suppression": suppression,
+    # the held-out protocol's planted row answers the claim; issue 16's run stays a row
+    "suppression": suppression_other,
+    "suppression_heldout": suppression_heldout_headline,
+    "suppression_heldout_doctest": suppression_heldout,
     "suppression_doctest": suppression_other,
     "mc_eval": mc_eval,
     "throughput": throughput,

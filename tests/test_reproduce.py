@@ -105,9 +105,11 @@ def test_recorded_results_all_read():
   assert all(all(k in r for k in reproduce.REQUIRED) for r in rows)
   by_claim = {r["claim"]: r for r in rows if "claim" in r}
   assert {"suppression", "controllers", "throughput", "quality"} <= set(by_claim)
-  with open(os.path.join(root, "docs", "results", "suppression.json")) as f:
-    sup = {r["condition"]: r for r in json.load(f)["rows"]}
-  assert f"{sup['unedited']['rate']['mean']:.3g} →" in by_claim["suppression"]["ours"]
+  with open(os.path.join(root, "docs", "results", "suppression_heldout.json")) as f:
+    sup = json.load(f)["rows"]
+  assert f"rate {sup[0]['rate']['mean']:.3g} [" in by_claim["suppression"]["ours"]
+  assert by_claim["suppression"]["file"] == "suppression_heldout.json"
+  assert any(r["metric"] == "suppression (planted)" and "claim" not in r for r in rows)
 
 
 def _mc_row(rng, task, chance, base_acc, delta):
