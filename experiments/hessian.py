@@ -3,19 +3,18 @@ or (with --workdir) one exact D×D block of a trained run's bank beside its K-FA
 
   python -m experiments.hessian                       # λ = 0, 0.01, 0.05, 0.2, 1
   python -m experiments.hessian --lambdas=0,1 --steps=50 --distance=sqeuclidean
-  python -m experiments.hessian --workdir=runs/demo [--rows=8] [--out=block.json]
+  python -m experiments.hessian --workdir=runs/demo [--rows=8] [--results_json=block.json]
 """
 
 import dataclasses
 import json
 import os
-import subprocess
-import sys
 import time
 
 from absl import flags
 
 from prism_jax.cli import launcher
+from prism_jax.cli import provenance
 
 from prism_jax.attribution import hessian_sweep as sweep
 
@@ -31,7 +30,7 @@ _K = flags.DEFINE_integer("k", 2, "active prototypes per token")
 _WORKDIR = flags.DEFINE_string("workdir", None, "a trained PRISM run: time one exact block "
                                "(the most co-used pair of prototypes) instead of the sweep")
 _ROWS = flags.DEFINE_integer("rows", 8, "training rows of the block's loss (--workdir)")
-_OUT = flags.DEFINE_string("out", None, "JSON file the block timing is written to")
+_OUT = flags.DEFINE_string("results_json", None, "JSON file the block timing is written to")
 
 
 def block(workdir: str, rows: int) -> dict:
@@ -53,9 +52,7 @@ def block(workdir: str, rows: int) -> dict:
   stats = cs.curvature_stats(model, batches, loss)
   a = stats.a_dense()
   i, j = (int(x) for x in np.unravel_index(np.argmax(a - np.diag(np.diag(a))), a.shape))
-  out = {"argv": sys.argv, "commit": subprocess.run(
-      ["git", "rev-parse", "HEAD"], capture_output=True, text=True).stdout.strip(),
-         "workdir": workdir, "K": cfg.model.num_prototypes, "D": cfg.model.d_model,
+  out = {**provenance.record("experiments.hessian"), "workdir": workdir, "K": cfg.model.num_prototypes, "D": cfg.model.d_model,
          "tokens": int(sum(b["mask"].sum() for b in batches)), "i": i, "j": j,
          "load_average_1min": os.getloadavg()[0]}
   with jax.enable_x64(True):

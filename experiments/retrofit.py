@@ -23,13 +23,12 @@ training rows.
 
 import json
 import os
-import subprocess
-import sys
 
 import numpy as np
 from absl import flags, logging
 
 from prism_jax.cli import launcher as cli
+from prism_jax.cli import provenance
 
 RUNS = ("dense", "scratch", "frozen", "full")
 
@@ -188,14 +187,6 @@ def rows(results: dict, command: str) -> list[dict]:
   return out
 
 
-def git_commit() -> str:
-  try:
-    return subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True,
-                          check=True).stdout.strip()
-  except (OSError, subprocess.CalledProcessError):
-    return "unknown"
-
-
 def main(argv):
   del argv
   from prism_jax.train.metrics import quiet_library_logs  # pylint: disable=g-import-not-at-top
@@ -206,9 +197,10 @@ def main(argv):
     return
   print(table(results))
   if FLAGS.results_json:
-    command = "python -m experiments.retrofit " + " ".join(sys.argv[1:])
+    rec = provenance.record("experiments.retrofit")
+    command = rec["command"]
     with open(FLAGS.results_json, "w", encoding="utf-8") as f:
-      json.dump({"argv": sys.argv, "git_commit": git_commit(), "command": command,
+      json.dump({**rec,
                  "results": {str(k): v for k, v in results.items()},
                  "table": table(results), "rows": rows(results, command)}, f, indent=1)
 
