@@ -214,13 +214,19 @@ def _layer_objective(k, distance, mixture, implementation, seed):
 
 
 def _dots(fn, *args) -> list[tuple]:
-  """Operand shapes of every dot_general in fn's jaxpr (sub-jaxprs included)."""
+  """Operand shapes of every dot_general in fn's jaxpr (sub-jaxprs included; of a
+  platform_dependent, the branch a CPU program lowers)."""
   found = []
 
   def walk(jaxpr):
     for eqn in jaxpr.eqns:
       if eqn.primitive.name == "dot_general":
         found.append(tuple(tuple(v.aval.shape) for v in eqn.invars))
+      platforms = eqn.params.get("branches_platforms")
+      if platforms is not None:
+        cpu = next(i for i, ps in enumerate(platforms) if ps is None or "cpu" in ps)
+        walk(eqn.params["branches"][cpu].jaxpr)
+        continue
       for param in eqn.params.values():
         for sub in param if isinstance(param, (tuple, list)) else (param,):
           sub = getattr(sub, "jaxpr", sub)  # a ClosedJaxpr's Jaxpr
