@@ -8,6 +8,7 @@ import pytest
 from prism_jax.config import DataConfig
 from prism_jax.data import OldPackError, PackedData, make_loader, pack
 from prism_jax.data.packing import METADATA, SPLITS
+from prism_jax.data.tokenizers import make_tokenizer
 
 
 def random_text(rng, n_paragraphs, words=("alpha", "beta", "γάμμα", "日本", "x", "the")):
@@ -114,5 +115,16 @@ def test_format_1_pack_is_refused_with_how_to_repack(tmp_path):
     with pytest.raises(OldPackError) as e:
       call()
     assert "\n" not in str(e.value) and "format 1" in str(e.value)
-    assert f"re-pack it: remove {old}" in str(e.value)
+    assert f"re-pack it: remove everything in {old} but tokenizer.json" in str(e.value)
   assert sorted(p.name for p in old.iterdir()) == [METADATA, "train_tokens.npy"]
+  # As the message says: with only the run's tokenizer left, the same command packs the rows
+  # a fresh pack holds (load_for_inference reads that tokenizer, so it must stay).
+  for p in old.iterdir():
+    p.unlink()
+  make_tokenizer("byte", 258).save(str(old))
+  pack(cfg, 258, str(old))
+  fresh = PackedData(pack(cfg, 258, str(tmp_path / "fresh")))
+  for split in ("train", "val"):
+    for key in ("tokens", "example_id", "offset"):
+      np.testing.assert_array_equal(np.asarray(PackedData(str(old)).rows(split)[key]),
+                                    np.asarray(fresh.rows(split)[key]))

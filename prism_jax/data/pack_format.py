@@ -56,8 +56,8 @@ class OldPackError(ValueError):
 
 def old_format_message(path: str) -> str:
   return (f"{path} holds packed data of format 1 (whole .npy arrays), which this prism_jax "
-          f"does not read; re-pack it: remove {path} (or set data.packed_dir elsewhere) and "
-          "rerun the same command, which packs the same rows in format 2")
+          f"does not read; re-pack it: remove everything in {path} but tokenizer.json (the "
+          "run's tokenizer) and rerun the same command, which packs the same rows in format 2")
 
 
 def check_format(path: str, meta: dict) -> None:
