@@ -86,7 +86,7 @@ def test_help_lists_every_subcommand_and_an_unknown_one_is_one_line():
   listed = [line.split()[0] for line in res.stdout.split("commands:")[1].splitlines()
             if line.strip()]
   assert listed == ["train", "generate", "attribute", "report", "cards", "suppress",
-                    "evaluate", "model-card", "demo"]
+                    "evaluate", "model-card", "import-hf", "export-hf", "demo"]
   res = prism("evalute")
   assert_one_line_error(res.returncode, res.stderr, "'evalute'")
   res = prism()

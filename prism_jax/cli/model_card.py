@@ -125,7 +125,7 @@ def format_recipes(rows: Sequence[dict], mfu: float = ASSUMED_MFU) -> str:
 def main(argv: Sequence[str], presets: Sequence[str] | None = None,
          seq_len: int | None = None, mfu: float = ASSUMED_MFU) -> None:
   del argv
-  if presets is None and "config" in flags.FLAGS:  # run as `prism model-card`
+  if presets is None and flags.FLAGS.is_parsed() and "config" in flags.FLAGS:  # prism model-card
     presets, seq_len, mfu = flags.FLAGS.config, flags.FLAGS.seq_len, flags.FLAGS.mfu
   presets = list(presets or config.MODEL_PRESETS)
   unknown = [p for p in presets if p not in config.MODEL_PRESETS]
