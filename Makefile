@@ -41,15 +41,16 @@ demo: $(STAMP)
 # standing alone, data beside model), then the whole suite, the `tpu_aot` compiles for TPU
 # topologies (libtpu's compile-only devices) included, on two pytest-xdist workers (one per
 # core; a file stays on one worker, so its module fixtures are built once). The suite
-# compiles the same tiny programs in many tests and subprocesses: a persistent compilation
-# cache, fresh for each run (so a run's time is a clean clone's), returns the same
-# executables.
+# compiles the same tiny programs in many tests: a persistent compilation cache, fresh for
+# each run (so a run's time is a clean clone's), returns the same executables
+# (tests/conftest.py turns it on in the pytest processes only, not in the multi-process
+# runs they start: a process that finds its programs cached reaches the first collective
+# long before one that compiles, past gloo's 30 s rendezvous).
 test: $(STAMP) browser
 	$(VENV)/bin/lint-imports
 	@cache="$$(mktemp -d -t prism_jax_jit.XXXXXX)"; \
-	  JAX_COMPILATION_CACHE_DIR="$$cache" JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS=0 \
-	  JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES=0 \
-	  $(PY) -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS); rc=$$?; rm -rf "$$cache"; exit $$rc
+	  PRISM_JAX_TEST_JIT_CACHE="$$cache" $(PY) -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS); \
+	  rc=$$?; rm -rf "$$cache"; exit $$rc
 
 # The TPU compile checks alone.
 test-tpu-aot: $(STAMP)

@@ -11,6 +11,13 @@ import jax  # noqa: E402
 
 jax.config.update("jax_num_cpu_devices", 8)
 
+# `make test` gives the run a fresh persistent compilation cache (Makefile): on in the pytest
+# processes only; a cache hit returns the same executable, so no result changes.
+if os.environ.get("PRISM_JAX_TEST_JIT_CACHE"):
+  jax.config.update("jax_compilation_cache_dir", os.environ["PRISM_JAX_TEST_JIT_CACHE"])
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  jax.config.update("jax_persistent_cache_min_entry_size_bytes", 0)
+
 
 import pytest  # noqa: E402
 
