@@ -51,11 +51,25 @@ def _case_inputs(distance, mixture, masked):
 
 _DM = [("cosine", "raw"), ("cosine", "normalized"), ("sqeuclidean", "raw"),
        ("sqeuclidean", "normalized")]
-# implementation x distance x mixture x mesh in full; the mask (given or None) alternates
-# so that every implementation meets both with every (distance, mixture) and every mesh.
-CASES = [(impl, mesh, distance, mixture, (i + j + len(impl)) % 2 == 0)
-         for impl in kc.IMPLEMENTATIONS for i, mesh in enumerate(kc.MESHES)
-         for j, (distance, mixture) in enumerate(_DM)]
+# Every pair of factors, in 20 cases instead of the full 120 (interpret mode is slow): each
+# implementation runs every (distance, mixture), meets every mesh (the mesh rotates with the
+# implementation's index) and both masks; every (mesh, distance/mixture) pair occurs too.
+# test_cases_cover_every_pair checks it.
+_IMPLS, _MESHES = list(kc.IMPLEMENTATIONS), list(kc.MESHES)
+CASES = [(impl, _MESHES[(i + j) % len(_MESHES)], distance, mixture, (i + j) % 2 == 0)
+         for i, impl in enumerate(_IMPLS) for j, (distance, mixture) in enumerate(_DM)]
+
+
+def test_cases_cover_every_pair():
+  seen = {(a, b) for case in CASES for a in case for b in case}
+  for xs, ys in ((_IMPLS, _MESHES), (_IMPLS, _DM), (_MESHES, _DM), (_IMPLS, (True, False))):
+    for x in xs:
+      for y in ys:
+        pair = (x, y) if not isinstance(y, tuple) else None
+        if pair is None:  # a (distance, mixture) pair: both entries in one case with x
+          assert any(x in c and c[2:4] == y for c in CASES), (x, y)
+        else:
+          assert pair in seen, pair
 
 
 @pytest.mark.parametrize("impl,mesh,distance,mixture,masked", CASES)
