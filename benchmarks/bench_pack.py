@@ -32,6 +32,8 @@ from absl import app, flags
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
+from prism_jax.cli import provenance  # noqa: E402  (after the path: run as a file too)
+
 FLAGS = flags.FLAGS
 flags.DEFINE_float("text_gb", 0.25, "corpus size in GB of text (UTF-8 bytes)")
 flags.DEFINE_integer("processes", 1, "packing processes (jax.distributed on loopback)")
@@ -128,8 +130,7 @@ def pack_process(files) -> None:
 
 def main(argv):
   del argv
-  commit = subprocess.run(["git", "rev-parse", "HEAD"], cwd=REPO, capture_output=True,
-                          text=True).stdout.strip()  # at the start: the code that runs
+  prov = provenance.record("benchmarks.bench_pack")  # at the start: the code that runs
   files = make_corpus(FLAGS.corpus_dir, FLAGS.text_gb, FLAGS.file_mb, FLAGS.group_rows,
                       FLAGS.seed, FLAGS.processes * max(FLAGS.workers, 1))
   if FLAGS.pid >= 0:
@@ -159,7 +160,7 @@ def main(argv):
   hours = TARGET_TOKENS / (per_core * FLAGS.host_cores * V5E16_HOSTS) / 3600
   text_bytes = sum(os.path.getsize(f) for f in files)
   result = {
-      "argv": sys.argv, "git_commit": commit,
+      **prov,
       "text_gb": FLAGS.text_gb, "parquet_bytes": text_bytes, "tokens": tokens,
       "processes": FLAGS.processes, "workers": FLAGS.workers, "cores": cores, "wall_s": wall,
       "cpu_s": cpu, "tokens_per_s_per_core": per_core,
