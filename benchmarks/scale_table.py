@@ -3,7 +3,7 @@
 Compiler estimates, not measurements (no TPU runs): benchmarks/scale_lib.py says what each
 figure is and where it comes from.
 
-  nice -n 10 python -m benchmarks.scale_table --json=docs/results/scale_table.json
+  nice -n 10 python -m benchmarks.scale_table --results_json=docs/results/scale_table.json
   python -m experiments.reproduce      # renders it into docs/RESULTS.md "Scale table"
 
 Every compile result is cached in --cache, so an interrupted run resumes. Needs libtpu
@@ -28,7 +28,7 @@ from prism_jax.cli import provenance  # noqa: E402
 
 TARGETS = scale_lib.TARGETS
 flags.DEFINE_list("targets", list(scale_lib.DEFAULT_TARGETS), f"of {sorted(TARGETS)}")
-flags.DEFINE_list("presets", ["small", "medium", "large", "xl"], "model presets")
+flags.DEFINE_list("config", ["small", "medium", "large", "xl"], "model presets")
 flags.DEFINE_list("kinds", ["prism", "dense"], "prism and/or dense")
 flags.DEFINE_list("remat", ["off", "on"], "rematerialise blocks: off and/or on")
 flags.DEFINE_integer("seq_len", 1024, "sequence length (the GPT-2 presets' context)")
@@ -37,7 +37,7 @@ flags.DEFINE_integer("start_batch", 1, "per-chip batch the search starts at (a p
 flags.DEFINE_float("resolution", 0.25, "bisection stops when hi - lo <= max(1, this x lo)")
 flags.DEFINE_integer("max_compiles", 0, "stop after this many new compiles (0: no limit)")
 flags.DEFINE_string("cache", "runs/scale_table_cache.json", "every compile's result")
-flags.DEFINE_string("json", None, "write the table's rows here")
+flags.DEFINE_string("results_json", None, "write the table's rows here")
 
 FLAGS = flags.FLAGS
 
@@ -53,7 +53,7 @@ def main(argv: list[str]) -> None:
   cache = scale_lib.Cache(FLAGS.cache, prov["commit"])
   start = time.time()
   cpu0 = os.times()
-  rows = scale_lib.build(cache, FLAGS.targets, FLAGS.presets, FLAGS.kinds,
+  rows = scale_lib.build(cache, FLAGS.targets, FLAGS.config, FLAGS.kinds,
                          [r == "on" for r in FLAGS.remat], FLAGS.seq_len, FLAGS.start_batch,
                          FLAGS.max_batch, FLAGS.resolution, FLAGS.max_compiles)
   cpu1 = os.times()
@@ -67,10 +67,10 @@ def main(argv: list[str]) -> None:
           "cpu_s": round(cpu1.user + cpu1.system - cpu0.user - cpu0.system),
           "rows": rows, "ratios": scale_lib.ratios(rows)}
   print(scale_render.scale_table_markdown(data))
-  if FLAGS.json:
-    with open(FLAGS.json, "w") as f:
+  if FLAGS.results_json:
+    with open(FLAGS.results_json, "w") as f:
       json.dump(data, f, indent=1)
-    print(f"wrote {FLAGS.json} ({cache.new} new compiles, {data['cpu_s']} CPU s)")
+    print(f"wrote {FLAGS.results_json} ({cache.new} new compiles, {data['cpu_s']} CPU s)")
 
 
 if __name__ == "__main__":

@@ -1,7 +1,7 @@
 """CPU pod rehearsal: the path of a multi-host run, end to end, on this machine.
 
   python -m experiments.rehearsal [--config=small --steps=12 --proto_init_step=6
-      --batch=8 --seq_len=128 --json=docs/results/rehearsal.json]    (make rehearsal)
+      --batch=8 --seq_len=128 --results_json=docs/results/rehearsal.json]    (make rehearsal)
 
 The real model shape of --config (small: d 768, 12 layers, K 8192, k 16, GPT-2 BPE) and
 its recipe (`preset(config, steps)`: learning rate, warm-up, decay, weight decay, loss,
@@ -23,7 +23,7 @@ at the start and every 2%), checkpoints every --ckpt_every steps keeping
 
 and checks: the bank was set from data, losses finite and falling (the mean of the last
 third below the first third's), the resumed losses bit-for-bit the reference's, the cache
-equal to the one-process build. Prints a table; --json records it (argv, commit).
+equal to the one-process build. Prints a table; --results_json records it (argv, commit).
 """
 
 from __future__ import annotations
@@ -66,7 +66,7 @@ flags.DEFINE_string("prompt", "The for statement", "the report's prompt")
 flags.DEFINE_integer("max_new_tokens", 8, "tokens the report generates")
 flags.DEFINE_integer("timeout", 3600, "seconds per stage")
 flags.DEFINE_string("out", None, "local directory for logs (default: a temp dir)")
-flags.DEFINE_string("json", None, "write the stage times and checks here")
+flags.DEFINE_string("results_json", None, "write the stage times and checks here")
 FLAGS = flags.FLAGS
 
 
@@ -256,7 +256,7 @@ def rehearse(out: str, env: dict) -> dict:
     _run([sys.executable, "-m", "experiments.cache_multihost", f"--workdir={run}",
           f"--out={BUCKET_ROOT}/caches", f"--num_processes={n}",
           f"--local_devices={FLAGS.local_devices}", f"--stat_shards={max(8, n)}",
-          f"--timeout={FLAGS.timeout}", f"--json={cache_json}"],
+          f"--timeout={FLAGS.timeout}", f"--results_json={cache_json}"],
          env, os.path.join(out, "cache.log"), FLAGS.timeout)
     with open(cache_json) as f:
       cache = json.load(f)
@@ -301,11 +301,11 @@ def main(argv):
   for k in PASS_KEYS + ("resumed_from", "sigterm_after_step", "preemption_saved_steps",
                         "preempted_exit_codes", "cache_tokens", "report_bytes"):
     print(f"| {k} | {checks.get(k)} |")
-  if FLAGS.json:
+  if FLAGS.results_json:
     data = dict(result, **provenance.record("experiments.rehearsal"), config=FLAGS.config,
                 overrides=overrides(), num_processes=FLAGS.num_processes,
                 local_devices=FLAGS.local_devices)
-    with open(FLAGS.json, "w") as f:
+    with open(FLAGS.results_json, "w") as f:
       json.dump(data, f, indent=1)
   failed = [k for k in PASS_KEYS if not checks.get(k)]
   if failed:
