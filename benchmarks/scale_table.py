@@ -8,7 +8,7 @@ figure is and where it comes from.
 
 Every compile result is cached in --cache, so an interrupted run resumes. Needs libtpu
 (`pip install -e ".[tpu-aot]"`). A full table (4 presets x 2 kinds x 2 remat x 2 targets)
-is a few hundred compiles: --presets/--targets/--remat/--resolution/--max_compiles cut it.
+is a few hundred compiles: --config/--targets/--remat/--resolution/--max_compiles cut it.
 """
 
 from __future__ import annotations
