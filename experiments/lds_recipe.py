@@ -21,7 +21,7 @@ RECIPE = {
     "model.mixture": "normalized", "model.distance": "cosine", "model.mixture_scale": "none",
     "model.residual_dropout": 0.0, "model.proto_init": "data", "model.implementation": None,
     "model.bias": True, "model.dropout": 0.0, "model.dtype": "float32", "model.remat": False,
-    "model.init_std": 0.02,
+    "model.init_std": 0.02, "model.vocab_used": 0,
     "loss.lambda_rec": 0.05, "loss.lambda_r1": 0.1, "loss.lambda_r2": 1.0,
     "loss.rec_kind": "relative", "loss.rec_ramp_steps": 0, "loss.lambda_proto": 0.0,
     "loss.lambda_rlogit": 0.0, "loss.lambda_proto_kl": 1.0,
@@ -32,6 +32,7 @@ RECIPE = {
     "train.steps": 150, "train.batch_size": 16, "train.lr": 3e-3, "train.warmup_steps": 15,
     "train.min_lr_ratio": 0.1, "train.weight_decay": 0.1, "train.b1": 0.9, "train.b2": 0.95,
     "train.grad_clip": 1.0, "train.seed": 0, "train.proto_init_step": 30,
+    "train.init_from": "", "train.trainable": "all",
 }
 # What a retrain does not read (evaluation, checkpoints, logging, the data cache's path,
 # the mesh: a retrain runs on one device).

@@ -2,7 +2,7 @@
 
   python -m experiments.suppress_heldout --workdir=RUN --behaviour=planted \
       [--nums=16,32,48,64] [--refills=false,true] [--random_sets=8] \
-      [--json=docs/results/suppression_heldout.json]
+      [--results_json=docs/results/suppression_heldout.json]
 
 The protocol (prism_jax/control/heldout.py):
   1. Selection texts: planted: topic documents written apart from the training corpus (own
@@ -48,7 +48,7 @@ flags.DEFINE_integer("random_sets", 8, "random prototype sets of the chosen size
 flags.DEFINE_float("ban_common", 0.1, "the token ban skips tokens in more than this share "
                    "of the without-texts (fixed, not chosen on validation)")
 flags.DEFINE_integer("seed", 0, "protocol texts, prompts, samples, random sets")
-flags.DEFINE_string("json", None, "write the results here (default: "
+flags.DEFINE_string("results_json", None, "write the results here (default: "
                     "<workdir>/suppression_heldout_<behaviour>.json)")
 flags.mark_flag_as_required("workdir")
 FLAGS = flags.FLAGS
@@ -167,7 +167,7 @@ def main(argv):
                                  if randoms and "rate_fall" in supp else None,
   }
   _print(result)
-  out = FLAGS.json or os.path.join(FLAGS.workdir, f"suppression_heldout_{split.behaviour}.json")
+  out = FLAGS.results_json or os.path.join(FLAGS.workdir, f"suppression_heldout_{split.behaviour}.json")
   with open(out, "w") as f:
     json.dump(result, f, indent=1)
   print(f"wrote {out}")

@@ -157,5 +157,12 @@ def format_line(metrics: dict[str, float]) -> str:
           f"{m['centred_proto_share']:.3f}, top-1 full/proto/resid {m['acc_full']:.3f}/"
           f"{m['acc_proto']:.3f}/{m['acc_resid']:.3f}, decisive tokens "
           f"{100 * m['decisive_share']:.1f}% (agreement there "
-          f"{100 * m['agreement_decisive']:.1f}%)")
+          f"{_percent(m['agreement_decisive'])})")
+
+
+def _percent(x) -> str:
+  """x as a percentage; "n/a" for no decisive token (nan, stored as "nan" in metrics.jsonl
+  and read back by a reused run)."""
+  v = float(x)
+  return "n/a" if v != v else f"{100 * v:.1f}%"
 

@@ -31,7 +31,7 @@ def test_every_results_file_records_argv_and_commit_and_its_flags_parse():
 
 
 def test_check_refuses_an_unknown_flag_a_missing_argv_and_a_wrong_argv(tmp_path):
-  good = ["--workdir=/tmp/run", "--top_m=8", "--json=x.json"]
+  good = ["--workdir=/tmp/run", "--top_m=8", "--results_json=x.json"]
   cases = {"unknown": (good + ["--bogus=1"], True), "no_argv": (good, None),
            "other_argv": (good, ["--workdir=/tmp/other"])}
   paths = {}

@@ -1,6 +1,6 @@
 """The README's Python snippets run, in order, in one namespace (later snippets use what
 earlier ones built), on a tiny trained run standing in for the README's `runs/x`. A snippet
-whose first line is `# not run: <reason>` is skipped (none is today)."""
+whose first line is `# not run: <reason>` is skipped (the Hugging Face one: it needs a GPT-2 directory)."""
 
 import os
 import re

@@ -76,7 +76,8 @@ def test_full_retrofit_trains_the_backbone(dense_run):
 ])
 def test_mismatched_source_is_refused(dense_run, bad, match):
   root, sets = dense_run
-  cfg = apply_overrides(preset("tiny"), sets + bad + [f"train.init_from={root / 'dense'}"])
+  cfg = apply_overrides(preset("tiny"), sets + bad + [f"train.init_from={root / 'dense'}",
+                                                     "train.proto_init_step=0"])
   with pytest.raises(ValueError, match=match):
     train(cfg, str(root / f"bad_{match}"))
   ckpts = root / f"bad_{match}" / "checkpoints"

@@ -47,7 +47,7 @@ def test_small_step_lowered_for_tpu_has_no_cpu_path():
   of a CPU-only path (97 barriers when they were chosen by the default backend), and its
   prototype layer is the Mosaic kernel. The same step lowered for CPU (the tiny shape)
   holds them, so the check can fail."""
-  from experiments import compile_check  # pylint: disable=import-outside-toplevel
+  from benchmarks import compile_check  # pylint: disable=import-outside-toplevel
   lowered, cfg, _, _ = compile_check.lower_train_step("small", "v5e:2x2", (1, -1, 1),
                                                       seq_len=128)
   assert cfg.model.implementation is None

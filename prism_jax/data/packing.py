@@ -100,7 +100,7 @@ def check_existing(out_dir: str, config: dict, source_hash: str) -> str | None:
   if paths.path(plan_path).is_file():
     _check_same("an unfinished pack", out_dir, fmt.read_json(plan_path), config, source_hash)
     return "partial"
-  if {p.name for p in paths.path(out_dir).iterdir()} <= {tok_lib.TOKENIZER_FILE}:
+  if {p.name for p in paths.path(out_dir).iterdir()} == {tok_lib.TOKENIZER_FILE}:
     return None  # a tokenizer given before the pack (an imported checkpoint's, or a run's
     # own after its format-1 arrays were removed): the pack uses it
   raise ValueError(f"{out_dir} exists but is not a finished packed dataset (no {METADATA}); "
