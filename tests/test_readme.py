@@ -24,14 +24,15 @@ def test_readme_python_snippets_run(tmp_path_factory, monkeypatch, capsys):
   run = shutil.copytree(tiny_run.tiny_run(tmp_path_factory)["run"], str(here / "run"))
   monkeypatch.chdir(here)  # anything relative lands here
   namespace = {"__name__": "readme"}
-  ran = 0
+  ran, skipped = 0, 0
   for i, block in enumerate(blocks):
     if block.startswith("# not run:"):
+      skipped += 1
       continue
     code = compile(block.replace('"runs/x', f'"{run}'), f"README.md python block {i}", "exec")
     exec(code, namespace)  # pylint: disable=exec-used
     ran += 1
-  assert ran == len(blocks)
+  assert ran == len(blocks) - skipped and skipped <= 1  # only the Hugging Face one
   # what the snippets claim: the logit splits exactly, attribution and cards ran
   parts = namespace["parts"]
   import numpy as np  # pylint: disable=g-import-not-at-top
