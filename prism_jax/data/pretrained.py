@@ -44,7 +44,8 @@ def gpt2_dir() -> str:
                                                           "gpt2")
 
 
-def _sha256(path: str) -> str:
+def sha256_file(path: str) -> str:
+  """The file's sha256, read in 1 MiB chunks."""
   h = hashlib.sha256()
   with open(path, "rb") as f:
     while chunk := f.read(1 << 20):
@@ -95,7 +96,7 @@ def gpt2_files(check_hashes: bool = True) -> dict[str, str]:
                             f"{GPT2_INSTALL_HINT}; or {HF_HINT}")
   if check_hashes:
     for name, path in paths.items():
-      digest = _sha256(path)
+      digest = sha256_file(path)
       if digest != GPT2_FILES[name]:
         raise ValueError(f"{path}: sha256 {digest} is not GPT-2's {name} "
                          f"({GPT2_FILES[name]}); re-fetch it: {GPT2_INSTALL_HINT}")

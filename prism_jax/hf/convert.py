@@ -13,7 +13,6 @@ untouched; the target must be new or empty.
 from __future__ import annotations
 
 import dataclasses
-import hashlib
 import json
 import os
 from typing import Any
@@ -24,6 +23,7 @@ from flax import nnx
 
 from prism_jax import paths
 from prism_jax.config import Config, DataConfig, ModelConfig
+from prism_jax.data import pretrained
 from prism_jax.hf import gpt2_config, gpt2_weights, hf_dir
 from prism_jax.hf.gpt2_config import HFFormatError
 from prism_jax.model.lm import build_model
@@ -101,18 +101,10 @@ def import_hf(hf_dir_path: str, workdir: str, kind: str = "dense", **head: Any) 
   cfg = Config(model=mcfg, data=data)
   weights = os.path.join(hf_dir_path, hf_dir.WEIGHTS_FILE)
   note = {"hf_dir": os.path.abspath(hf_dir_path), "kind": kind,
-          "model.safetensors sha256": _sha256(weights),
+          "model.safetensors sha256": pretrained.sha256_file(weights),
           "bank": "random, not yet set (train with train.init_from)" if kind == "prism" else None}
   write_run(workdir, cfg, model_params(mcfg, backbone), tok, note)
   return cfg
-
-
-def _sha256(path: str) -> str:
-  h = hashlib.sha256()
-  with open(path, "rb") as f:
-    while chunk := f.read(1 << 20):
-      h.update(chunk)
-  return h.hexdigest()
 
 
 README = """# {name}
