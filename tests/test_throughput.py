@@ -353,7 +353,7 @@ def test_bench_train_times_byte_with_and_without_the_aux_head():
 ])
 def test_trace_and_drift_refuse_bad_flags(module, args, message):
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  res = subprocess.run([sys.executable, "-m", f"experiments.{module}"] + args, cwd=repo,
+  res = subprocess.run([sys.executable, "-m", f"benchmarks.{module}"] + args, cwd=repo,
                        capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"),
                        check=False)
   assert res.returncode == 2
