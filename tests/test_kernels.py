@@ -319,6 +319,23 @@ def test_gather_mix_on_bf16_rows_equals_widened_rows(sequential):
   np.testing.assert_allclose(np.asarray(out_new), want, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("gather", ["all", "rows", "loop"])
+def test_sparse_mixture_forms_equal_float64(gather):
+  """The one sparse reconstruction: each memory form computes sum_j w_j rows[idx_j]."""
+  rng = np.random.default_rng()
+  n, d, num_rows, k = 33, 20, 50, 6
+  w, rows = rng.random((n, k)), rng.standard_normal((num_rows, d))
+  idx = rng.integers(0, num_rows, (n, k))
+  want = np.einsum("nk,nkd->nd", w, rows[idx])
+  with jax.enable_x64(True):
+    got = reference.sparse_mixture(jnp.asarray(w), jnp.asarray(idx, jnp.int32),
+                                   jnp.asarray(rows), gather=gather)
+    assert got.dtype == jnp.float64
+  np.testing.assert_allclose(np.asarray(got), want, rtol=1e-12, atol=1e-12)
+  with pytest.raises(ValueError, match="gather="):
+    reference.sparse_mixture(jnp.asarray(w), jnp.asarray(idx), jnp.asarray(rows), gather="x")
+
+
 @pytest.mark.parametrize("opts", [TPU_INTERP, GPU_INTERP], ids=["tpu", "gpu"])
 def test_edge_cases_match_reference(opts):
   """k = K (every prototype active), a zero token and a zero prototype (the norm guard),

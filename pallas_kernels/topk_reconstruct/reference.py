@@ -112,10 +112,32 @@ def topk_mixture(cos_NxK: jax.Array, protos_KxD: jax.Array, k: int, mixture: str
   return Mixture(sim_Nxk, idx_Nxk, act_Nxk, sparse_mixture(act_Nxk, idx_Nxk, protos_KxD))
 
 
-def sparse_mixture(w_Nxk: jax.Array, idx_Nxk: jax.Array, rows_KxD: jax.Array) -> jax.Array:
+def sparse_mixture(w_Nxk: jax.Array, idx_Nxk: jax.Array, rows_KxD: jax.Array, *,
+                   gather: str = "all") -> jax.Array:
   """sum_j w_j rows[idx_j], (N, D): the one sparse reconstruction (z_hat, a refill's
-  z_hat', a sparse code's direction in the logit edits)."""
-  return reconstruct(w_Nxk, rows_KxD[idx_Nxk])
+  z_hat', a sparse code's direction in the logit edits, the kernel path's z_hat and dz).
+
+  `gather` says how, not what:
+    "all"   the N x k x D rows gathered, then one contraction (`reconstruct`): the oracle;
+    "rows"  k row gathers summed, never an N x k x D operand (6.3 GiB at the XL shape);
+            XLA:GPU fuses them into one elementwise sum;
+    "loop"  a loop over j holding one N x D gather at a time (TPU's XLA does not fuse
+            gathers).
+  "rows" and "loop" gather in rows' own dtype and widen after the gather (exact), so bf16
+  moves half the bytes, and sum in the weights' dtype (float32 in the kernel path)."""
+  if gather == "all":
+    return reconstruct(w_Nxk, rows_KxD[idx_Nxk])
+  term = lambda j: w_Nxk[:, j, None] * rows_KxD[idx_Nxk[:, j]]
+  if gather == "loop":
+    zero = jnp.zeros((w_Nxk.shape[0], rows_KxD.shape[1]),
+                     jnp.promote_types(w_Nxk.dtype, rows_KxD.dtype))
+    return jax.lax.fori_loop(0, idx_Nxk.shape[1], lambda j, acc: acc + term(j), zero)
+  if gather != "rows":
+    raise ValueError(f"gather={gather!r}: expected 'all', 'rows' or 'loop'")
+  out = term(0)
+  for j in range(1, idx_Nxk.shape[1]):
+    out = out + term(j)
+  return out
 
 
 def reconstruct(w_Nxk: jax.Array, rows_NxkxD: jax.Array) -> jax.Array:

@@ -41,7 +41,8 @@ def _forward_stats(z_NxD, p_KxD, valid_N, k: int, opts):
 
 
 def sequential(opts) -> bool | None:
-  """Row gathers one at a time in a loop: TPU's XLA does not fuse gathers (see _mix).
+  """Row gathers one at a time in a loop: TPU's XLA does not fuse gathers (see
+  reference.sparse_mixture).
   None (the XLA path): chosen for the platform being compiled (`_per_platform`)."""
   return {"tpu": True, "gpu": False}.get(opts.backend)
 
@@ -60,19 +61,10 @@ def _mix(w_Nxk, idx_Nxk, p_KxD, sequential: bool | None):
 
 
 def _mix_rows(sequential: bool, w_Nxk, idx_Nxk, p_KxD):
-  """sum_j w_j p[idx_j] in float32. Never an N x k x D operand (6.3 GiB at the XL shape):
-  unrolled row gathers that XLA:GPU fuses into one elementwise sum, or (TPU, whose XLA does
-  not fuse gathers) a loop over j holding one N x D gather at a time. Rows are gathered in
-  p's own dtype and widened after the gather (exact), so bf16 moves half the bytes; the
-  same holds for `_scatter_mix` and `_dot_rows`."""
-  if sequential:
-    body = lambda j, acc: acc + w_Nxk[:, j, None] * p_KxD[idx_Nxk[:, j]]
-    return jax.lax.fori_loop(0, idx_Nxk.shape[1], body,
-                             jnp.zeros((w_Nxk.shape[0], p_KxD.shape[1]), jnp.float32))
-  out = w_Nxk[:, 0, None] * p_KxD[idx_Nxk[:, 0]]
-  for j in range(1, idx_Nxk.shape[1]):
-    out = out + w_Nxk[:, j, None] * p_KxD[idx_Nxk[:, j]]
-  return out
+  """reference.sparse_mixture without an N x k x D operand: the loop form on TPU, the
+  unrolled row gathers elsewhere (p gathered in its own dtype; the same holds for
+  `_scatter_mix` and `_dot_rows`)."""
+  return reference.sparse_mixture(w_Nxk, idx_Nxk, p_KxD, gather="loop" if sequential else "rows")
 
 
 def _scatter_mix(terms, idx_Nxk, num_rows: int, sequential: bool | None):

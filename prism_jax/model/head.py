@@ -20,9 +20,9 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.topk_reconstruct.reference import reconstruct
 from prism_jax.config import ModelConfig
-from prism_jax.model.prototypes import PrototypeOutput, prototype_layer, route_residual
+from prism_jax.model.prototypes import (PrototypeOutput, prototype_layer, route_residual,
+                                        sparse_mixture)
 from prism_jax.model.tap import Tap, linear
 from prism_jax.model.transformer import tied_logits
 
@@ -65,7 +65,7 @@ def prism_head(z_BxTxD: jax.Array, protos_KxD: jax.Array, wte_VxD: jax.Array,
     protos = _scale_mixture(protos, mixture_scale(cfg, mix_log_scale), cfg.residual_routing)
   if fixed_weights:  # ẑ = Σ_j sg(a_j) p_idx_j: the same value, P enters through the rows
     act_Nxk = jax.lax.stop_gradient(protos.act_Nxk)
-    z_hat_NxD = reconstruct(act_Nxk, protos_KxD[protos.idx_Nxk].astype(act_Nxk.dtype))
+    z_hat_NxD = sparse_mixture(act_Nxk, protos.idx_Nxk, protos_KxD.astype(act_Nxk.dtype))
     protos = protos._replace(act_Nxk=act_Nxk, z_hat_NxD=z_hat_NxD, residual_NxD=route_residual(
         z_NxD.astype(z_hat_NxD.dtype), z_hat_NxD, cfg.residual_routing))
   residual_NxD, z_hat_NxD = protos.residual_NxD, protos.z_hat_NxD
