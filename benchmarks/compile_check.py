@@ -102,11 +102,13 @@ def topology_devices(name: str):
 
 def lower_train_step(preset_name: str, topology: str, mesh_sizes=(1, -1, 1),
                      per_device_batch: int = 1, seq_len: int = 0, dtype: str = "bfloat16",
-                     remat: bool = False, kind: str = "prism", implementation: str | None = None):
+                     remat: bool = False, kind: str = "prism", implementation: str | None = None,
+                     n_layers: int = 0):
   """The train step of a preset lowered for `topology`: (lowered, cfg, state, devices).
 
   `implementation` None is the model's default, resolved for the platform being compiled
-  (the Mosaic kernel on TPU), as a TPU run gets it: no CPU path is lowered."""
+  (the Mosaic kernel on TPU), as a TPU run gets it: no CPU path is lowered. `n_layers` > 0
+  keeps the preset's widths with fewer blocks (a cheaper compile of the same layers)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from prism_jax import sharding  # pylint: disable=import-outside-toplevel
@@ -119,7 +121,8 @@ def lower_train_step(preset_name: str, topology: str, mesh_sizes=(1, -1, 1),
   cfg = preset(preset_name)
   seq = seq_len or cfg.model.max_len
   model = dataclasses.replace(cfg.model, dtype=dtype, remat=remat, kind=kind,
-                              implementation=implementation)
+                              implementation=implementation,
+                              n_layers=n_layers or cfg.model.n_layers)
   mesh_cfg = MeshConfig(*mesh_sizes)
   batch = per_device_batch * len(devices)
   cfg = dataclasses.replace(cfg, model=model, mesh=mesh_cfg,
@@ -143,7 +146,7 @@ def lower_train_step(preset_name: str, topology: str, mesh_sizes=(1, -1, 1),
 def compile_train_step(preset_name: str, topology: str, mesh_sizes=(1, -1, 1),
                        per_device_batch: int = 1, seq_len: int = 0, dtype: str = "bfloat16",
                        remat: bool = False, kind: str = "prism",
-                       implementation: str | None = None) -> Report:
+                       implementation: str | None = None, n_layers: int = 0) -> Report:
   """AOT-compiles the train step of a preset for `topology`; returns its Report."""
   import jax  # pylint: disable=import-outside-toplevel
   from pallas_kernels.topk_reconstruct import api  # pylint: disable=import-outside-toplevel
@@ -153,7 +156,7 @@ def compile_train_step(preset_name: str, topology: str, mesh_sizes=(1, -1, 1),
   start = time.perf_counter()
   lowered, cfg, state, devices = lower_train_step(
       preset_name, topology, mesh_sizes, per_device_batch, seq_len, dtype, remat, kind,
-      implementation)
+      implementation, n_layers)
   mesh_cfg, batch, seq = MeshConfig(*mesh_sizes), cfg.train.batch_size, cfg.data.seq_len
   implementation = api.resolve_implementation(implementation, "tpu")
   with jax.set_mesh(sharding.make_mesh(mesh_cfg, devices)):

@@ -81,6 +81,30 @@ def _read_all(path):
   return arrays, meta
 
 
+def _differences(one, meta_one, multi, meta_multi) -> list[str]:
+  """What differs between the two caches, one line each: an array's name, shape and its
+  first differing flat index, or a metadata key (empty: equal bit for bit)."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  out = [f"array {n} only in the {'1' if n in one else 'multi'}-process cache"
+         for n in sorted(set(one) ^ set(multi))]
+  for n in sorted(set(one) & set(multi)):
+    a, b = one[n], multi[n]
+    if a.shape != b.shape:
+      out.append(f"array {n}: shape {a.shape} vs {b.shape}")
+    elif a.tobytes() != b.tobytes():
+      flat_a, flat_b = a.reshape(-1), b.reshape(-1)
+      bad = np.flatnonzero(flat_a != flat_b)
+      if a.dtype.kind == "f":  # NaN at the same place is no difference of value
+        bad = bad[~(np.isnan(flat_a[bad]) & np.isnan(flat_b[bad]))]
+      where = f"{bad.size} of {a.size} entries, first at flat index {bad[0]}" if bad.size \
+          else "same values, other bits (e.g. -0.0 or NaN payloads)"
+      out.append(f"array {n} {a.dtype}{list(a.shape)}: {where}")
+  for key in sorted(set(meta_one) | set(meta_multi)):
+    if meta_one.get(key) != meta_multi.get(key):
+      out.append(f"metadata {key!r}: {meta_one.get(key)!r} vs {meta_multi.get(key)!r}"[:300])
+  return out
+
+
 def main(argv):
   del argv
   from prism_jax import paths  # pylint: disable=g-import-not-at-top
@@ -94,8 +118,8 @@ def main(argv):
     rows.append({"processes": count, "wall_s": wall})
   (one, meta_one), (multi, meta_multi) = (_read_all(paths.join(FLAGS.out, n))
                                           for n in ("one", "multi"))
-  equal = meta_one == meta_multi and sorted(one) == sorted(multi) and all(
-      one[n].tobytes() == multi[n].tobytes() and one[n].shape == multi[n].shape for n in one)
+  differing = _differences(one, meta_one, multi, meta_multi)
+  equal = not differing
   tokens = int(meta_one["sizes"]["num_tokens"])
   print(f"\n{tokens} tokens; devices per process {FLAGS.local_devices}\n")
   print("| processes | build wall s (incl. start-up) | tokens/s per process | cache equal to "
@@ -113,10 +137,12 @@ def main(argv):
            "note": f"{tokens} tokens, {FLAGS.local_devices} CPU devices per process"}
     with open(FLAGS.results_json, "w") as f:
       json.dump({"rows": [row], **rec, "num_tokens": tokens,
-                 "equal_bit_for_bit": bool(equal), "builds": rows, "arrays": sorted(one)},
+                 "equal_bit_for_bit": bool(equal), "builds": rows, "arrays": sorted(one),
+                 "differing": differing},
                 f, indent=1)
   if not equal:
-    raise SystemExit("error: the multi-process cache differs from the 1-process cache")
+    raise SystemExit("error: the multi-process cache differs from the 1-process cache: "
+                     + "; ".join(differing))
 
 
 if __name__ == "__main__":

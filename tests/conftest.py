@@ -6,6 +6,12 @@ The device count must be set before any JAX backend starts, hence at import time
 import os
 
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
+# The suite compiles hundreds of small programs, each run a few times: LLVM's optimisation
+# of XLA:CPU's generated loops costs more than it saves at these sizes (test_ekfac.py: 107
+# -> 65 CPU-s). It may change rounding (FMA contraction), so every process of a test uses
+# it: the multi-process tests' workers inherit this environment.
+os.environ["XLA_FLAGS"] = " ".join(
+    [os.environ.get("XLA_FLAGS", ""), "--xla_backend_optimization_level=0"]).strip()
 
 import jax  # noqa: E402
 

@@ -122,7 +122,6 @@ def test_two_process_build_equals_one_process_and_resumes_after_a_kill(reference
   out = "gs://bucket/mh/cache2"
   env = dict(os.environ, JAX_PLATFORMS="cpu", **gcs,
              PYTHONPATH=os.pathsep.join([REPO, os.path.dirname(__file__)]))
-  env.pop("XLA_FLAGS", None)
   # Run 1: process 1 kills itself after its first pass-2 write; process 0 is then stuck
   # at the end-of-pass barrier (or still writing) and is killed too: the job died.
   procs, logs = _launch(tmp_path, env, free_port(), workdir, out, True, "killed")

@@ -197,7 +197,6 @@ def test_two_processes_on_gcs_equal_one_and_resume_after_a_kill(reference, gcs, 
   out = "gs://bucket/pack2"
   env = dict(os.environ, JAX_PLATFORMS="cpu", **gcs,
              PYTHONPATH=os.pathsep.join([REPO, os.path.dirname(__file__)]))
-  env.pop("XLA_FLAGS", None)
   procs, logs = _launch(tmp_path, env, corpus, out, True, "killed")
   tails = lambda: "\n---\n".join(l.read_text()[-3000:] for l in logs)
   try:

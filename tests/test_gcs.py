@@ -47,7 +47,6 @@ def test_train_into_bucket_sigkill_then_resume_matches_uninterrupted(gcs, tmp_pa
   data = "gs://bucket/corpus/corpus.txt"
   epath.Path(data).write_bytes(open(local, "rb").read())
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, **gcs)
-  env.pop("XLA_FLAGS", None)
   script = tmp_path / "killme.py"
   script.write_text(KILL_SCRIPT.format(park=N + 2))
   ref_dir = str(tmp_path / "ref")

@@ -120,7 +120,6 @@ def _free_port() -> int:
 
 def test_two_processes_train_like_one(tmp_path):
   port, env = _free_port(), dict(os.environ, JAX_PLATFORMS="cpu")
-  env.pop("XLA_FLAGS", None)
   logs = [open(tmp_path / f"log_{pid}.txt", "w") for pid in range(NUM_PROCESSES)]
   procs = [subprocess.Popen([sys.executable, __file__, "worker", str(pid), str(port),
                              str(tmp_path)], env=env, stdout=logs[pid],

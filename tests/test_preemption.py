@@ -45,7 +45,6 @@ def _free_port() -> int:
 
 def _env():
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, JAX_NUM_CPU_DEVICES="2")
-  env.pop("XLA_FLAGS", None)
   return env
 
 

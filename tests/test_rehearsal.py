@@ -26,7 +26,6 @@ STEPS, INIT, SIGTERM_AT = 12, 2, 3
 def test_tiny_rehearsal_passes_its_checks(tmp_path):
   out, result = tmp_path / "logs", tmp_path / "rehearsal.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
-  env.pop("XLA_FLAGS", None)
   cmd = [sys.executable, "-m", "experiments.rehearsal", "--config=tiny", f"--steps={STEPS}",
          f"--proto_init_step={INIT}", f"--sigterm_step={SIGTERM_AT}", "--batch=8",
          "--seq_len=32", "--ckpt_every=2", "--eval_batches=1", "--local_devices=2",

@@ -57,11 +57,10 @@ def main(argv):
   from prism_jax.data import prepare_data  # pylint: disable=g-import-not-at-top
   from prism_jax.train import load_for_inference  # pylint: disable=g-import-not-at-top
 
-  # every process holds the whole model on its own devices (the build splits the data)
-  mesh = None
-  if jax.process_count() > 1:
-    from prism_jax import sharding  # pylint: disable=g-import-not-at-top
-    mesh = sharding.make_mesh(devices=jax.local_devices())
+  # Every process holds the whole model on its own devices (the build splits the data),
+  # one process too: the same per-process program, so P processes build the same bits.
+  from prism_jax import sharding  # pylint: disable=g-import-not-at-top
+  mesh = sharding.make_mesh(devices=jax.local_devices())
   model, cfg, tokenizer = load_for_inference(FLAGS.workdir, mesh=mesh,
                                              needs_prototypes="attribution")
   packed = prepare_data(cfg.data, cfg.model.vocab_size, FLAGS.workdir)
