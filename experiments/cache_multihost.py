@@ -44,7 +44,8 @@ def _attribute_cmd(cache_dir, extra):
 def _build(cache_dir, count, log_dir):
   """Wall seconds of a build by `count` processes (each its own log)."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(FLAGS.local_devices))
-  env.pop("XLA_FLAGS", None)
+  for var in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR"):  # as experiments/rehearsal.py
+    env.pop(var, None)
   if count == 1:
     cmds = [_attribute_cmd(cache_dir, ["--distributed=off"])]
   else:

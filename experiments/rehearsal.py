@@ -96,7 +96,8 @@ def _env(extra: dict) -> dict:
   the run failed (load average 35); without it both compile, as in the reference."""
   env = dict(os.environ, JAX_PLATFORMS="cpu", JAX_NUM_CPU_DEVICES=str(FLAGS.local_devices),
              PYTHONPATH=REPO + os.pathsep + os.environ.get("PYTHONPATH", ""), **extra)
-  env.pop("XLA_FLAGS", None)
+  for var in ("XLA_FLAGS", "JAX_COMPILATION_CACHE_DIR"):
+    env.pop(var, None)
   return env
 
 

@@ -31,6 +31,7 @@ from prism_jax.data import PackedData, prepare_data  # noqa: E402
 from prism_jax.model.lm import build_model  # noqa: E402
 import test_attribution as ta  # noqa: E402  (tests/ is on sys.path, also in workers)
 from gcs_emulator import free_port  # noqa: E402
+from multiprocess_env import multiprocess_env  # noqa: E402
 
 NUM_PROCESSES, LOCAL_DEVICES, TIMEOUT_S = 2, 4, 240
 PACKED = "gs://bucket/mh/data"
@@ -120,7 +121,7 @@ def test_two_process_build_equals_one_process_and_resumes_after_a_kill(reference
                                                                       tmp_path):
   workdir, cfg, packed, model, one, _ = reference
   out = "gs://bucket/mh/cache2"
-  env = dict(os.environ, JAX_PLATFORMS="cpu", **gcs,
+  env = multiprocess_env(JAX_PLATFORMS="cpu", **gcs,
              PYTHONPATH=os.pathsep.join([REPO, os.path.dirname(__file__)]))
   # Run 1: process 1 kills itself after its first pass-2 write; process 0 is then stuck
   # at the end-of-pass barrier (or still writing) and is killed too: the job died.

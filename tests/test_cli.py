@@ -10,6 +10,8 @@ import os
 import subprocess
 import sys
 
+import pytest
+
 from prism_jax.cli import main as prism_main
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -110,21 +112,17 @@ def test_every_subcommand_reports_a_bad_flag_and_a_missing_input_in_one_line(tmp
   assert not os.path.exists(tmp_path / "run")  # bad flags stop before anything is written
 
 
-def test_config_mismatch_is_one_line_and_debug_shows_the_traceback(tmp_path):
-  text = tmp_path / "t.txt"
-  text.write_text("the quick brown fox jumps over the lazy dog\n\n" * 300)
-  base = [f"--workdir={tmp_path}/run", f"--data={text}"] + TINY
-  first = prism("train", *base)
-  assert first.returncode == 0, first.stderr[-3000:]
-  again = prism("train", *base, "--set=model.k=3")
-  assert_one_line_error(again.returncode, again.stderr, "model.k: checkpoint 2, requested 3")
-  debug = prism("train", *base, "--set=model.k=3", "--debug")
-  assert debug.returncode != 0 and "Traceback" in debug.stderr
+@pytest.fixture(scope="module")
+def demo(tmp_path_factory):
+  """One `prism demo` run (trains the tiny shape on the embedded corpus, then samples),
+  shared by the demo and the config-mismatch tests: (its argv, the finished process)."""
+  base = [f"--workdir={tmp_path_factory.mktemp('cli')}/demo", "--max_new_tokens=4",
+          "--prompt=The"] + TINY
+  return base, prism("demo", *base)
 
 
-def test_demo_samples_by_default_greedy_on_request_and_a_mismatch_is_one_line(tmp_path):
-  base = [f"--workdir={tmp_path}/demo", "--max_new_tokens=4", "--prompt=The"] + TINY
-  first = prism("demo", *base)
+def test_demo_samples_by_default_greedy_on_request_and_a_mismatch_is_one_line(demo):
+  base, first = demo
   assert first.returncode == 0, first.stderr[-3000:]
   assert "sample (temperature 0.8, top-k 40, seed 0)" in first.stdout, first.stdout
   assert "distinct tokens: " in first.stdout
@@ -134,6 +132,16 @@ def test_demo_samples_by_default_greedy_on_request_and_a_mismatch_is_one_line(tm
   assert_one_line_error(mismatch.returncode, mismatch.stderr,
                         "model.k: checkpoint 2, requested 3")
   assert "to retrain the demo from scratch" in mismatch.stderr
+
+
+def test_config_mismatch_is_one_line_and_debug_shows_the_traceback(demo):
+  """`prism train` on the demo's run (the same embedded corpus, no --data) with another k."""
+  base, first = demo
+  assert first.returncode == 0, first.stderr[-3000:]
+  again = prism("train", base[0], *TINY, "--set=model.k=3")
+  assert_one_line_error(again.returncode, again.stderr, "model.k: checkpoint 2, requested 3")
+  debug = prism("train", base[0], *TINY, "--set=model.k=3", "--debug")
+  assert debug.returncode != 0 and "Traceback" in debug.stderr
 
 
 def test_only_the_library_and_the_kernels_are_packaged():

@@ -26,6 +26,7 @@ from prism_jax.train import checkpoint as ckpt_lib  # noqa: E402
 from prism_jax.train import state as state_lib  # noqa: E402
 from prism_jax.train import step as step_lib  # noqa: E402
 from prism_jax.train.optimizer import make_optimizer  # noqa: E402
+from multiprocess_env import multiprocess_env  # noqa: E402
 from test_sharding import make_batches  # noqa: E402  (tests/ is on sys.path, also in workers)
 
 NUM_PROCESSES, LOCAL_DEVICES, STEPS = 2, 4, 3
@@ -119,7 +120,7 @@ def _free_port() -> int:
 
 
 def test_two_processes_train_like_one(tmp_path):
-  port, env = _free_port(), dict(os.environ, JAX_PLATFORMS="cpu")
+  port, env = _free_port(), multiprocess_env(JAX_PLATFORMS="cpu")
   logs = [open(tmp_path / f"log_{pid}.txt", "w") for pid in range(NUM_PROCESSES)]
   procs = [subprocess.Popen([sys.executable, __file__, "worker", str(pid), str(port),
                              str(tmp_path)], env=env, stdout=logs[pid],

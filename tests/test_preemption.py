@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 
+from multiprocess_env import multiprocess_env
+
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, CKPT_EVERY = 12, 4
 SETS = [
@@ -44,7 +46,7 @@ def _free_port() -> int:
 
 
 def _env():
-  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, JAX_NUM_CPU_DEVICES="2")
+  env = multiprocess_env(JAX_PLATFORMS="cpu", PYTHONPATH=REPO, JAX_NUM_CPU_DEVICES="2")
   return env
 
 

@@ -1,11 +1,14 @@
 """Resume is exact: a run SIGKILLed after checkpoint N and resumed for N more steps logs the
-same per-step losses, bit for bit, as an uninterrupted run of 2N steps (CPU, 1 device).
+same per-step losses, bit for bit, as an uninterrupted run of 2N steps (CPU, 1 device),
+into a local directory and into gs:// (the GCS emulator: corpus, packed data, checkpoints
+and metrics all in the bucket).
 
-Three processes with identical settings: (A) the CLI for 2N steps straight; (B) a script
-calling `train` that parks itself after step N+2 (past checkpoint N, before N+2 is saved)
-and is killed with SIGKILL once checkpoint N is complete on disk; (C) the CLI resuming B's
-workdir. The prototype bank is set from data at step 2 (< N), so the restored bank, its
-reset moments and the data position are all covered.
+Processes with identical settings: (A) the CLI for 2N steps straight into a local
+directory, once for the module (`reference`); (B) a script calling `train` that parks
+itself after step N+2 (past checkpoint N, before N+2 is saved) and is killed with SIGKILL
+once checkpoint N is complete; (C) the CLI resuming B's workdir. The prototype bank is set
+from data at step 2 (< N), so the restored bank, its reset moments and the data position
+are all covered.
 """
 
 import json
@@ -16,6 +19,8 @@ import sys
 import time
 
 import numpy as np
+import pytest
+from etils import epath
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 N = 4
@@ -50,62 +55,92 @@ def write_corpus(path, n_words=6000, seed=0):
 
 
 def _losses(workdir):
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    recs = [json.loads(l) for l in f if l.strip()]
+  """{step: train loss} from a run's metrics.jsonl (local or gs://)."""
+  text = epath.Path(workdir, "metrics.jsonl").read_text()
+  recs = [json.loads(line) for line in text.splitlines() if line.strip()]
   return {r["step"]: r["loss"] for r in recs if r["split"] == "train"}
 
 
-def _cli(workdir, data, env):
+def _cli(workdir, data, env, log):
+  """The train CLI, its log in a file (a PIPE nobody reads would block it when full)."""
   return subprocess.Popen(
       [sys.executable, "-m", "prism_jax.cli", "train", f"--workdir={workdir}", f"--data={data}"]
-      + [f"--set={s}" for s in SETS], cwd=REPO, env=env, stdout=subprocess.PIPE,
-      stderr=subprocess.PIPE, text=True)
+      + [f"--set={s}" for s in SETS], cwd=REPO, env=env, stdout=subprocess.DEVNULL,
+      stderr=open(log, "w"))
 
 
 def _checkpoint_complete(workdir, step):
-  d = os.path.join(workdir, "checkpoints", str(step))
-  return os.path.isdir(d) and os.path.exists(os.path.join(d, "_CHECKPOINT_METADATA"))
+  d = epath.Path(workdir, "checkpoints", str(step))
+  # orbax finalizes a local checkpoint by a rename, on gs:// by a commit file (written last)
+  return (d / ("commit_success.txt" if str(workdir).startswith("gs://")
+               else "_CHECKPOINT_METADATA")).exists()
 
 
-def test_sigkill_then_resume_matches_uninterrupted(tmp_path):
-  data = write_corpus(tmp_path / "corpus.txt")
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+  """The uninterrupted local run of 2N steps: (its corpus, {step: loss})."""
+  tmp = tmp_path_factory.mktemp("reference")
+  data = write_corpus(tmp / "corpus.txt")
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+  ref = _cli(str(tmp / "ref"), data, env, tmp / "ref.log")
+  assert ref.wait(timeout=300) == 0, (tmp / "ref.log").read_text()[-3000:]
+  want = _losses(str(tmp / "ref"))
+  assert sorted(want) == list(range(1, 2 * N + 1))
+  return data, want
+
+
+def _kill_after_checkpoint_then_resume(tmp_path, run, data, env):
+  """B then C on `run`: (B's losses, C's losses)."""
   script = tmp_path / "killme.py"
   script.write_text(KILL_SCRIPT.format(park=N + 2))
-  ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "run")
-
-  ref = _cli(ref_dir, data, env)  # runs concurrently with the doomed run
-  doomed = subprocess.Popen([sys.executable, str(script), run_dir, data] + SETS, cwd=REPO,
-                            env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+  doomed_log = tmp_path / "doomed.log"
+  doomed = subprocess.Popen([sys.executable, str(script), run, data] + SETS, cwd=REPO,
+                            env=env, stdout=subprocess.PIPE, stderr=open(doomed_log, "w"),
                             text=True)
   try:
     line = doomed.stdout.readline()  # blocks until the run parks (or dies)
-    assert line.strip() == "PARKED", doomed.stderr.read()[-3000:]
-    deadline = time.time() + 60
-    while not _checkpoint_complete(run_dir, N) and time.time() < deadline:
+    assert line.strip() == "PARKED", doomed_log.read_text()[-3000:]
+    deadline = time.time() + 120  # polled: a loaded 2-core box can take minutes
+    while not _checkpoint_complete(run, N) and time.time() < deadline:
       time.sleep(0.2)
-    assert _checkpoint_complete(run_dir, N)
+    assert _checkpoint_complete(run, N)
     doomed.send_signal(signal.SIGKILL)
     assert doomed.wait(timeout=30) == -signal.SIGKILL
   finally:
     if doomed.poll() is None:
       doomed.kill()
-  killed_losses = _losses(run_dir)
-  # it really ran past the checkpoint before dying (metrics are written one step late)
-  assert max(killed_losses) == N + 1
+  killed = _losses(run)
+  resumed = _cli(run, data, env, tmp_path / "resumed.log")
+  assert resumed.wait(timeout=300) == 0, (tmp_path / "resumed.log").read_text()[-3000:]
+  assert f"resumed from checkpoint {N}" in (tmp_path / "resumed.log").read_text()
+  return killed, _losses(run)
 
-  resumed = _cli(run_dir, data, env)
-  out, err = resumed.communicate(timeout=300)
-  assert resumed.returncode == 0, err[-3000:]
-  assert f"resumed from checkpoint {N}" in err
-  _, ref_err = ref.communicate(timeout=300)
-  assert ref.returncode == 0, ref_err[-3000:]
 
-  want, got = _losses(ref_dir), _losses(run_dir)
-  assert sorted(want) == list(range(1, 2 * N + 1))
+def _assert_bit_for_bit(got, want):
   assert sorted(got) == sorted(want)
   for step in want:  # bit for bit: JSON keeps every bit of the float32 loss
     assert np.float32(got[step]).tobytes() == np.float32(want[step]).tobytes(), (
         step, got[step], want[step])
+
+
+def test_sigkill_then_resume_matches_uninterrupted(tmp_path, reference):
+  data, want = reference
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
+  killed, got = _kill_after_checkpoint_then_resume(tmp_path, str(tmp_path / "run"), data, env)
+  # it really ran past the checkpoint before dying (metrics are written one step late)
+  assert max(killed) == N + 1
+  _assert_bit_for_bit(got, want)
   # the steps the killed run did after checkpoint N were redone, with the same values
-  assert killed_losses[N + 1] == want[N + 1]
+  assert killed[N + 1] == want[N + 1]
+
+
+def test_train_into_bucket_sigkill_then_resume_matches_uninterrupted(gcs, tmp_path, reference):
+  local, want = reference
+  data, run = "gs://bucket/corpus/corpus.txt", "gs://bucket/train_run"
+  epath.Path(data).write_bytes(open(local, "rb").read())
+  env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO, **gcs)
+  killed, got = _kill_after_checkpoint_then_resume(tmp_path, run, data, env)
+  assert max(killed) >= N  # uploaded with checkpoint N (then every 30 s)
+  assert epath.Path(run, "data", "metadata.json").exists()  # packed into the bucket
+  _assert_bit_for_bit(got, want)
+  assert all(killed[s] == want[s] for s in killed)
