@@ -373,3 +373,19 @@ def test_mismatched_cache_is_refused(setup):
   cache_lib.AttributionCache(cache.path, model, cfg)
   with pytest.raises(ValueError, match="target positions"):
     influence.attribute(model, cache, _query(packed)[0], [0])
+
+
+def test_a_finished_cache_serves_readers_whatever_its_build_settings(setup):
+  """open_or_build (prism report / cards): a cache built with other build settings (here
+  batch_rows 4, chunk 96, save_every 2 against the defaults) is opened as it is, not
+  rebuilt; other contents (a rank) or another model still go to build_cache and its refusal."""
+  _, cfg, packed, model, cache = setup
+  before = cache_format.read_json(os.path.join(cache.path, cache_format.METADATA))
+  assert before["identity"]["cache"]["batch_rows"] != cache_lib.CacheConfig().batch_rows
+  opened = cache_lib.open_or_build(model, cfg, packed, cache.path)
+  assert opened.num_tokens == cache.num_tokens
+  assert cache_format.read_json(os.path.join(cache.path, cache_format.METADATA)) == before
+  with pytest.raises(cache_lib.CacheMismatchError, match="cache.rank"):
+    cache_lib.open_or_build(model, cfg, packed, cache.path, cache_lib.CacheConfig(rank=3))
+  with pytest.raises(cache_lib.CacheMismatchError, match="model_fingerprint"):
+    cache_lib.open_or_build(build_model(cfg.model, 1), cfg, packed, cache.path)

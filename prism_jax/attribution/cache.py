@@ -38,6 +38,28 @@ def build_cache(model, cfg: Config, packed, out_dir: str,
   return AttributionCache(out_dir, model, cfg)
 
 
+# How a cache was built, not what it holds: a finished cache built with other values of these
+# serves any reader (e.g. `prism attribute --stat_shards=8`, then `prism report`).
+BUILD_SETTINGS = ("batch_rows", "chunk_tokens", "save_every", "stat_shards")
+
+
+def open_or_build(model, cfg: Config, packed, out_dir: str,
+                  cache_cfg: CacheConfig = CacheConfig(), **build_kwargs) -> "AttributionCache":
+  """The finished cache in out_dir if it was built from this model and data with
+  `cache_cfg`'s contents (its build settings may differ); otherwise `build_cache`."""
+  meta_path = paths.join(paths.resolve(out_dir), fmt.METADATA)
+  if fmt.exists(meta_path):
+    meta = fmt.read_json(meta_path)
+    ident = meta.get("identity")
+    if meta.get("complete") and not meta.get("records_only") and ident:
+      want = fmt.identity(model, cfg, cache_cfg, packed)
+      for ids in (ident, want):
+        ids["cache"] = {k: v for k, v in ids["cache"].items() if k not in BUILD_SETTINGS}
+      if not fmt.diff(ident, want):
+        return AttributionCache(out_dir, model, cfg)
+  return build_cache(model, cfg, packed, out_dir, cache_cfg, **build_kwargs)
+
+
 class AttributionCache:
   """A finished cache: curvature statistics in memory, token records in memory or lazily.
 

@@ -51,8 +51,8 @@ def main(argv):
     packed = prepare_data(cfg.data, cfg.model.vocab_size, FLAGS.workdir)
     cache = None
     if FLAGS.attribution:
-      cache = cache_lib.build_cache(model, cfg, packed, FLAGS.cache_dir or paths.join(
-          FLAGS.workdir, "attribution_cache"), cache_lib.CacheConfig())
+      cache = cache_lib.open_or_build(model, cfg, packed, FLAGS.cache_dir or paths.join(
+          FLAGS.workdir, "attribution_cache"))
     cards = cards_lib.build_cards(model, cfg, packed, cache=cache, top_m=FLAGS.top_m,
                                   decode=tokenizer.decode, out_dir=out)
     print(f"cards: {len(cards)} prototypes built from the {cards.identity['source']} in "

@@ -56,7 +56,7 @@ def main(argv):
   if FLAGS.attribution:
     cache_dir = FLAGS.cache_dir or paths.join(FLAGS.workdir, "attribution_cache")
     t0 = time.time()
-    cache = cache_lib.build_cache(model, cfg, packed, cache_dir, cache_lib.CacheConfig())
+    cache = cache_lib.open_or_build(model, cfg, packed, cache_dir)
     logging.info("attribution cache ready in %.1fs: %s", time.time() - t0, cache_dir)
   cards_dir = FLAGS.cards_dir or paths.join(FLAGS.workdir, "cards")
   t0 = time.time()
