@@ -283,7 +283,7 @@ READERS: dict[str, Callable[[dict], list[dict]]] = {
 }
 # Variants recorded beside a headline file (other selections, the dense twin): detail in
 # RESULTS.md's sections, not rows of the table.
-DETAIL_PREFIXES = ("suppression_",)
+DETAIL_PREFIXES = ("suppression_", "lds_")
 # File stem -> (markdown of its own section, the marker name): reproduce.py writes it
 # between `<!-- NAME:begin -->` and `<!-- NAME:end -->` in RESULTS.md.
 SECTIONS: dict[str, tuple[Callable[[dict], str], str]] = {
