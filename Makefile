@@ -7,7 +7,7 @@ STAMP := $(VENV)/.installed
 export JAX_PLATFORMS ?= cpu
 PYTEST_ARGS ?=
 
-.PHONY: venv browser demo test test-tpu-aot rehearsal model-card clean
+.PHONY: venv browser demo test test-tpu-aot rehearsal rehearsal-tiny model-card clean
 
 $(STAMP): setup.cfg pyproject.toml tools/fetch_gpt2_bpe.sh
 	@PYBIN="$$(tools/find_python.sh)" || exit 1; \
@@ -58,9 +58,13 @@ test-tpu-aot: $(STAMP)
 
 # The CPU pod rehearsal (issue 26): the real `small` model on 2 processes x 4 CPU devices,
 # gs:// emulator, SIGTERM + resume, cache, cards, report (about an hour on 2 cores; not in
-# `make test`, whose test_rehearsal runs its checks on the tiny shape).
+# `make test`; `make rehearsal-tiny` runs its checks on the tiny shape).
 rehearsal: $(STAMP)
 	$(PY) -m experiments.rehearsal --results_json=docs/results/rehearsal.json
+
+# The rehearsal's checks on the tiny shape, as a test (about 9 CPU-minutes; not in make test).
+rehearsal-tiny: $(STAMP)
+	PRISM_JAX_REHEARSAL=1 $(PY) -m pytest -q tests/test_rehearsal.py $(PYTEST_ARGS)
 
 model-card: $(STAMP)
 	$(VENV)/bin/prism model-card

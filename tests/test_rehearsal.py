@@ -18,11 +18,10 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 STEPS, INIT, SIGTERM_AT = 12, 2, 3
 
 
-@pytest.mark.xfail(reason="this session's run (2 devices per process): the 2-process "
-                   "attribution cache differed from the 1-process build; every earlier "
-                   "stage passed (RESULTS.md 'CPU pod rehearsal'); not run in make test "
-                   "until that is fixed: its three 2-process runs cost ~20 CPU-minutes",
-                   run=False, strict=False)
+@pytest.mark.skipif(not os.environ.get("PRISM_JAX_REHEARSAL"),
+                    reason="~9 CPU-minutes (three 2-process runs and two cache builds): "
+                    "`make rehearsal-tiny` runs it; make test checks its parts (test_preemption, "
+                    "test_cache_multihost, test_train_resume, test_report_browser)")
 def test_tiny_rehearsal_passes_its_checks(tmp_path):
   out, result = tmp_path / "logs", tmp_path / "rehearsal.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
