@@ -148,8 +148,11 @@ def test_only_the_library_and_the_kernels_are_packaged():
   cfg = configparser.ConfigParser()
   cfg.read(os.path.join(REPO, "setup.cfg"))
   include = cfg["options.packages.find"]["include"].split()
-  packages = [os.path.relpath(d, REPO).replace(os.sep, ".")  # setuptools' find: packages
-              for d, _, files in os.walk(REPO) if "__init__.py" in files]
+  packages = []  # setuptools' find: directories with an __init__.py
+  for d, dirs, files in os.walk(REPO):
+    dirs[:] = [s for s in dirs if not s.startswith(".") and s != "runs"]  # .venv, .git
+    if "__init__.py" in files:
+      packages.append(os.path.relpath(d, REPO).replace(os.sep, "."))
   packages = [p for p in packages if any(fnmatch.fnmatchcase(p, pat) for pat in include)]
   assert "experiments" not in packages and os.path.isfile(f"{REPO}/experiments/__init__.py")
   assert "prism_jax.cli" in packages and "pallas_kernels" in packages

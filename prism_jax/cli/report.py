@@ -83,7 +83,11 @@ def main(argv):
       if view.errors or view.requests:
         raise RuntimeError(f"the page had errors {view.errors} / requests {view.requests}")
     print(f"screenshot: {FLAGS.screenshot}")
-  print(f"report: {path}\nopen it in a browser: file://{path}")
+  if "://" in str(path):  # gs://: copy it down first (gsutil cp -r), then open the copy
+    print(f"report: {path}\nto view it, copy the directory to this machine and open its "
+          "index.html")
+  else:
+    print(f"report: {path}\nopen it in a browser: file://{path}")
 
 
 if __name__ == "__main__":
