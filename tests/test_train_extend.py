@@ -3,6 +3,7 @@ at step 0 with the train-split loss beside it, the whole val split, steady throu
 
 import math
 import os
+import shutil
 
 import numpy as np
 import pytest
@@ -34,11 +35,11 @@ def _lr(step, peak, warmup, total, end_ratio):
   return end + (peak - end) * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
 
 
-def test_finished_run_extends_with_the_new_schedule_and_the_same_data_order(tmp_path,
+def test_finished_run_extends_with_the_new_schedule_and_the_same_data_order(tmp_path, run30,
                                                                             monkeypatch):
-  data = _corpus(tmp_path / "c.txt", seed=3)
+  data, finished = run30  # 30 steps done; trained longer here, to 60
   run = str(tmp_path / "run")
-  assert train(_cfg(data, "train.steps=60"), run).final_step == 60
+  shutil.copytree(finished, run)
   seen = []  # row ids of every batch the extended run trains on, in order
   real = pipeline.Loader.resume
 
@@ -47,28 +48,38 @@ def test_finished_run_extends_with_the_new_schedule_and_the_same_data_order(tmp_
       seen.append(np.asarray(b["row_id"]))
       yield b
   monkeypatch.setattr(pipeline.Loader, "resume", recording_resume)
-  longer = _cfg(data, "train.steps=90")
+  longer = _cfg(data, "train.steps=60", "train.eval_batches=0")
   result = train(longer, run)
-  assert (result.start_step, result.final_step) == (60, 90)
-  lrs = {r["step"]: r["lr"] for r in read_metrics(run) if r["step"] > 60}
-  for done in range(61, 91):  # the record of step s (done = s + 1) holds lr(s)
-    assert lrs[done] == pytest.approx(_lr(done - 1, 1e-2, 10, 90, 0.1), rel=1e-6)
+  assert (result.start_step, result.final_step) == (30, 60)
+  lrs = {r["step"]: r["lr"] for r in read_metrics(run) if r["step"] > 30}
+  for done in range(31, 61):  # the record of step s (done = s + 1) holds lr(s)
+    assert lrs[done] == pytest.approx(_lr(done - 1, 1e-2, 10, 60, 0.1), rel=1e-6)
   from prism_jax.data import make_loader  # pylint: disable=import-outside-toplevel
   loader = make_loader(PackedData(os.path.join(run, "data")), "train", 8, 0)
   assert len(seen) == 30
-  for s, rows in zip(range(60, 90), seen):
+  for s, rows in zip(range(30, 60), seen):
     np.testing.assert_array_equal(rows, loader.global_batch_at(s)["row_id"])
   change = [r for r in read_metrics(run, "config_change")]
-  assert change and change[0]["step"] == 60 and change[0]["train.steps"] == [60, 90]
+  assert change and change[0]["step"] == 30 and change[0]["train.steps"] == [30, 60]
   with pytest.raises(ConfigMismatchError, match="may grow on resume, not shrink"):
-    train(_cfg(data, "train.steps=50"), run)
+    train(_cfg(data, "train.steps=50", "train.eval_batches=0"), run)
 
 
-def test_allow_change_is_explicit_and_recorded(tmp_path):
-  data = _corpus(tmp_path / "c.txt", seed=4)
+@pytest.fixture(scope="module")
+def run30(tmp_path_factory):
+  """A finished 30-step run evaluated on the whole val split: (its corpus, its workdir).
+  Tests that continue it work on a copy."""
+  tmp = tmp_path_factory.mktemp("run30")
+  data = _corpus(tmp / "c.txt", seed=5)
+  train(_cfg(data, "train.steps=30", "train.eval_batches=0"), str(tmp / "run"))
+  return data, str(tmp / "run")
+
+
+def test_allow_change_is_explicit_and_recorded(tmp_path, run30):
+  data, finished = run30
   run = str(tmp_path / "run")
-  train(_cfg(data, "train.steps=30"), run)
-  lower = _cfg(data, "train.steps=40", "train.lr=5e-3")
+  shutil.copytree(finished, run)
+  lower = _cfg(data, "train.steps=40", "train.lr=5e-3", "train.eval_batches=0")
   with pytest.raises(ConfigMismatchError, match="train.lr"):
     train(lower, run)
   with pytest.raises(ValueError, match="only these fields may change"):
@@ -81,10 +92,8 @@ def test_allow_change_is_explicit_and_recorded(tmp_path):
   assert lr31 == pytest.approx(_lr(30, 5e-3, 10, 40, 0.1), rel=1e-6)
 
 
-def test_eval_at_step_zero_train_loss_and_whole_split(tmp_path):
-  data = _corpus(tmp_path / "c.txt", seed=5)
-  run = str(tmp_path / "run")
-  train(_cfg(data, "train.steps=30", "train.eval_batches=0"), run)
+def test_eval_at_step_zero_train_loss_and_whole_split(run30):
+  _, run = run30
   vals = read_metrics(run, "val")
   assert [r["step"] for r in vals] == [0, 30]
   packed = PackedData(os.path.join(run, "data"))
