@@ -12,8 +12,9 @@ tokens/s/chip, MFU (the analytic FLOPs of prism_jax/flops.py over that time and 
 and PRISM/dense throughput at each one's largest batch.
 
 The command is benchmarks/scale_table.py; this is its library (importable without flags).
-Every compile result is cached (Cache: keyed by the git commit, target, shape and batch),
-so an interrupted run resumes and a rerun on the same commit compiles nothing.
+Every compile result is cached (Cache: keyed by `code_key()`, target, shape and batch), so
+an interrupted run resumes and a rerun compiles nothing while the code that builds the
+program is unchanged: commits that touch only docs or tests keep the cache.
 """
 
 from __future__ import annotations
@@ -177,11 +178,38 @@ def largest_fitting(probe: Callable[[int], tuple[bool, float | None]], limit: fl
   return lo
 
 
-class Cache:
-  """Compile results on disk, one JSON object keyed by commit|target|preset|kind|remat|T|b."""
+# What determines the compiled program: the library, the kernels and the lowering code.
+CODE_PATHS = ("prism_jax", "pallas_kernels", "benchmarks/compile_check.py",
+              "benchmarks/scale_lib.py", "benchmarks/hlo_collectives.py", "setup.cfg")
 
-  def __init__(self, path: str, commit: str):
-    self.path, self.commit = path, commit
+
+def code_key(root: str | None = None) -> str:
+  """A hash of CODE_PATHS as tracked (blob ids) plus any uncommitted change to them, and of
+  the jax/jaxlib/libtpu versions: two states that compile the same program share it."""
+  import hashlib  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  from importlib import metadata  # pylint: disable=import-outside-toplevel
+  root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+  def git(*args):
+    return subprocess.run(["git", "-C", root, *args, "--", *CODE_PATHS], capture_output=True,
+                          text=True, check=True).stdout
+  versions = []
+  for dist in ("jax", "jaxlib", "libtpu"):
+    try:
+      versions.append(f"{dist}=={metadata.version(dist)}")
+    except metadata.PackageNotFoundError:
+      versions.append(f"{dist} absent")
+  text = git("ls-files", "-s") + git("diff", "HEAD") + " ".join(versions)
+  return "code." + hashlib.sha256(text.encode()).hexdigest()[:16]
+
+
+class Cache:
+  """Compile results on disk, one JSON object keyed by code|target|preset|kind|remat|T|b
+  (`code` is code_key(): a rerun after a docs-only commit reuses every entry)."""
+
+  def __init__(self, path: str, code: str):
+    self.path, self.code = path, code
     self.entries: dict[str, Any] = {}
     if os.path.exists(path):
       with open(path) as f:
@@ -189,7 +217,7 @@ class Cache:
     self.new = 0
 
   def key(self, *parts) -> str:
-    return "|".join(str(p) for p in (self.commit,) + parts)
+    return "|".join(str(p) for p in (self.code,) + parts)
 
   def get(self, key: str, compute: Callable[[], dict]) -> dict:
     if key not in self.entries:
@@ -264,9 +292,9 @@ def _fits_and_peak(m: dict) -> tuple[bool, float | None]:
 def build(cache: Cache, targets, presets, kinds, remats, seq_len, start, max_batch,
           resolution, max_compiles, log=print) -> list[dict]:
   rows = []
-  for tname in targets:
-    target = TARGETS[tname]
-    for name in presets:
+  for name in presets:  # preset outermost: a cut-short run has whole presets, smallest first
+    for tname in targets:
+      target = TARGETS[tname]
       for kind in kinds:
         for remat in remats:
           def result(b, target=target, name=name, kind=kind, remat=remat):

@@ -50,14 +50,14 @@ def main(argv: list[str]) -> None:
   if set(FLAGS.remat) - {"off", "on"} or set(FLAGS.kinds) - {"prism", "dense"}:
     raise ValueError("--remat takes off,on and --kinds prism,dense")
   prov = provenance.record("benchmarks.scale_table")
-  cache = scale_lib.Cache(FLAGS.cache, prov["commit"])
+  cache = scale_lib.Cache(FLAGS.cache, scale_lib.code_key())
   start = time.time()
   cpu0 = os.times()
   rows = scale_lib.build(cache, FLAGS.targets, FLAGS.config, FLAGS.kinds,
                          [r == "on" for r in FLAGS.remat], FLAGS.seq_len, FLAGS.start_batch,
                          FLAGS.max_batch, FLAGS.resolution, FLAGS.max_compiles)
   cpu1 = os.times()
-  data = {**prov,
+  data = {**prov, "code_key": cache.code,
           "note": "compiler estimates from AOT compiles (libtpu compile-only devices), "
                   "not measurements on a TPU",
           "chips": {k: dataclasses.asdict(v) for k, v in scale_lib.CHIPS.items()},
