@@ -7,7 +7,8 @@ The real model shape of --config (small: d 768, 12 layers, K 8192, k 16, GPT-2 B
 its recipe (`preset(config, steps)`: learning rate, warm-up, decay, weight decay, loss,
 checkpoint cadence), cut only where this box cannot afford it: --steps (bank set from data
 at --proto_init_step, not the recipe's 5% of the run), the global batch --batch and the
-sequence length --seq_len, one evaluation at the end on --eval_batches val batches (not
+sequence length --seq_len, the data (every --corpus_stride-th document of the embedded
+corpus, since the attribution cache covers every train row), one evaluation at the end on --eval_batches val batches (not
 at the start and every 2%), checkpoints every --ckpt_every steps keeping
 --keep_checkpoints (the emulator holds them in memory). Stages, each timed:
 
@@ -53,6 +54,9 @@ flags.DEFINE_string("config", "small", "model preset (its shape and recipe)")
 flags.DEFINE_integer("steps", 12, "train.steps (cut: the box's budget)")
 flags.DEFINE_integer("proto_init_step", 6, "train.proto_init_step (cut with --steps)")
 flags.DEFINE_integer("batch", 8, "train.batch_size, global rows (cut)")
+flags.DEFINE_integer("corpus_stride", 6, "every n-th document of the embedded corpus (cut: the "
+                     "attribution cache covers every train row, ~2 CPU-s per 128-token row "
+                     "at `small`; 1: all 264 documents)")
 flags.DEFINE_integer("seq_len", 128, "data.seq_len (cut)")
 flags.DEFINE_integer("ckpt_every", 6, "train.ckpt_every (0: the recipe's for --steps)")
 flags.DEFINE_integer("keep_checkpoints", 1, "train.keep_checkpoints (cut: the emulator holds "
@@ -160,7 +164,7 @@ def write_corpus(path: str) -> int:
   import pyarrow.parquet as pq  # pylint: disable=import-outside-toplevel
   from prism_jax import paths  # pylint: disable=import-outside-toplevel
   from prism_jax.data import sources  # pylint: disable=import-outside-toplevel
-  texts = [doc.text for doc in sources.iter_documents(())]
+  texts = [doc.text for doc in sources.iter_documents(())][::FLAGS.corpus_stride]
   local = tempfile.mktemp(suffix=".parquet")
   pq.write_table(pa.table({"text": texts}), local, row_group_size=256)
   with open(local, "rb") as f:
