@@ -126,7 +126,7 @@ def main(argv):
   print("|---|---|---|---|")
   for key in sorted(table):
     print(f"| {key[0]} | {key[1]} | {table[key] / n / 1e3:.2f} | {count[key] / n:.0f} |")
-  print(f"\n| op | shape | HLO op_name | ms/step |\n|---|---|---|---|")
+  print("\n| op | shape | HLO op_name | ms/step |\n|---|---|---|---|")
   named = [(us, name) for name, us in totals.items() if name in ops]
   for us, name in sorted(named, reverse=True)[:FLAGS.top]:
     shape, op_name = ops[name]

@@ -19,7 +19,6 @@ schema; the other base's row is kept).
 import json
 import os
 import resource
-import sys
 
 from absl import flags
 

@@ -50,7 +50,7 @@ def _w(rng):
 
 
 def test_gains_scores_match_float64_and_the_shared_edit():
-  model, (items, enc, data) = _model(), _data()
+  model, (_, enc, data) = _model(), _data()
   rng = np.random.default_rng(secrets.randbits(16))
   w = _w(rng)
   fp = model_fingerprint(model)

@@ -98,7 +98,7 @@ def test_accumulator_on_a_prism_model_and_errors():
   model = build_model(cfg, seed=1)
   rng = np.random.default_rng(2)
   acc = GroundingAccumulator(11)
-  zs, outs, masks = [], [], []
+  zs, masks = [], []
   fwd = nnx.jit(lambda m_, t_, k_: m_(t_, mask_BxT=k_))
   for _ in range(3):
     toks = jnp.asarray(rng.integers(0, 50, (2, 8)), jnp.int32)

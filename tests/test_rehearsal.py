@@ -27,7 +27,8 @@ def test_tiny_rehearsal_passes_its_checks(tmp_path):
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
   cmd = [sys.executable, "-m", "experiments.rehearsal", "--config=tiny", f"--steps={STEPS}",
          f"--proto_init_step={INIT}", f"--sigterm_step={SIGTERM_AT}", "--batch=8",
-         "--seq_len=32", "--corpus_stride=1", "--ckpt_every=2", "--eval_batches=1", "--local_devices=2",
+         "--seq_len=32", "--corpus_stride=1", "--ckpt_every=2", "--eval_batches=1",
+         "--local_devices=2",
          "--max_new_tokens=4", f"--out={out}", f"--results_json={result}"]
   proc = subprocess.run(cmd, cwd=REPO, env=env, capture_output=True, text=True, timeout=900)
   assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]

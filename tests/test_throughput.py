@@ -254,7 +254,7 @@ def test_xla_sparse_matches_dense_autodiff_with_ties(distance, mixture):
   assert_layer_matches(LAYER_FIELDS, list(ref), list(out), (v0, g0), (v1, g1),
                        "unsharded", tol=1e-5)
   # The sparse backward really ran: one N x K x D matmul (the forward), autodiff's three.
-  n, num_protos, d = z.shape[0], p.shape[0], z.shape[1]
+  n, num_protos = z.shape[0], p.shape[0]
   big = lambda fn: [s for s in _dots(fn, z, p, mask)
                     if sorted(map(len, s)) == [2, 2] and {n, num_protos} <= {x for t in s for x in t}]
   assert len(big(ref_fn)) == 3 and len(big(sparse_fn)) == 1, (big(ref_fn), big(sparse_fn))
