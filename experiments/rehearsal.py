@@ -284,6 +284,23 @@ def rehearse(out: str, env: dict) -> dict:
 
 
 PASS_KEYS = reproduce_sources.REHEARSAL_CHECKS
+# The `small` rehearsal's peak, measured: the two cache-build processes (~7.5 GiB each at 4
+# devices) and the emulator holding the bucket in memory (~4.5 GiB). Another job beside it
+# got a build process OOM-killed on this 23 GiB box.
+SMALL_PEAK_GIB = 20
+
+
+def _warn_if_short_of_memory() -> None:
+  try:
+    with open("/proc/meminfo") as f:
+      info = dict(line.split(":", 1) for line in f)
+    avail = int(info["MemAvailable"].split()[0]) / 2 ** 20
+  except (OSError, KeyError, ValueError):
+    return
+  if FLAGS.config != "tiny" and avail < SMALL_PEAK_GIB:
+    print(f"warning: {avail:.1f} GiB of memory available; the {FLAGS.config} rehearsal peaks "
+          f"near {SMALL_PEAK_GIB} GiB (stop other jobs, or a process may be OOM-killed)",
+          flush=True)
 
 
 def main(argv):
@@ -294,6 +311,7 @@ def main(argv):
   out = FLAGS.out or tempfile.mkdtemp(prefix="rehearsal_")
   os.makedirs(out, exist_ok=True)
   print(f"logs in {out}", flush=True)
+  _warn_if_short_of_memory()
   t0 = time.perf_counter()
   with _emulator().running() as gcs:
     result = rehearse(out, _env(gcs))
