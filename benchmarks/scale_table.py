@@ -35,7 +35,8 @@ flags.DEFINE_integer("seq_len", 1024, "sequence length (the GPT-2 presets' conte
 flags.DEFINE_integer("max_batch", 256, "largest per-chip batch tried")
 flags.DEFINE_integer("start_batch", 1, "per-chip batch the search starts at (a power of 2)")
 flags.DEFINE_float("resolution", 0.25, "bisection stops when hi - lo <= max(1, this x lo)")
-flags.DEFINE_integer("max_compiles", 0, "stop after this many new compiles (0: no limit)")
+flags.DEFINE_integer("max_compiles", 0, "stop after this many new compiles (0: no limit; -1: "
+                     "none, the table from the cache alone, up to the first search not in it)")
 flags.DEFINE_string("cache", "runs/scale_table_cache.json", "every compile's result")
 flags.DEFINE_string("results_json", None, "write the table's rows here")
 

@@ -1,4 +1,4 @@
-"""A local GCS emulator for tests: gcp-storage-emulator (in memory) on loopback.
+"""A local GCS emulator for tests: gcp-storage-emulator (in memory, or on disk) on loopback.
 
 `running()` starts the server (in memory, its own process) and points every client at it
 with its own documented setting: STORAGE_EMULATOR_HOST (gcsfs, so etils epath; the google clients),
@@ -38,11 +38,14 @@ def free_port() -> int:
 
 
 @contextlib.contextmanager
-def running():
-  """Yields the emulator's environment (also set in os.environ until the block ends)."""
+def running(data_dir: str | None = None):
+  """Yields the emulator's environment (also set in os.environ until the block ends).
+  Objects live in the server's memory, or under `data_dir` on disk (a bucket of GBs: the
+  `small` rehearsal's checkpoints and caches)."""
   port = free_port()
   # Its own process (this file's `serve`), so the tests' own processes stay light.
-  server = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(port)],
+  server = subprocess.Popen([sys.executable, os.path.abspath(__file__), str(port)]
+                            + ([os.path.abspath(data_dir)] if data_dir else []),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
   try:
     deadline = time.time() + 30
@@ -93,8 +96,9 @@ def _with_generation_headers(download):
   return patched
 
 
-def serve(port: int) -> None:
-  """Runs the emulator (in memory, bucket BUCKET) on loopback:port until terminated."""
+def serve(port: int, data_dir: str | None = None) -> None:
+  """Runs the emulator (bucket BUCKET; in memory, or on disk under data_dir) on
+  loopback:port until terminated."""
   # pylint: disable=import-outside-toplevel
   from gcp_storage_emulator import server as server_lib
   from gcp_storage_emulator.handlers import objects
@@ -104,8 +108,9 @@ def serve(port: int) -> None:
   server_lib.HANDLERS = tuple(  # the route table holds the function itself
       (rx, {m: patched if h is original else h for m, h in handlers.items()})
       for rx, handlers in server_lib.HANDLERS)
-  server_lib.create_server("127.0.0.1", port, in_memory=True, default_bucket=BUCKET).run()
+  server_lib.create_server("127.0.0.1", port, in_memory=data_dir is None,
+                           default_bucket=BUCKET, data_dir=data_dir).run()
 
 
 if __name__ == "__main__":
-  serve(int(sys.argv[1]))
+  serve(int(sys.argv[1]), sys.argv[2] if len(sys.argv) > 2 else None)
