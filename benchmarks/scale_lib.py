@@ -165,8 +165,12 @@ def largest_fitting(probe: Callable[[int], tuple[bool, float | None]], limit: fl
     if hi == 1:
       return None
     step(hi // 2)
+  refuted = 0  # affine guesses in a row that did not fit
   while hi - lo > max(1, int(resolution * lo)):
-    guess = predicted()
+    # two refuted guesses say the peak is not affine here (XLA's schedule changes with b:
+    # `small` measured 14.51 -> 14.62 GiB from b 13 to 14, then 26 overflowed): bisect,
+    # rather than walk down from hi one batch at a time
+    guess = None if refuted >= 2 else predicted()
     if hi == max_batch + 1 and guess is None:
       nxt = min(2 * lo, max_batch)  # doubling
     elif guess is None:
@@ -174,7 +178,12 @@ def largest_fitting(probe: Callable[[int], tuple[bool, float | None]], limit: fl
     else:  # the affine guess; at or below lo: test just above lo, by the resolution
       nxt = guess if guess > lo else lo + max(1, int(resolution * lo))
       nxt = min(max(nxt, lo + 1), hi - 1)
+    before = hi
     step(nxt)
+    if hi < before and guess is not None:
+      refuted += 1
+    elif hi == before:
+      refuted = 0
   return lo
 
 

@@ -116,6 +116,24 @@ def test_largest_fitting_without_peaks_is_doubling_and_bisection():
   assert calls[:7] == [1, 2, 4, 8, 16, 32, 64]
 
 
+def test_a_refuted_affine_guess_is_followed_by_bisection():
+  """The peak of `small` on v5e-16 went 14.51 -> 14.62 GiB from b 13 to 14 (XLA's schedule
+  changes with b): the line through them aimed at 26. Overflows report no peak, so the
+  search once walked down from 26 one batch at a time (12 probes past 14)."""
+  calls = []
+
+  measured = {1: 1.04, 2: 2.58, 10: 11.78, 13: 14.51, 14: 14.62}  # GiB, the compiles
+
+  def probe(b):
+    calls.append(b)
+    peak = (np.interp(b, list(measured), list(measured.values())) if b <= 14
+            else 14.62 + 3.0 * (b - 14))
+    return (True, float(peak)) if peak <= 16.0 else (False, None)
+
+  assert scale_table.largest_fitting(probe, 16.0, 1, 256, 0.25) == 14
+  assert calls[:6] == [1, 2, 10, 13, 14, 26] and len(calls) <= 10, calls
+
+
 def _measured(flops, nbytes, kind="prism", nxk=False):
   return {"fits": True, "peak_bytes": 3 * 2 ** 30, "flops": flops, "bytes_accessed": nbytes,
           "collectives": hc.summary([]), "proto_dims": [4096, 8192], "d_model": 768,
