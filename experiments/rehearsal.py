@@ -8,9 +8,10 @@ its recipe (`preset(config, steps)`: learning rate, warm-up, decay, weight decay
 checkpoint cadence), cut only where this box cannot afford it: --steps (bank set from data
 at --proto_init_step, not the recipe's 5% of the run), the global batch --batch and the
 sequence length --seq_len, the data (every --corpus_stride-th document of the embedded
-corpus, since the attribution cache covers every train row), one evaluation at the end on --eval_batches val batches (not
-at the start and every 2%), checkpoints every --ckpt_every steps keeping
---keep_checkpoints (the emulator holds them in memory). Stages, each timed:
+corpus, since the attribution cache covers every train row), one evaluation at the end
+on --eval_batches val batches (not at the start and every 2%), checkpoints every
+--ckpt_every steps keeping --keep_checkpoints (the emulator's bucket lies on disk under
+--out). Stages, each timed:
 
   data       the embedded corpus written as parquet into gs:// (tests/gcs_emulator.py)
   reference  an uninterrupted run: --num_processes processes x --local_devices CPU
@@ -59,8 +60,8 @@ flags.DEFINE_integer("corpus_stride", 6, "every n-th document of the embedded co
                      "at `small`; 1: all 264 documents)")
 flags.DEFINE_integer("seq_len", 128, "data.seq_len (cut)")
 flags.DEFINE_integer("ckpt_every", 6, "train.ckpt_every (0: the recipe's for --steps)")
-flags.DEFINE_integer("keep_checkpoints", 1, "train.keep_checkpoints (cut: the emulator holds "
-                     "every checkpoint in memory)")
+flags.DEFINE_integer("keep_checkpoints", 1, "train.keep_checkpoints (cut: every checkpoint "
+                     "kept is ~1.5 GiB of the emulator's bucket at small)")
 flags.DEFINE_integer("eval_batches", 2, "train.eval_batches (val batches per evaluation)")
 flags.DEFINE_integer("sigterm_step", 9, "SIGTERM once this step is logged")
 flags.DEFINE_integer("num_processes", 2, "processes (hosts)")
