@@ -3,8 +3,9 @@
 Compiler estimates, not measurements: no TPU runs here. For each target (a TPU topology and
 mesh), preset (small/medium/large/xl), kind (PRISM, dense) and remat (off/on) it finds the
 largest per-chip batch whose compiled step fits the chip's HBM (doubling, then bisection
-down to --resolution; libtpu's compile-only devices, benchmarks/compile_check.py), and
-records from that compile: the per-chip HBM peak (memory_analysis), FLOPs and bytes
+down to --resolution, on peaks extrapolated in depth from 2- and 4-block compiles; then the
+full-depth step at that batch: libtpu's compile-only devices, benchmarks/scale_measure.py),
+and records from that full-depth compile: the per-chip HBM peak (memory_analysis), FLOPs and bytes
 accessed (cost_analysis), the collectives of the step's HLO (benchmarks/hlo_collectives.py)
 and whether any moves a (tokens x K) matrix. Rows then add the roofline step time
 max(FLOPs / peak, bytes / HBM bandwidth) from the chip's published figures (CHIPS),
@@ -12,9 +13,8 @@ tokens/s/chip, MFU (the analytic FLOPs of prism_jax/flops.py over that time and 
 and PRISM/dense throughput at each one's largest batch.
 
 The command is benchmarks/scale_table.py; this is its library (importable without flags).
-Every compile result is cached (Cache: keyed by `code_key()`, target, shape and batch), so
-an interrupted run resumes and a rerun compiles nothing while the code that builds the
-program is unchanged: commits that touch only docs or tests keep the cache.
+Every compile result is cached (Cache: keyed by the lowered program itself), so an
+interrupted run resumes, and a rerun compiles only programs that changed.
 """
 
 from __future__ import annotations
@@ -25,12 +25,10 @@ import os
 import time
 from typing import Any, Callable
 
-# Compile-only: no TPU is opened, so other compiling processes (tests) may hold libtpu too.
-os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
-
-from benchmarks import compile_check  # noqa: E402  sets the compile-only environment
+from benchmarks import scale_measure  # sets the compile-only environment before jax loads
 
 from benchmarks import hlo_collectives  # noqa: E402  pylint: disable=wrong-import-order
+from prism_jax.config import preset  # noqa: E402  pylint: disable=wrong-import-order
 
 GIB = 1024 ** 3
 
@@ -72,62 +70,6 @@ TARGETS = {t.name: t for t in (
     Target("v5p-4 fsdp+K/2", "v5p:2x2x1", (1, -1, 2), "v5p"),
 )}
 DEFAULT_TARGETS = ("v5e-16 fsdp", "v5p-8 fsdp+K/2")
-
-
-def _is_oom(e: Exception) -> bool:
-  text = str(e)
-  return "RESOURCE_EXHAUSTED" in text or "Ran out of memory" in text or "out of memory" in text
-
-
-def measure(target: Target, preset_name: str, kind: str, remat: bool, seq_len: int,
-            per_chip_batch: int) -> dict[str, Any]:
-  """One AOT compile -> what the table reads from it (fits False on an HBM overflow)."""
-  import jax  # pylint: disable=import-outside-toplevel
-  from prism_jax import sharding  # pylint: disable=import-outside-toplevel
-  from prism_jax.config import MeshConfig  # pylint: disable=import-outside-toplevel
-  chip = CHIPS[target.chip]
-  start = time.perf_counter()
-  # implementation None: the model's default resolved for the platform compiled for (the
-  # Mosaic kernel on TPU), what a TPU run gets
-  lowered, cfg, state, devices = compile_check.lower_train_step(
-      preset_name, target.topology, target.mesh, per_chip_batch, seq_len, "bfloat16", remat,
-      kind, None)
-  try:
-    with jax.set_mesh(sharding.make_mesh(MeshConfig(*target.mesh), devices)):
-      compiled = lowered.compile()
-  except Exception as e:  # pylint: disable=broad-except
-    if not _is_oom(e):
-      raise
-    return {"fits": False, "error": " ".join(str(e).split())[:300]}
-  compile_s = time.perf_counter() - start
-  mesh_shape = sharding.resolve_mesh_shape(MeshConfig(*target.mesh), len(devices))
-  text = compiled.as_text()
-  mem = compiled.memory_analysis()
-  cost = compiled.cost_analysis()
-  cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
-  peak = int(mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
-             - mem.alias_size_in_bytes)
-  ops = hlo_collectives.collectives(text)
-  k = cfg.model.num_prototypes
-  proto_dims = {k, k // mesh_shape[2]}
-  with_k = hlo_collectives.with_proto_dim(ops, proto_dims)
-  return {
-      "fits": peak <= chip.hbm_bytes, "peak_bytes": peak,
-      "argument_bytes": int(mem.argument_size_in_bytes),
-      "temp_bytes": int(mem.temp_size_in_bytes), "output_bytes": int(mem.output_size_in_bytes),
-      "alias_bytes": int(mem.alias_size_in_bytes),
-      "flops": float(cost.get("flops", 0.0)),
-      "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
-      "collectives": hlo_collectives.summary(ops),
-      # every collective with a prototype axis: the N x K check reads them (row_for)
-      "proto_collectives": [[op.kind, op.operands, op.results, op.bytes] for op in with_k],
-      "proto_dims": sorted(proto_dims), "d_model": cfg.model.d_model,
-      "mesh_shape": list(mesh_shape), "chips": len(devices),
-      "device_kind": devices[0].device_kind,
-      "params": sum(int(x.size) for x in jax.tree.leaves(state.params)),
-      "optimization_barriers": text.count("opt-barrier"),
-      "mosaic_calls": text.count("tpu_custom_call"), "compile_s": round(compile_s, 1),
-  }
 
 
 def largest_fitting(probe: Callable[[int], tuple[bool, float | None]], limit: float,
@@ -187,57 +129,64 @@ def largest_fitting(probe: Callable[[int], tuple[bool, float | None]], limit: fl
   return lo
 
 
-# What determines the compiled program: the library, the kernels and the lowering code.
-CODE_PATHS = ("prism_jax", "pallas_kernels", "benchmarks/compile_check.py",
-              "benchmarks/scale_lib.py", "benchmarks/hlo_collectives.py", "setup.cfg")
+# The code that builds the program: the index from a search's probe to its program.
+CODE_PATHS = ("prism_jax", "pallas_kernels", "benchmarks/compile_check.py", "setup.cfg")
 
 
 def code_key(root: str | None = None) -> str:
-  """A hash of CODE_PATHS as tracked (blob ids) plus any uncommitted change to them, and of
-  the jax/jaxlib/libtpu versions: two states that compile the same program share it."""
+  """A hash of CODE_PATHS as tracked (blob ids) plus any uncommitted change to them: while
+  it holds, a probe's program is looked up without lowering it again."""
   import hashlib  # pylint: disable=import-outside-toplevel
   import subprocess  # pylint: disable=import-outside-toplevel
-  from importlib import metadata  # pylint: disable=import-outside-toplevel
   root = root or os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
   def git(*args):
     return subprocess.run(["git", "-C", root, *args, "--", *CODE_PATHS], capture_output=True,
                           text=True, check=True).stdout
-  versions = []
-  for dist in ("jax", "jaxlib", "libtpu"):
-    try:
-      versions.append(f"{dist}=={metadata.version(dist)}")
-    except metadata.PackageNotFoundError:
-      versions.append(f"{dist} absent")
-  text = git("ls-files", "-s") + git("diff", "HEAD") + " ".join(versions)
+  text = git("ls-files", "-s") + git("diff", "HEAD")
   return "code." + hashlib.sha256(text.encode()).hexdigest()[:16]
 
 
 class Cache:
-  """Compile results on disk, one JSON object keyed by code|target|preset|kind|remat|T|b
-  (`code` is code_key(): a rerun after a docs-only commit reuses every entry)."""
+  """Compile results on disk: `programs` keyed by scale_measure.program_key (the lowered
+  program itself), and `index` from code_key|target|preset|kind|remat|T|b|blocks to that
+  key. A code change re-lowers (seconds) and compiles only programs that changed."""
 
   def __init__(self, path: str, code: str):
     self.path, self.code = path, code
-    self.entries: dict[str, Any] = {}
+    self.programs: dict[str, Any] = {}
+    self.index: dict[str, str] = {}
     if os.path.exists(path):
       with open(path) as f:
-        self.entries = json.load(f)
+        data = json.load(f)
+      if "programs" in data:  # older files keyed by commit: nothing reusable
+        self.programs, self.index = data["programs"], data["index"]
     self.new = 0
 
   def key(self, *parts) -> str:
     return "|".join(str(p) for p in (self.code,) + parts)
 
-  def get(self, key: str, compute: Callable[[], dict]) -> dict:
-    if key not in self.entries:
-      self.entries[key] = compute()
-      self.new += 1
-      os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-      tmp = self.path + ".tmp"
-      with open(tmp, "w") as f:
-        json.dump(self.entries, f, indent=1, sort_keys=True)
-      os.replace(tmp, self.path)
-    return self.entries[key]
+  def _save(self) -> None:
+    os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
+    tmp = self.path + ".tmp"
+    with open(tmp, "w") as f:
+      json.dump({"programs": self.programs, "index": self.index}, f, indent=1, sort_keys=True)
+    os.replace(tmp, self.path)
+
+  def get(self, key: str, lower: Callable[[], tuple[str, Callable[[], dict]]],
+          may_compile: Callable[[], bool] = lambda: True) -> dict:
+    """The result for `key`; else lower() -> (program key, compile): compiled only when that
+    program is new (and may_compile(): else BudgetSpent)."""
+    if key not in self.index:
+      program, compile_ = lower()
+      if program not in self.programs:
+        if not may_compile():
+          raise BudgetSpent
+        self.programs[program] = compile_()
+        self.new += 1
+      self.index[key] = program
+      self._save()
+    return self.programs[self.index[key]]
 
 
 class BudgetSpent(Exception):
@@ -248,7 +197,6 @@ def row_for(target: Target, preset_name: str, kind: str, remat: bool, seq_len: i
             batch: int | None, m: dict | None) -> dict[str, Any]:
   """A table row from the compile at the largest fitting batch (figures named by source)."""
   from prism_jax import flops  # pylint: disable=import-outside-toplevel
-  from prism_jax.config import preset  # pylint: disable=import-outside-toplevel
   chip = CHIPS[target.chip]
   row = {"target": target.name, "topology": target.topology, "preset": preset_name,
          "kind": kind, "remat": remat, "seq_len": seq_len, "per_chip_batch": batch}
@@ -298,30 +246,76 @@ def _fits_and_peak(m: dict) -> tuple[bool, float | None]:
   return m["fits"], m.get("peak_bytes")
 
 
+def in_depth(shallow: dict[int, dict], n_layers: int, limit: float) -> tuple[bool, float | None]:
+  """(fits, peak) at `n_layers` blocks from compiles of the same step at two smaller depths:
+  the peak is affine in the depth (each block adds its weights, optimizer state and saved
+  activations). An overflow at a smaller depth is one at every larger depth."""
+  (l1, m1), (l2, m2) = sorted(shallow.items())
+  if not (m1["fits"] and m2["fits"]):
+    return False, None
+  p1, p2 = m1["peak_bytes"], m2["peak_bytes"]
+  peak = p2 + (p2 - p1) * (n_layers - l2) / (l2 - l1)
+  return peak <= limit, peak
+
+
 def build(cache: Cache, targets, presets, kinds, remats, seq_len, start, max_batch,
-          resolution, max_compiles, log=print) -> list[dict]:
+          resolution, max_compiles, shallow=(2, 4), log=print) -> list[dict]:
+  """The rows, a search per target x preset x kind x remat (presets outermost: a cut-short
+  run has whole presets, smallest first). With `shallow` (two block counts) the batch is
+  searched on peaks extrapolated in depth from compiles at those depths, then compiled at
+  full depth (falling back to a full-depth search below it if that overflows); every
+  figure of a row is that full-depth compile's. max_compiles -1: the cache alone."""
   rows = []
-  for name in presets:  # preset outermost: a cut-short run has whole presets, smallest first
+  for name in presets:
     for tname in targets:
       target = TARGETS[tname]
+      limit = CHIPS[target.chip].hbm_bytes
+      full = preset(name).model.n_layers
       for kind in kinds:
         for remat in remats:
-          def result(b, target=target, name=name, kind=kind, remat=remat):
-            key = cache.key(target.topology, target.mesh, name, kind, remat, seq_len, b)
-            if key not in cache.entries and max_compiles and cache.new >= max_compiles:
-              raise BudgetSpent
+          def result(b, layers, target=target, name=name, kind=kind, remat=remat):
+            key = cache.key(target.topology, target.mesh, name, kind, remat, seq_len, b,
+                            layers)
+
+            def lower():
+              lowered, cfg, state, devices = scale_measure.lower(
+                  target.topology, target.mesh, name, kind, remat, seq_len, b, layers)
+              program = scale_measure.program_key(lowered, target.topology, target.mesh)
+              return program, lambda: scale_measure.compile_and_read(
+                  lowered, cfg, state, devices, target.mesh, limit)
+
+            def may_compile():
+              return max_compiles >= 0 and not (max_compiles and cache.new >= max_compiles)
             t0 = time.time()
-            m = cache.get(key, lambda: measure(target, name, kind, remat, seq_len, b))
-            log(f"  {tname} {name} {kind} remat={remat} b={b}: "
+            m = cache.get(key, lower, may_compile)
+            log(f"  {tname} {name} {kind} remat={remat} b={b} blocks={layers}: "
                 + (f"peak {m['peak_bytes'] / GIB:.2f} GiB" if "peak_bytes" in m else "HBM overflow")
                 + f" fits={m['fits']} ({time.time() - t0:.0f} s)")
             return m
+          use_shallow = shallow and full > max(shallow)
           try:
-            batch = largest_fitting(lambda b: _fits_and_peak(result(b)),
-                                    CHIPS[target.chip].hbm_bytes, start, max_batch, resolution)
+            if use_shallow:
+              guess = largest_fitting(
+                  lambda b: in_depth({l: result(b, l) for l in shallow}, full, limit),
+                  limit, start, max_batch, resolution)
+              batch = guess
+              if guess == 1 and not result(1, full)["fits"]:
+                batch = None
+              elif guess is not None and not result(guess, full)["fits"]:
+                batch = largest_fitting(lambda b: _fits_and_peak(result(b, full)), limit,
+                                        max(1, guess - 1), guess - 1, resolution)
+            else:
+              batch = largest_fitting(lambda b: _fits_and_peak(result(b, full)), limit,
+                                      start, max_batch, resolution)
           except BudgetSpent:
-            log(f"--max_compiles reached: {tname} {name} {kind} remat={remat} not searched")
+            log(f"no compile allowed (--max_compiles): {tname} {name} {kind} remat={remat} "
+                "not searched")
             return rows
-          rows.append(row_for(target, name, kind, remat, seq_len, batch,
-                              None if batch is None else result(batch)))
+          row = row_for(target, name, kind, remat, seq_len, batch,
+                        None if batch is None else result(batch, full))
+          if use_shallow and batch is not None:
+            row["batch_search"] = f"peaks extrapolated in depth from {shallow} blocks"
+            row["extrapolated_peak_GiB"] = in_depth(
+                {l: result(batch, l) for l in shallow}, full, limit)[1] / GIB
+          rows.append(row)
   return rows

@@ -8,7 +8,8 @@ figure is and where it comes from.
 
 Every compile result is cached in --cache, so an interrupted run resumes. Needs libtpu
 (`pip install -e ".[tpu-aot]"`). A full table (4 presets x 2 kinds x 2 remat x 2 targets)
-is a few hundred compiles: --config/--targets/--remat/--resolution/--max_compiles cut it.
+is 32 searches, each a few 2- and 4-block compiles (--shallow) and one or two at full depth
+(xl: ~250 s each on 2 cores): --config/--targets/--remat/--max_compiles cut it.
 """
 
 from __future__ import annotations
@@ -34,6 +35,9 @@ flags.DEFINE_list("remat", ["off", "on"], "rematerialise blocks: off and/or on")
 flags.DEFINE_integer("seq_len", 1024, "sequence length (the GPT-2 presets' context)")
 flags.DEFINE_integer("max_batch", 256, "largest per-chip batch tried")
 flags.DEFINE_integer("start_batch", 1, "per-chip batch the search starts at (a power of 2)")
+flags.DEFINE_list("shallow", ["2", "4"], "search the batch on peaks extrapolated in depth "
+                  "from compiles at these two block counts, then compile the full depth "
+                  "(empty: search at full depth)")
 flags.DEFINE_float("resolution", 0.25, "bisection stops when hi - lo <= max(1, this x lo)")
 flags.DEFINE_integer("max_compiles", 0, "stop after this many new compiles (0: no limit; -1: "
                      "none, the table from the cache alone, up to the first search not in it)")
@@ -56,14 +60,15 @@ def main(argv: list[str]) -> None:
   cpu0 = os.times()
   rows = scale_lib.build(cache, FLAGS.targets, FLAGS.config, FLAGS.kinds,
                          [r == "on" for r in FLAGS.remat], FLAGS.seq_len, FLAGS.start_batch,
-                         FLAGS.max_batch, FLAGS.resolution, FLAGS.max_compiles)
+                         FLAGS.max_batch, FLAGS.resolution, FLAGS.max_compiles,
+                         tuple(int(x) for x in FLAGS.shallow) or None)
   cpu1 = os.times()
   data = {**prov, "code_key": cache.code,
           "note": "compiler estimates from AOT compiles (libtpu compile-only devices), "
                   "not measurements on a TPU",
           "chips": {k: dataclasses.asdict(v) for k, v in scale_lib.CHIPS.items()},
           "targets": {t: dataclasses.asdict(TARGETS[t]) for t in FLAGS.targets},
-          "resolution": FLAGS.resolution, "max_batch": FLAGS.max_batch,
+          "resolution": FLAGS.resolution, "shallow": [int(x) for x in FLAGS.shallow], "max_batch": FLAGS.max_batch,
           "new_compiles": cache.new, "wall_s": round(time.time() - start),
           "cpu_s": round(cpu1.user + cpu1.system - cpu0.user - cpu0.system),
           "rows": rows, "ratios": scale_lib.ratios(rows)}

@@ -134,6 +134,64 @@ def test_a_refuted_affine_guess_is_followed_by_bisection():
   assert calls[:6] == [1, 2, 10, 13, 14, 26] and len(calls) <= 10, calls
 
 
+def _fake_compiles(monkeypatch, fixed, per_block, per_row, per_row_block, wobble=0.0):
+  """scale_measure without libtpu: the peak of `blocks` blocks at batch b is
+  fixed + per_block*blocks + b*(per_row + per_row_block*blocks) GiB, plus `wobble` GiB at
+  full depth only (what the depth line cannot see); compiles are counted by (b, blocks)."""
+  from benchmarks import scale_measure  # pylint: disable=import-outside-toplevel
+  compiled = []
+
+  def lower(topology, mesh, name, kind, remat, seq_len, b, blocks):
+    return (b, blocks, remat), None, None, None
+
+  def compile_and_read(lowered, cfg, state, devices, mesh, hbm):
+    b, blocks, _ = lowered
+    compiled.append((b, blocks))
+    full = scale_table.preset("small").model.n_layers
+    peak = (fixed + per_block * blocks + b * (per_row + per_row_block * blocks)
+            + (wobble if blocks == full else 0.0)) * 2 ** 30
+    if peak > hbm:
+      return {"fits": False}
+    return dict(_measured(1e13, 1e11), peak_bytes=peak, n_layers=blocks)
+
+  monkeypatch.setattr(scale_measure, "lower", lower)
+  monkeypatch.setattr(scale_measure, "program_key", lambda lowered, t, m: f"p{lowered}")
+  monkeypatch.setattr(scale_measure, "compile_and_read", compile_and_read)
+  return compiled
+
+
+@pytest.mark.parametrize("wobble", [0.0, 0.9])
+def test_depth_extrapolated_search_then_one_full_depth_compile(monkeypatch, tmp_path, wobble):
+  """The batch is searched on 2- and 4-block compiles, then the 12-block step is compiled
+  at it; when that overflows (the line missed `wobble`), a full-depth search goes below."""
+  rng = np.random.default_rng(int(wobble * 10))
+  fixed, per_block, per_row, per_row_block = (rng.uniform(0.2, 1.0), rng.uniform(0.05, 0.2),
+                                              rng.uniform(0.01, 0.1), rng.uniform(0.05, 0.1))
+  compiled = _fake_compiles(monkeypatch, fixed, per_block, per_row, per_row_block, wobble)
+  cache = scale_table.Cache(str(tmp_path / "c.json"), "code.a")
+  rows = scale_table.build(cache, ["v5e-16 fsdp"], ["small"], ["prism"], [False], 1024, 1,
+                           256, 0.0, 0, log=lambda _: None)
+
+  def peak(b):
+    return fixed + 12 * per_block + b * (per_row + 12 * per_row_block) + wobble
+
+  truth = max(b for b in range(1, 257) if peak(b) <= 16)
+  line = max(b for b in range(1, 257) if peak(b) - wobble <= 16)
+  assert rows[0]["per_chip_batch"] == truth
+  full = [b for b, blocks in compiled if blocks == 12]
+  assert full == ([truth] if wobble == 0 else [line] + full[1:]) and len(full) <= 6, full
+  assert rows[0]["extrapolated_peak_GiB"] == pytest.approx(peak(truth) - wobble)
+  assert rows[0]["peak_GiB"] == pytest.approx(peak(truth))
+  # a change to the code (a new code key) lowers again and compiles nothing it has
+  again = scale_table.Cache(str(tmp_path / "c.json"), "code.b")
+  assert scale_table.build(again, ["v5e-16 fsdp"], ["small"], ["prism"], [False], 1024, 1,
+                           256, 0.0, 0, log=lambda _: None) == rows
+  assert again.new == 0 and len(again.index) == 2 * len(cache.index)
+  cached = scale_table.Cache(str(tmp_path / "c.json"), "code.c")  # -1: compile nothing new
+  assert scale_table.build(cached, ["v5e-16 fsdp"], ["small"], ["prism"], [True], 1024, 1,
+                           256, 0.0, -1, log=lambda _: None) == [] and cached.new == 0
+
+
 def _measured(flops, nbytes, kind="prism", nxk=False):
   return {"fits": True, "peak_bytes": 3 * 2 ** 30, "flops": flops, "bytes_accessed": nbytes,
           "collectives": hc.summary([]), "proto_dims": [4096, 8192], "d_model": 768,
@@ -190,7 +248,7 @@ def test_tiny_table_with_the_k_sharded_bank(tmp_path):
                            [False], 128, 2, 2, 0.0, 0)  # one compile: 2 fits the cap
   assert [r["fits"] for r in rows] == [True]
   assert rows[0]["per_chip_batch"] == 2 and cache.new == 1
-  entries = list(cache.entries.values())
+  entries = list(cache.programs.values())
   assert all(e["optimization_barriers"] == 0 and e["mosaic_calls"] > 0 for e in entries)
   r = rows[0]
   assert r["nxk_collectives"] == []  # the K-sharded bank moves no N x K matrix

@@ -238,7 +238,7 @@ def curvature_pass(model, cfg: Config, packed, out_dir: str, cache_cfg: fmt.Cach
   process sums its stat shards (each resumed from its float64 snapshot, then saved whole);
   all shards are folded in shard order; process 0 writes the statistics and the empty
   record arrays, updates metadata.json and marks pass 2 in progress.json."""
-  mcfg, driver = cfg.model, cache_cfg.driver
+  mcfg = cfg.model
   pid, count = shards.process()
   ranges = shards.stat_shards(num_rows, cache_cfg.batch_rows, cache_cfg.stat_shards)
   new_acc = lambda: cs.CurvatureAccumulator(mcfg.num_prototypes, mcfg.d_model, cfg.loss,

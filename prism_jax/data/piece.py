@@ -35,7 +35,7 @@ def pack_piece(out_dir: str, piece: dict[str, Any], k: int, settings: dict[str, 
                ) -> dict[str, Any]:
   """Writes piece k under out_dir/pieces/<k>; returns (and writes as done.json) its counts."""
   dtype = fmt.token_dtype(settings["vocab_size"])
-  tokens_D, split_names, unit_docs = [], [], [0] * len(piece["units"])
+  tokens_D, unit_docs = [], [0] * len(piece["units"])
   batch, names = [], []
 
   def flush():
