@@ -160,11 +160,13 @@ def _fake_compiles(monkeypatch, fixed, per_block, per_row, per_row_block, wobble
   return compiled
 
 
-@pytest.mark.parametrize("wobble", [0.0, 0.9])
+@pytest.mark.parametrize("wobble", [0.0, 0.9, -0.7])
 def test_depth_extrapolated_search_then_one_full_depth_compile(monkeypatch, tmp_path, wobble):
   """The batch is searched on 2- and 4-block compiles, then the 12-block step is compiled
-  at it; when that overflows (the line missed `wobble`), a full-depth search goes below."""
-  rng = np.random.default_rng(int(wobble * 10))
+  at it; when that overflows (the line missed `wobble`), a full-depth search goes below;
+  when the full depth is lower than the line (as `small` is: -0.7 GiB), the gap corrects
+  the line and the search compiles upward while that says b + 1 fits."""
+  rng = np.random.default_rng(int(abs(wobble) * 10))
   fixed, per_block, per_row, per_row_block = (rng.uniform(0.2, 1.0), rng.uniform(0.05, 0.2),
                                               rng.uniform(0.01, 0.1), rng.uniform(0.05, 0.1))
   compiled = _fake_compiles(monkeypatch, fixed, per_block, per_row, per_row_block, wobble)
@@ -179,7 +181,13 @@ def test_depth_extrapolated_search_then_one_full_depth_compile(monkeypatch, tmp_
   line = max(b for b in range(1, 257) if peak(b) - wobble <= 16)
   assert rows[0]["per_chip_batch"] == truth
   full = [b for b, blocks in compiled if blocks == 12]
-  assert full == ([truth] if wobble == 0 else [line] + full[1:]) and len(full) <= 6, full
+  if wobble <= 0:
+    assert full == list(range(line, truth + 1)), (full, line, truth)
+    assert rows[0]["batch_above"].startswith(f"b {truth + 1}: ") and "predicted" in \
+        rows[0]["batch_above"]
+  else:
+    assert full[0] == line and len(full) <= 6, full
+    assert rows[0]["batch_above"] == f"b {truth + 1} overflows at full depth (compiled)"
   assert rows[0]["extrapolated_peak_GiB"] == pytest.approx(peak(truth) - wobble)
   assert rows[0]["peak_GiB"] == pytest.approx(peak(truth))
   # a change to the code (a new code key) lowers again and compiles nothing it has
