@@ -93,7 +93,8 @@ def test_fit_recovers_planted_sparse_codes():
   idx, s = sae_lib.encode(fit.params, jnp.asarray(x, jnp.float32), K)
   x_hat = np.asarray(sae_lib.decode(fit.params, idx, s))
   ev = 1 - np.sum((x - x_hat) ** 2) / np.sum((x - x.mean(0)) ** 2)
-  assert ev > 0.8, ev
+  # 400 steps over 40 seeds: 0.804-0.85 (one run here 0.798); 1 step: 0.30-0.33
+  assert ev > 0.75, ev
 
 
 def test_bad_config_is_refused():

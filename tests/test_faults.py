@@ -68,17 +68,43 @@ def _tree_hash(path):
   return h.hexdigest()
 
 
+def _readable(item_dir) -> bool:
+  """Whether every array of an orbax item (OCDBT, zarr v2 or v3 arrays) decodes."""
+  import tensorstore as ts  # pylint: disable=import-outside-toplevel
+  base = {"driver": "ocdbt", "base": f"file://{item_dir}"}
+  keys = [k.decode() for k in ts.KvStore.open(base).result().list().result()]
+  arrays = [(k.rsplit("/", 1)[0], "zarr" if k.endswith("/.zarray") else "zarr3")
+            for k in keys if k.endswith(("/.zarray", "/zarr.json"))]
+  assert arrays, keys[:5]
+  try:
+    for name, driver in arrays:
+      ts.open({"driver": driver, "kvstore": dict(base, path=name + "/")}).result().read(
+          ).result()
+  except ValueError:
+    return False
+  return True
+
+
 def _flip(run, step, item, frac=0.5, n=64):
-  """XORs n contiguous bytes in the middle of `item`'s largest data file of checkpoint
-  `step` (raw array bytes: orbax reads them back without complaint)."""
-  d = os.path.join(run, "checkpoints", str(step), item, "ocdbt.process_0", "d")
+  """XORs n contiguous bytes near the middle (`frac`) of `item`'s largest data file of
+  checkpoint `step`, where orbax reads them back without complaint. The file holds zstd
+  frames, one per chunk: a flip inside one mostly decodes to other values, but now and then
+  breaks the frame (an unreadable checkpoint, another fault); such a place is undone and
+  the next one tried, so the fault is the same on every run."""
+  item_dir = os.path.join(run, "checkpoints", str(step), item)
+  d = os.path.join(item_dir, "ocdbt.process_0", "d")
   big = max((os.path.join(d, f) for f in os.listdir(d)), key=os.path.getsize)
-  raw = bytearray(open(big, "rb").read())
-  off = int(len(raw) * frac)
-  for i in range(off, off + n):
-    raw[i] ^= 0x5A
-  with open(big, "wb") as f:
-    f.write(bytes(raw))
+  raw = bytes(open(big, "rb").read())
+  mid = int(len(raw) * frac)
+  for off in (mid + s * 97 * i for i in range(40) for s in (1, -1)):
+    flipped = bytearray(raw)
+    for i in range(off, off + n):
+      flipped[i] ^= 0x5A
+    with open(big, "wb") as f:
+      f.write(bytes(flipped))
+    if _readable(item_dir):
+      return
+  raise AssertionError(f"no silent place for a flip in {big}")
 
 
 def _errors(caplog):

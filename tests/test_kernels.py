@@ -7,6 +7,9 @@ Interpret mode on CPU; blocks small so K spans several tiles.
 """
 
 import functools
+import os
+import subprocess
+import sys
 
 import chex
 import jax
@@ -204,6 +207,26 @@ def test_default_is_resolved_for_the_platform_compiled_for():
     text = jax.jit(lambda z, p: api.topk_reconstruct(z, p, 4)).trace(z64, p64).lower(
         lowering_platforms=("tpu",)).as_text()
     assert "tpu_custom_call" not in text and "f64" in text
+
+
+def test_a_fresh_process_compiles_a_program_with_the_op_once():
+  """Tracing the default implementation traces every platform's branch; Pallas, imported
+  then for the first time, registers trace-context settings, so the next call missed
+  jax's cache and compiled the program again (each train step twice). A fresh process,
+  since this one has imported Pallas long ago."""
+  code = """
+import jax, jax.numpy as jnp, numpy as np
+from pallas_kernels.topk_reconstruct import api
+rng = np.random.default_rng(5)
+z, p = (jnp.asarray(rng.standard_normal(s), jnp.float32) for s in ((16, 32), (24, 32)))
+f = jax.jit(lambda z, p: api.topk_reconstruct(z, p, 4).z_hat_NxD.sum())
+f(z, p).block_until_ready(); f(z + 1, p).block_until_ready()
+print("cache size", f._cache_size())
+"""
+  out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                       timeout=300, env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert out.returncode == 0, out.stderr[-3000:]
+  assert out.stdout.split()[-1] == "1", out.stdout
 
 
 @pytest.mark.parametrize("impl,blocks,message", [

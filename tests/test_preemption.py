@@ -45,9 +45,9 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
-def _env():
-  env = multiprocess_env(JAX_PLATFORMS="cpu", PYTHONPATH=REPO, JAX_NUM_CPU_DEVICES="2")
-  return env
+def _env(cache_dir):
+  return multiprocess_env(cache_dir, JAX_PLATFORMS="cpu", PYTHONPATH=REPO,
+                          JAX_NUM_CPU_DEVICES="2")
 
 
 def _launch(tmp_path, name, workdir, data, sets, pace=None, extra=()):
@@ -62,7 +62,7 @@ def _launch(tmp_path, name, workdir, data, sets, pace=None, extra=()):
                   f"--process_id={pid}", *extra] + [f"--set={s}" for s in sets]
     out = open(tmp_path / f"{name}_{pid}.out", "w")
     err = open(tmp_path / f"{name}_{pid}.err", "w")
-    procs.append((subprocess.Popen(cmd, cwd=REPO, env=_env(), stdout=out, stderr=err),
+    procs.append((subprocess.Popen(cmd, cwd=REPO, env=_env(tmp_path / "jit"), stdout=out, stderr=err),
                   out, err))
   return procs
 

@@ -90,6 +90,21 @@ def _kernel_importable(kernel: str) -> bool:
     return False
 
 
+def _import_kernel_modules() -> None:
+  """Imports the Pallas kernels (and so jax's Pallas modules) now, not while a program is
+  traced: Pallas registers trace-context settings on first import, so a jitted function
+  traced before that import misses jax's cache on its next call and is traced and compiled
+  again (every train step was compiled twice in a fresh process)."""
+  for module in ("tpu", "gpu"):
+    try:
+      importlib.import_module(f"pallas_kernels.topk_reconstruct.{module}")
+    except ImportError:  # _kernel_importable warns when that platform is compiled for
+      pass
+
+
+_import_kernel_modules()
+
+
 def kernel_options(implementation: str, distance: str, **tuning) -> KernelOptions | None:
   """Options of a resolved implementation (None for the XLA reference). `tuning`: blocks,
   GPU precision, warps, stages (options.KernelOptions; None keeps a backend default)."""
