@@ -25,6 +25,8 @@ import subprocess
 import sys
 import time
 
+import pytest
+
 from multiprocess_env import multiprocess_env
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -50,7 +52,15 @@ def _env(cache_dir):
                           JAX_NUM_CPU_DEVICES="2")
 
 
-def _launch(tmp_path, name, workdir, data, sets, pace=None, extra=()):
+@pytest.fixture(scope="module")
+def jit_cache(tmp_path_factory):
+  """A compilation cache of this file's own (multiprocess_env): the SIGTERM test's
+  reference fills it, and the later runs of the same programs, both processes alike,
+  read it."""
+  return tmp_path_factory.mktemp("jit")
+
+
+def _launch(tmp_path, cache, name, workdir, data, sets, pace=None, extra=()):
   """Two processes of prism train (paced: this file's launcher); logs in tmp_path."""
   port = _free_port()
   procs = []
@@ -62,7 +72,8 @@ def _launch(tmp_path, name, workdir, data, sets, pace=None, extra=()):
                   f"--process_id={pid}", *extra] + [f"--set={s}" for s in sets]
     out = open(tmp_path / f"{name}_{pid}.out", "w")
     err = open(tmp_path / f"{name}_{pid}.err", "w")
-    procs.append((subprocess.Popen(cmd, cwd=REPO, env=_env(tmp_path / "jit"), stdout=out, stderr=err),
+    procs.append((subprocess.Popen(cmd, cwd=REPO, env=_env(cache), stdout=out,
+                                   stderr=err),
                   out, err))
   return procs
 
@@ -145,11 +156,14 @@ def test_one_process_saves_the_step_after_the_signal(tmp_path):
   assert sorted(_losses(str(tmp_path / "run"))) == [1, 2, 3, 4]
 
 
-def test_sigterm_to_one_of_two_processes_saves_one_step_and_resumes_exactly(tmp_path):
+def test_sigterm_to_one_of_two_processes_saves_one_step_and_resumes_exactly(tmp_path,
+                                                                           jit_cache):
   data = _corpus(tmp_path / "corpus.txt")
   ref_dir, run_dir = str(tmp_path / "ref"), str(tmp_path / "run")
-  ref = _launch(tmp_path, "ref", ref_dir, data, SETS)  # uninterrupted, meanwhile
-  run = _launch(tmp_path, "run", run_dir, data, SETS, pace=0.4)
+  ref = _launch(tmp_path, jit_cache, "ref", ref_dir, data, SETS)  # uninterrupted, meanwhile
+  # its first step compiled every program into the test's cache, which the others then read
+  _wait_for_step(ref_dir, 1, ref)
+  run = _launch(tmp_path, jit_cache, "run", run_dir, data, SETS, pace=0.4)
   try:
     _wait_for_step(run_dir, CKPT_EVERY + 1, run)  # past checkpoint 4, before 12
     run[1][0].send_signal(signal.SIGTERM)  # process 1 only: the notice must spread
@@ -175,7 +189,7 @@ def test_sigterm_to_one_of_two_processes_saves_one_step_and_resumes_exactly(tmp_
   assert max(_losses(run_dir)) == step
   assert "step 0: prototypes set from 256 hidden states" in _read(tmp_path, "run", 0, "err")
 
-  resumed = _launch(tmp_path, "resume", run_dir, data, SETS)
+  resumed = _launch(tmp_path, jit_cache, "resume", run_dir, data, SETS)
   assert _wait(resumed) == [0, 0], [_read(tmp_path, "resume", p, "err")[-3000:]
                                     for p in range(2)]
   assert f"resumed from checkpoint {step}" in _read(tmp_path, "resume", 0, "err")
@@ -186,10 +200,11 @@ def test_sigterm_to_one_of_two_processes_saves_one_step_and_resumes_exactly(tmp_
     assert got[s] == want[s], (s, got[s], want[s])
 
 
-def test_a_killed_process_makes_the_other_exit_with_an_error(tmp_path):
+def test_a_killed_process_makes_the_other_exit_with_an_error(tmp_path, jit_cache):
   data = _corpus(tmp_path / "corpus.txt")
   run_dir = str(tmp_path / "run")
-  run = _launch(tmp_path, "kill", run_dir, data, SETS + ["train.steps=500"], pace=0.2,
+  # SETS' programs (read from the cache); paced so that 9 s remain after step 3
+  run = _launch(tmp_path, jit_cache, "kill", run_dir, data, SETS, pace=1.0,
                 extra=["--heartbeat_timeout_s=5"])
   try:
     _wait_for_step(run_dir, 3, run)
