@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import hashlib
 import os
+import re
 import time
 from importlib import metadata
 from typing import Any
@@ -58,10 +59,21 @@ def _reader_source() -> str:
   return text
 
 
-def program_key(lowered, topology: str, mesh) -> str:
+# A Mosaic kernel's call carries its source locations (file paths, line numbers) for
+# debugging: left out of the key, so a checkout elsewhere or moved lines keep the cache.
+_DEBUG_LOCATIONS = re.compile(r"\\22debug_locations\\22: \\22[A-Za-z0-9+/=]*\\22")
+
+
+def program_text(lowered) -> str:
+  """The lowered program (StableHLO) without debug information."""
+  return _DEBUG_LOCATIONS.sub("", lowered.as_text())
+
+
+def program_key(lowered, topology: str, mesh, text: str | None = None) -> str:
   """Same key <=> same program compiled for the same target and read the same way."""
   h = hashlib.sha256()
-  for part in (lowered.as_text(), topology, str(tuple(mesh)), _versions(), _reader_source()):
+  text = program_text(lowered) if text is None else text
+  for part in (text, topology, str(tuple(mesh)), _versions(), _reader_source()):
     h.update(part.encode())
     h.update(b"\0")
   return "program." + h.hexdigest()[:20]
