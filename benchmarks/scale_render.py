@@ -14,10 +14,12 @@ def scale_table_markdown(data: dict) -> str:
   chips = "; ".join(f"{k}: {v['source']}" for k, v in data["chips"].items())
   lines = [f"Compiler estimates, not measurements (commit `{data['commit'][:12]}`, "
            f"`{data['command']}`). Chip figures: {chips}."
-           + (f" batch/chip: the largest that fits (within {data['resolution']:.0%}) by HBM "
-              f"peaks extrapolated linearly in depth from {data['shallow'][0]}- and "
-              f"{data['shallow'][1]}-block compiles, then compiled at full depth; every "
-              "other figure of a row is that full-depth compile's."
+           + (" batch/chip: the largest that fits"
+              + (f" (within {data['resolution']:.0%})" if data["resolution"] else "")
+              + f" by HBM peaks extrapolated linearly in depth from {data['shallow'][0]}- and "
+              f"{data['shallow'][1]}-block compiles, then compiled at full depth, and b + 1 "
+              "either compiled and over the HBM or predicted over it by the line less its "
+              "gap at b; every other figure of a row is that full-depth compile's."
               if data.get("shallow") else ""), "",
            "| target | preset | kind | remat | batch/chip | HBM peak GiB (compiler) "
            "| TFLOP/chip/step compiled / analytic | GB accessed (compiler) "
