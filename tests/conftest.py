@@ -41,11 +41,12 @@ def gcs():
 # The longest files first (`make test` runs files whole on two xdist workers, in collection
 # order): the run then ends on short files, not with one worker alone on a long one.
 # Measured with `--durations=0`; a file missing here just keeps its place after them.
-LONGEST_FIRST = ("test_preemption.py", "test_cache_multihost.py", "test_kernels.py",
-                 "test_faults.py", "test_train_extend.py", "test_train_resume.py",
-                 "test_cli.py", "test_ekfac.py", "test_throughput.py", "test_report_browser.py",
-                 "test_sharding_aot.py", "test_sharding.py", "test_evaluation_lds.py",
-                 "test_head.py", "test_multihost.py")
+LONGEST_FIRST = ("test_kernels.py", "test_preemption.py", "test_faults.py",
+                 "test_throughput.py", "test_cli.py", "test_ekfac.py", "test_train_extend.py",
+                 "test_sharding.py", "test_report_browser.py", "test_head.py",
+                 "test_kernels_backward.py", "test_train_resume.py",
+                 "test_control_suppression.py", "test_sharding_aot.py", "test_hessian.py",
+                 "test_retrofit.py", "test_hf.py", "test_cache_multihost.py")
 
 
 def pytest_collection_modifyitems(items):
