@@ -68,7 +68,8 @@ def main(argv: list[str]) -> None:
                   "not measurements on a TPU",
           "chips": {k: dataclasses.asdict(v) for k, v in scale_lib.CHIPS.items()},
           "targets": {t: dataclasses.asdict(TARGETS[t]) for t in FLAGS.targets},
-          "resolution": FLAGS.resolution, "shallow": [int(x) for x in FLAGS.shallow], "max_batch": FLAGS.max_batch,
+          "resolution": FLAGS.resolution, "shallow": [int(x) for x in FLAGS.shallow],
+          "max_batch": FLAGS.max_batch,
           "new_compiles": cache.new, "wall_s": round(time.time() - start),
           "cpu_s": round(cpu1.user + cpu1.system - cpu0.user - cpu0.system),
           "rows": rows, "ratios": scale_lib.ratios(rows)}
