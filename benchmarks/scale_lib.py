@@ -264,8 +264,9 @@ def search_in_depth(result: Callable[[int, int], dict], full: int, shallow: tupl
   """(batch, why not batch + 1): largest_fitting on peaks extrapolated in depth (in_depth),
   then at full depth. Below: full-depth searches under an overflowing guess. Above: the
   line misses what XLA's buffer reuse saves at depth (`small`: 15.21 GiB extrapolated,
-  14.51 compiled, at b 13), so the gap measured at the batch corrects the line at b + 1,
-  and b + 1 is compiled while that says it fits."""
+  14.51 compiled, at b 13), so the gap measured at the batch corrects the line, the full
+  depth is compiled at the corrected line's largest batch, and again from there until the
+  corrected line says b + 1 does not fit (a full-depth overflow: bisection below it)."""
   shallow_at = lambda b: in_depth({l: result(b, l) for l in shallow}, full, limit)
   guess = largest_fitting(shallow_at, limit, start, max_batch, resolution)
   if guess is None or (guess == 1 and not result(1, full)["fits"]):
@@ -277,14 +278,23 @@ def search_in_depth(result: Callable[[int, int], dict], full: int, shallow: tupl
   batch = guess
   while batch < max_batch:
     gap = shallow_at(batch)[1] - result(batch, full)["peak_bytes"]
-    fits, line = shallow_at(batch + 1)
-    if line is None or line - gap > limit:
-      return batch, (f"b {batch + 1}: {(line - gap) / GIB:.2f} GiB predicted (extrapolated, "
-                     "less the gap at b)" if line is not None else
+
+    def corrected(b, gap=gap):
+      _, line = shallow_at(b)
+      return (False, None) if line is None else (line - gap <= limit, line - gap)
+    fits, predicted = corrected(batch + 1)
+    if not fits:
+      return batch, (f"b {batch + 1}: {predicted / GIB:.2f} GiB predicted (extrapolated, "
+                     "less the gap at b)" if predicted is not None else
                      f"b {batch + 1} overflows at a smaller depth")
-    if not result(batch + 1, full)["fits"]:
-      return batch, f"b {batch + 1} overflows at full depth (compiled)"
-    batch += 1
+    # the corrected line's largest batch (smaller depths only), then compiled at full depth
+    top = largest_fitting(corrected, limit, batch + 1, max_batch, 0.0)
+    if result(top, full)["fits"]:
+      batch = top
+      continue
+    batch = largest_fitting(lambda b: _fits_and_peak(result(b, full)), limit, batch, top - 1,
+                            0.0)
+    return batch, f"b {batch + 1} overflows at full depth (compiled)"
   return batch, "max_batch"
 
 

@@ -134,10 +134,12 @@ def test_a_refuted_affine_guess_is_followed_by_bisection():
   assert calls[:6] == [1, 2, 10, 13, 14, 26] and len(calls) <= 10, calls
 
 
-def _fake_compiles(monkeypatch, fixed, per_block, per_row, per_row_block, wobble=0.0):
+def _fake_compiles(monkeypatch, fixed, per_block, per_row, per_row_block, wobble=0.0,
+                   curve=0.0):
   """scale_measure without libtpu: the peak of `blocks` blocks at batch b is
-  fixed + per_block*blocks + b*(per_row + per_row_block*blocks) GiB, plus `wobble` GiB at
-  full depth only (what the depth line cannot see); compiles are counted by (b, blocks)."""
+  fixed + per_block*blocks + b*(per_row + per_row_block*blocks) GiB, plus `wobble` +
+  `curve` b² GiB at full depth only (what the depth line cannot see); compiles are counted
+  by (b, blocks)."""
   from benchmarks import scale_measure  # pylint: disable=import-outside-toplevel
   compiled = []
 
@@ -149,7 +151,7 @@ def _fake_compiles(monkeypatch, fixed, per_block, per_row, per_row_block, wobble
     compiled.append((b, blocks))
     full = scale_table.preset("small").model.n_layers
     peak = (fixed + per_block * blocks + b * (per_row + per_row_block * blocks)
-            + (wobble if blocks == full else 0.0)) * 2 ** 30
+            + (wobble + curve * b * b if blocks == full else 0.0)) * 2 ** 30
     if peak > hbm:
       return {"fits": False}
     return dict(_measured(1e13, 1e11), peak_bytes=peak, n_layers=blocks)
@@ -160,35 +162,46 @@ def _fake_compiles(monkeypatch, fixed, per_block, per_row, per_row_block, wobble
   return compiled
 
 
-@pytest.mark.parametrize("wobble", [0.0, 0.9, -0.7])
-def test_depth_extrapolated_search_then_one_full_depth_compile(monkeypatch, tmp_path, wobble):
+@pytest.mark.parametrize("wobble,curve_at_line", [(0.0, 0.0), (0.9, 0.0), (-0.7, 0.0),
+                                                   (-0.7, 0.35)])
+def test_depth_extrapolated_search_then_one_full_depth_compile(monkeypatch, tmp_path, wobble,
+                                                               curve_at_line):
   """The batch is searched on 2- and 4-block compiles, then the 12-block step is compiled
   at it; when that overflows (the line missed `wobble`), a full-depth search goes below;
   when the full depth is lower than the line (as `small` is: -0.7 GiB), the gap corrects
-  the line and the search compiles upward while that says b + 1 fits."""
+  the line and the full depth is compiled where the corrected line ends."""
   rng = np.random.default_rng(int(abs(wobble) * 10))
   fixed, per_block, per_row, per_row_block = (rng.uniform(0.2, 1.0), rng.uniform(0.05, 0.2),
                                               rng.uniform(0.01, 0.1), rng.uniform(0.05, 0.1))
-  compiled = _fake_compiles(monkeypatch, fixed, per_block, per_row, per_row_block, wobble)
+  if curve_at_line:  # a line that reaches ~180, so the overshoot is a few batches
+    fixed, per_block, per_row, per_row_block = 0.5, 0.1, 0.02, 0.005
+  base = lambda b: fixed + 12 * per_block + b * (per_row + 12 * per_row_block)
+  line = max(b for b in range(1, 257) if base(b) <= 16)  # where the depth line says
+  curve = curve_at_line / line ** 2  # a gap that grows with b: the corrected line overshoots
+  compiled = _fake_compiles(monkeypatch, fixed, per_block, per_row, per_row_block, wobble,
+                            curve)
   cache = scale_table.Cache(str(tmp_path / "c.json"), "code.a")
   rows = scale_table.build(cache, ["v5e-16 fsdp"], ["small"], ["prism"], [False], 1024, 1,
                            256, 0.0, 0, log=lambda _: None)
 
   def peak(b):
-    return fixed + 12 * per_block + b * (per_row + 12 * per_row_block) + wobble
+    return fixed + 12 * per_block + b * (per_row + 12 * per_row_block) + wobble + curve * b * b
 
   truth = max(b for b in range(1, 257) if peak(b) <= 16)
-  line = max(b for b in range(1, 257) if peak(b) - wobble <= 16)
   assert rows[0]["per_chip_batch"] == truth
   full = [b for b, blocks in compiled if blocks == 12]
-  if wobble <= 0:
-    assert full == list(range(line, truth + 1)), (full, line, truth)
+  if curve:  # the corrected line's batch overflows at full depth: bisection below it
+    assert full[0] == line and len(full) <= 8 and max(full) > truth, (full, line, truth)
+    assert rows[0]["batch_above"] == f"b {truth + 1} overflows at full depth (compiled)"
+  elif wobble <= 0:  # the corrected line jumps from the line's batch to the truth
+    assert full == sorted({line, truth}), (full, line, truth)
     assert rows[0]["batch_above"].startswith(f"b {truth + 1}: ") and "predicted" in \
         rows[0]["batch_above"]
   else:
     assert full[0] == line and len(full) <= 6, full
     assert rows[0]["batch_above"] == f"b {truth + 1} overflows at full depth (compiled)"
-  assert rows[0]["extrapolated_peak_GiB"] == pytest.approx(peak(truth) - wobble)
+  assert rows[0]["extrapolated_peak_GiB"] == pytest.approx(
+      peak(truth) - wobble - curve * truth ** 2)
   assert rows[0]["peak_GiB"] == pytest.approx(peak(truth))
   # a change to the code (a new code key) lowers again and compiles nothing it has
   again = scale_table.Cache(str(tmp_path / "c.json"), "code.b")
