@@ -287,8 +287,13 @@ def search_in_depth(result: Callable[[int, int], dict], full: int, shallow: tupl
       return batch, (f"b {batch + 1}: {predicted / GIB:.2f} GiB predicted (extrapolated, "
                      "less the gap at b)" if predicted is not None else
                      f"b {batch + 1} overflows at a smaller depth")
-    # the corrected line's largest batch (smaller depths only), then compiled at full depth
-    top = largest_fitting(corrected, limit, batch + 1, max_batch, 0.0)
+    # the corrected line's largest batch (smaller depths only): where its slope from b to
+    # b + 1 meets the limit, checked there and one above; then compiled at full depth
+    slope = predicted - (shallow_at(batch)[1] - gap)
+    top = max_batch if slope <= 0 else batch + 1 + int((limit - predicted) / slope)
+    top = min(max(top, batch + 1), max_batch)
+    if not corrected(top)[0] or (top < max_batch and corrected(top + 1)[0]):
+      top = largest_fitting(corrected, limit, batch + 1, max_batch, 0.0)
     if result(top, full)["fits"]:
       batch = top
       continue

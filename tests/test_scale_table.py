@@ -190,6 +190,7 @@ def test_depth_extrapolated_search_then_one_full_depth_compile(monkeypatch, tmp_
   truth = max(b for b in range(1, 257) if peak(b) <= 16)
   assert rows[0]["per_chip_batch"] == truth
   full = [b for b, blocks in compiled if blocks == 12]
+  assert len(compiled) <= (18 if curve else 12), sorted(compiled)  # 2-block and 4-block too
   if curve:  # the corrected line's batch overflows at full depth: bisection below it
     assert full[0] == line and len(full) <= 8 and max(full) > truth, (full, line, truth)
     assert rows[0]["batch_above"] == f"b {truth + 1} overflows at full depth (compiled)"
