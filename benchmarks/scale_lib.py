@@ -277,7 +277,8 @@ def search_in_depth(result: Callable[[int, int], dict], full: int, shallow: tupl
     return batch, f"b {batch + 1} overflows at full depth (compiled)"
   batch = guess
   while batch < max_batch:
-    gap = shallow_at(batch)[1] - result(batch, full)["peak_bytes"]
+    compiled = result(batch, full)["peak_bytes"]
+    gap = shallow_at(batch)[1] - compiled
 
     def corrected(b, gap=gap):
       _, line = shallow_at(b)
@@ -289,7 +290,7 @@ def search_in_depth(result: Callable[[int, int], dict], full: int, shallow: tupl
                      f"b {batch + 1} overflows at a smaller depth")
     # the corrected line's largest batch (smaller depths only): where its slope from b to
     # b + 1 meets the limit, checked there and one above; then compiled at full depth
-    slope = predicted - (shallow_at(batch)[1] - gap)
+    slope = predicted - compiled
     top = max_batch if slope <= 0 else batch + 1 + int((limit - predicted) / slope)
     top = min(max(top, batch + 1), max_batch)
     if not corrected(top)[0] or (top < max_batch and corrected(top + 1)[0]):

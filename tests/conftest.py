@@ -17,9 +17,8 @@ os.environ["XLA_FLAGS"] = " ".join(
 # a cache hit returns the same executable, so no result changes. Multi-process runs go
 # without it (multiprocess_env.py).
 if os.environ.get("PRISM_JAX_TEST_JIT_CACHE"):
-  os.environ.update(JAX_COMPILATION_CACHE_DIR=os.environ["PRISM_JAX_TEST_JIT_CACHE"],
-                    JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-                    JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+  from multiprocess_env import jit_cache_env  # pylint: disable=wrong-import-position
+  os.environ.update(jit_cache_env(os.environ["PRISM_JAX_TEST_JIT_CACHE"]))
 
 import jax  # noqa: E402
 

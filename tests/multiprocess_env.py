@@ -2,10 +2,18 @@
 
 import os
 
-# tests/conftest.py sets these under `make test`, so single-process subprocesses share the
-# run's persistent compilation cache.
-JIT_CACHE_VARS = ("JAX_COMPILATION_CACHE_DIR", "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS",
-                  "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES")
+
+
+def jit_cache_env(cache_dir) -> dict:
+  """The environment of a persistent compilation cache in `cache_dir` that keeps every
+  program (tests/conftest.py sets it under `make test`, so single-process subprocesses
+  share the run's cache)."""
+  return {"JAX_COMPILATION_CACHE_DIR": str(cache_dir),
+          "JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS": "0",
+          "JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES": "0"}
+
+
+JIT_CACHE_VARS = tuple(jit_cache_env(""))
 
 
 def multiprocess_env(cache_dir=None, **extra) -> dict:
@@ -15,8 +23,6 @@ def multiprocess_env(cache_dir=None, **extra) -> dict:
   test's own, which all its processes start from in the same state."""
   env = {k: v for k, v in os.environ.items() if k not in JIT_CACHE_VARS}
   if cache_dir is not None:
-    env.update(JAX_COMPILATION_CACHE_DIR=str(cache_dir),
-               JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS="0",
-               JAX_PERSISTENT_CACHE_MIN_ENTRY_SIZE_BYTES="0")
+    env.update(jit_cache_env(cache_dir))
   env.update(extra)
   return env

@@ -96,7 +96,7 @@ def _flip(run, step, item, frac=0.5, n=64):
   big = max((os.path.join(d, f) for f in os.listdir(d)), key=os.path.getsize)
   raw = bytes(open(big, "rb").read())
   mid = int(len(raw) * frac)
-  for off in (mid + s * 97 * i for i in range(40) for s in (1, -1)):
+  for off in [mid] + [mid + s * 97 * i for i in range(1, 40) for s in (1, -1)]:
     flipped = bytearray(raw)
     for i in range(off, off + n):
       flipped[i] ^= 0x5A
