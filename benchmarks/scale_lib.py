@@ -73,7 +73,8 @@ DEFAULT_TARGETS = ("v5e-16 fsdp", "v5p-8 fsdp+K/2")
 
 
 def largest_fitting(probe: Callable[[int], tuple[bool, float | None]], limit: float,
-                    start: int, max_batch: int, resolution: float) -> int | None:
+                    start: int, max_batch: int, resolution: float,
+                    slope_hint: float | None = None) -> int | None:
   """The largest b <= max_batch that fits (probe(b) = (fits, peak bytes or None); fits is
   monotone, true up to some b*), within max(1, resolution x b).
 
@@ -81,6 +82,7 @@ def largest_fitting(probe: Callable[[int], tuple[bool, float | None]], limit: fl
   Once two compiled batches have a peak, each probe is instead placed where the line
   through them meets `limit` (the peak is close to affine in the batch: state + b x
   activations), kept inside the bracket: a handful of compiles instead of ~2 log2(b*).
+  `slope_hint` (bytes per batch row) places the probe after the first peak the same way.
   None when even 1 does not fit."""
   peaks: dict[int, float] = {}
   lo, hi = 0, max_batch + 1  # lo fits (0: none yet), hi does not
@@ -96,10 +98,13 @@ def largest_fitting(probe: Callable[[int], tuple[bool, float | None]], limit: fl
       hi = b
 
   def predicted() -> int | None:
-    if len(peaks) < 2:
+    if len(peaks) >= 2:
+      (b1, p1), (b2, p2) = sorted(peaks.items())[-2:]
+      slope = (p2 - p1) / (b2 - b1)
+    elif peaks and slope_hint is not None:
+      (b2, p2), slope = next(iter(peaks.items())), slope_hint
+    else:
       return None
-    (b1, p1), (b2, p2) = sorted(peaks.items())[-2:]
-    slope = (p2 - p1) / (b2 - b1)
     return None if slope <= 0 else int(b2 + (limit - p2) / slope)
 
   step(max(1, min(start, max_batch)))
@@ -110,8 +115,8 @@ def largest_fitting(probe: Callable[[int], tuple[bool, float | None]], limit: fl
   refuted = 0  # affine guesses in a row that did not fit
   while hi - lo > max(1, int(resolution * lo)):
     # two refuted guesses say the peak is not affine here (XLA's schedule changes with b:
-    # `small` measured 14.51 -> 14.62 GiB from b 13 to 14, then 26 overflowed): bisect,
-    # rather than walk down from hi one batch at a time
+    # `small` measured 14.51 -> 14.62 GiB from b 13 to 14, then 26 overflowed): bisect from
+    # then on, rather than walk down from hi one batch at a time
     guess = None if refuted >= 2 else predicted()
     if hi == max_batch + 1 and guess is None:
       nxt = min(2 * lo, max_batch)  # doubling
@@ -124,8 +129,6 @@ def largest_fitting(probe: Callable[[int], tuple[bool, float | None]], limit: fl
     step(nxt)
     if hi < before and guess is not None:
       refuted += 1
-    elif hi == before:
-      refuted = 0
   return lo
 
 
@@ -261,47 +264,32 @@ def in_depth(shallow: dict[int, dict], n_layers: int, limit: float) -> tuple[boo
 def search_in_depth(result: Callable[[int, int], dict], full: int, shallow: tuple[int, int],
                     limit: float, start: int, max_batch: int, resolution: float
                     ) -> tuple[int | None, str]:
-  """(batch, why not batch + 1): largest_fitting on peaks extrapolated in depth (in_depth),
-  then at full depth. Below: full-depth searches under an overflowing guess. Above: the
-  line misses what XLA's buffer reuse saves at depth (`small`: 15.21 GiB extrapolated,
-  14.51 compiled, at b 13), so the gap measured at the batch corrects the line, the full
-  depth is compiled at the corrected line's largest batch, and again from there until the
-  corrected line says b + 1 does not fit (a full-depth overflow: bisection below it)."""
+  """(batch, why not batch + 1): largest_fitting on peaks extrapolated in depth (in_depth)
+  gives a first guess, compiled at full depth. Below it (the guess overflows): a full-depth
+  search under it. Above: a full-depth search between the guess and the largest batch the
+  deeper shallow step fits (an overflow at a smaller depth is one at every larger depth),
+  its first probe placed by the extrapolated line's slope in b. Near the limit XLA
+  rematerialises to fit, so compiled peaks flatten (`small` with remat: 14.48 GiB at b 34,
+  14.06 at b 39) and the search ends in bisection; an overflow costs little (XLA stops at
+  buffer assignment). Every reason given is a compile's."""
   shallow_at = lambda b: in_depth({l: result(b, l) for l in shallow}, full, limit)
+  full_at = lambda b: _fits_and_peak(result(b, full))
   guess = largest_fitting(shallow_at, limit, start, max_batch, resolution)
   if guess is None or (guess == 1 and not result(1, full)["fits"]):
     return None, "b 1 overflows at full depth"
   if not result(guess, full)["fits"]:
-    batch = largest_fitting(lambda b: _fits_and_peak(result(b, full)), limit,
-                            max(1, guess - 1), guess - 1, resolution)
+    batch = largest_fitting(full_at, limit, max(1, guess - 1), guess - 1, resolution)
     return batch, f"b {batch + 1} overflows at full depth (compiled)"
-  batch = guess
-  while batch < max_batch:
-    compiled = result(batch, full)["peak_bytes"]
-    gap = shallow_at(batch)[1] - compiled
-
-    def corrected(b, gap=gap):
-      _, line = shallow_at(b)
-      return (False, None) if line is None else (line - gap <= limit, line - gap)
-    fits, predicted = corrected(batch + 1)
-    if not fits:
-      return batch, (f"b {batch + 1}: {predicted / GIB:.2f} GiB predicted (extrapolated, "
-                     "less the gap at b)" if predicted is not None else
-                     f"b {batch + 1} overflows at a smaller depth")
-    # the corrected line's largest batch (smaller depths only): where its slope from b to
-    # b + 1 meets the limit, checked there and one above; then compiled at full depth
-    slope = predicted - compiled
-    top = max_batch if slope <= 0 else batch + 1 + int((limit - predicted) / slope)
-    top = min(max(top, batch + 1), max_batch)
-    if not corrected(top)[0] or (top < max_batch and corrected(top + 1)[0]):
-      top = largest_fitting(corrected, limit, batch + 1, max_batch, 0.0)
-    if result(top, full)["fits"]:
-      batch = top
-      continue
-    batch = largest_fitting(lambda b: _fits_and_peak(result(b, full)), limit, batch, top - 1,
-                            0.0)
+  deep = max(shallow)
+  bound = largest_fitting(lambda b: _fits_and_peak(result(b, deep)), limit, guess, max_batch,
+                          0.0)
+  line_next = shallow_at(guess + 1)[1] if guess < bound else None
+  batch = largest_fitting(full_at, limit, guess, bound, 0.0, slope_hint=None
+                          if line_next is None else line_next - shallow_at(guess)[1])
+  if batch < bound:
     return batch, f"b {batch + 1} overflows at full depth (compiled)"
-  return batch, "max_batch"
+  return batch, ("max_batch" if bound == max_batch else
+                 f"b {bound + 1} overflows at {deep} blocks (compiled)")
 
 
 def build(cache: Cache, targets, presets, kinds, remats, seq_len, start, max_batch,
@@ -354,8 +342,8 @@ def build(cache: Cache, targets, presets, kinds, remats, seq_len, start, max_bat
                         None if batch is None else result(batch, full))
           if use_shallow and batch is not None:
             row["batch_search"] = f"peaks extrapolated in depth from {shallow} blocks"
-            row["extrapolated_peak_GiB"] = in_depth(
-                {l: result(batch, l) for l in shallow}, full, limit)[1] / GIB
+            line = in_depth({l: result(batch, l) for l in shallow}, full, limit)[1]
+            row["extrapolated_peak_GiB"] = None if line is None else line / GIB
             row["batch_above"] = above
           rows.append(row)
   return rows
