@@ -176,6 +176,10 @@ class Cache:
       json.dump({"programs": self.programs, "index": self.index}, f, indent=1, sort_keys=True)
     os.replace(tmp, self.path)
 
+  def peek(self, key: str) -> dict | None:
+    """The result for `key` if it is cached (nothing lowered or compiled)."""
+    return self.programs[self.index[key]] if key in self.index else None
+
   def get(self, key: str, lower: Callable[[], tuple[str, Callable[[], dict]]],
           may_compile: Callable[[], bool] = lambda: True) -> dict:
     """The result for `key`; else lower() -> (program key, compile): compiled only when that
@@ -265,13 +269,12 @@ def search_in_depth(result: Callable[[int, int], dict], full: int, shallow: tupl
                     limit: float, start: int, max_batch: int, resolution: float
                     ) -> tuple[int | None, str]:
   """(batch, why not batch + 1): largest_fitting on peaks extrapolated in depth (in_depth)
-  gives a first guess, compiled at full depth. Below it (the guess overflows): a full-depth
-  search under it. Above: a full-depth search between the guess and the largest batch the
-  deeper shallow step fits (an overflow at a smaller depth is one at every larger depth),
-  its first probe placed by the extrapolated line's slope in b. Near the limit XLA
-  rematerialises to fit, so compiled peaks flatten (`small` with remat: 14.48 GiB at b 34,
-  14.06 at b 39) and the search ends in bisection; an overflow costs little (XLA stops at
-  buffer assignment). Every reason given is a compile's."""
+  gives a first guess, compiled at full depth; then a full-depth search below it (when it
+  overflows) or above it, its first probe placed by the extrapolated line's slope in b.
+  Near the limit XLA rematerialises to fit, so compiled peaks flatten (`small` with remat:
+  14.48 GiB at b 34, 14.06 at b 39) and the search ends in bisection. Overflows are cheap
+  (`small`: ~25 s at full depth, XLA stops at buffer assignment; a fit takes 100-150 s,
+  and a 4-block fit at b 26 as long), so no shallow compile bounds it from above."""
   shallow_at = lambda b: in_depth({l: result(b, l) for l in shallow}, full, limit)
   full_at = lambda b: _fits_and_peak(result(b, full))
   guess = largest_fitting(shallow_at, limit, start, max_batch, resolution)
@@ -280,16 +283,15 @@ def search_in_depth(result: Callable[[int, int], dict], full: int, shallow: tupl
   if not result(guess, full)["fits"]:
     batch = largest_fitting(full_at, limit, max(1, guess - 1), guess - 1, resolution)
     return batch, f"b {batch + 1} overflows at full depth (compiled)"
-  deep = max(shallow)
-  bound = largest_fitting(lambda b: _fits_and_peak(result(b, deep)), limit, guess, max_batch,
-                          0.0)
-  line_next = shallow_at(guess + 1)[1] if guess < bound else None
-  batch = largest_fitting(full_at, limit, guess, bound, 0.0, slope_hint=None
-                          if line_next is None else line_next - shallow_at(guess)[1])
-  if batch < bound:
-    return batch, f"b {batch + 1} overflows at full depth (compiled)"
-  return batch, ("max_batch" if bound == max_batch else
-                 f"b {bound + 1} overflows at {deep} blocks (compiled)")
+  if guess == max_batch:
+    return guess, "max_batch"
+  line_next = shallow_at(guess + 1)[1]  # compiled by the search that found the guess
+  if line_next is None:  # an overflow at a smaller depth is one at every larger depth
+    return guess, f"b {guess + 1} overflows at {max(shallow)} blocks (compiled)"
+  batch = largest_fitting(full_at, limit, guess, max_batch, 0.0,
+                          slope_hint=line_next - shallow_at(guess)[1])
+  return batch, ("max_batch" if batch == max_batch else
+                 f"b {batch + 1} overflows at full depth (compiled)")
 
 
 def build(cache: Cache, targets, presets, kinds, remats, seq_len, start, max_batch,
@@ -307,9 +309,12 @@ def build(cache: Cache, targets, presets, kinds, remats, seq_len, start, max_bat
       full = preset(name).model.n_layers
       for kind in kinds:
         for remat in remats:
+          def key_of(b, layers, target=target, name=name, kind=kind, remat=remat):
+            return cache.key(target.topology, target.mesh, name, kind, remat, seq_len, b,
+                             layers)
+
           def result(b, layers, target=target, name=name, kind=kind, remat=remat):
-            key = cache.key(target.topology, target.mesh, name, kind, remat, seq_len, b,
-                            layers)
+            key = key_of(b, layers)
 
             def lower():
               lowered, cfg, state, devices = scale_measure.lower(
@@ -342,7 +347,9 @@ def build(cache: Cache, targets, presets, kinds, remats, seq_len, start, max_bat
                         None if batch is None else result(batch, full))
           if use_shallow and batch is not None:
             row["batch_search"] = f"peaks extrapolated in depth from {shallow} blocks"
-            line = in_depth({l: result(batch, l) for l in shallow}, full, limit)[1]
+            # the line at the batch, where its compiles exist (not compiled for the row)
+            at = {l: cache.peek(key_of(batch, l)) for l in shallow}
+            line = None if None in at.values() else in_depth(at, full, limit)[1]
             row["extrapolated_peak_GiB"] = None if line is None else line / GIB
             row["batch_above"] = above
           rows.append(row)

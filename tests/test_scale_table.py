@@ -209,10 +209,13 @@ def test_depth_extrapolated_search_then_full_depth_compiles(monkeypatch, tmp_pat
   assert full[0] == line and truth + 1 in full, (full, line, truth)
   if wobble <= 0 and not curve and not remat:  # one jump from the line to the truth
     assert full == sorted({line, truth, truth + 1}), (full, line, truth)
-  else:
-    assert len(full) <= 10, (full, line, truth)
+  else:  # overflows cost little (XLA stops at buffer assignment): count the fits
+    fitting = [b for b in full if b <= truth]
+    assert len(fitting) <= 5 and len(full) <= 14, (full, line, truth)
   assert len(compiled) - len(full) <= (16 if remat else 12), sorted(compiled)  # 2, 4 blocks
-  assert rows[0]["extrapolated_peak_GiB"] == pytest.approx(base(truth))
+  # the line's peak at the batch, where the search compiled both shallow steps there
+  assert rows[0]["extrapolated_peak_GiB"] == (
+      pytest.approx(base(truth)) if {(truth, 2), (truth, 4)} <= set(compiled) else None)
   assert rows[0]["peak_GiB"] == pytest.approx(peak(truth))
   # a change to the code (a new code key) lowers again and compiles nothing it has
   again = scale_table.Cache(str(tmp_path / "c.json"), "code.b")
