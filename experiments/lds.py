@@ -3,6 +3,7 @@
   python -m experiments.lds --out=/tmp/prism_lds [--subsets=32] [--queries=64]
       [--ceiling_subsets=6] [--removal_queries=2] [--results_json=docs/results/lds.json]
       [--plot=docs/lds_removal.png]
+  python -m experiments.lds --plot_from=docs/results/lds.json --plot=docs/lds_removal.png
 
 The model: experiments/lds_recipe.py's RECIPE (every model option and loss weight pinned;
 --set changes them) trained with the model's own recipe (evaluation/retrain.py) on the
@@ -52,6 +53,8 @@ flags.DEFINE_integer("seed", 0, "subsets, queries and random scores")
 flags.DEFINE_multi_string("set", [], "config overrides on top of RECIPE")
 flags.DEFINE_string("results_json", None, "also write the headline rows here (reproduce.py)")
 flags.DEFINE_string("plot", None, "removal curves PNG")
+flags.DEFINE_string("plot_from", None, "only draw --plot from this run's --results_json "
+                    "(its removal_ci): no data, training or scoring")
 flags.DEFINE_bool("dry_run", False, "resolve the recipe, data, queries and content key, "
                   "claim the workdir for them, print the key and stop (trains nothing)")
 FLAGS = flags.FLAGS
@@ -97,16 +100,20 @@ class _Retrains:
     return loss
 
 
-def _write_plot(path, ms, curves, errs):
+def _write_plot(path, ms, removal_ci):
+  """Removal curves: per method the mean and bootstrap CI (removal_ci: per m (mean, lo,
+  hi)) at each m, from 0 at m = 0."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
   fig, ax = plt.subplots(figsize=(6, 4))
-  for name, ys in curves.items():
-    ax.errorbar(ms, ys, yerr=errs[name], marker="o", capsize=3, label=name)
+  for name, ci in removal_ci.items():
+    mean = [0.0] + [c[0] for c in ci]
+    err = [[0.0] + [c[0] - c[1] for c in ci], [0.0] + [c[2] - c[0] for c in ci]]
+    ax.errorbar([0] + list(ms), mean, yerr=err, marker="o", capsize=3, label=name)
   ax.axhline(0, color="gray", lw=0.5)
   ax.set_xlabel("training rows removed (m)")
-  ax.set_ylabel("query loss change (nats, mean and 95% CI over queries)")
+  ax.set_ylabel("query loss change (nats)\nmean and 95% CI over queries")
   ax.set_title("Removal and retrain: top-m attributed rows")
   ax.legend()
   fig.tight_layout()
@@ -115,6 +122,17 @@ def _write_plot(path, ms, curves, errs):
 
 def main(argv):
   del argv
+  if FLAGS.plot_from:
+    if not FLAGS.plot:
+      raise ValueError("--plot_from needs --plot (the PNG to write)")
+    with open(FLAGS.plot_from) as f:
+      results = json.load(f)
+    if "removal_ci" not in results:
+      raise ValueError(f"--plot_from={FLAGS.plot_from}: no removal_ci (not an "
+                       "experiments.lds results file)")
+    _write_plot(FLAGS.plot, results["removal_m"], results["removal_ci"])
+    print(f"wrote {FLAGS.plot}")
+    return
   if FLAGS.subsets < 3:
     raise ValueError(f"--subsets={FLAGS.subsets}: a Spearman correlation needs >= 3")
   if FLAGS.ceiling_subsets and not 3 <= FLAGS.ceiling_subsets <= FLAGS.subsets:
@@ -233,10 +251,7 @@ def main(argv):
   with open(os.path.join(FLAGS.out, "results.md"), "w") as f:
     f.write(table + "\n")
   if FLAGS.plot:
-    _write_plot(FLAGS.plot, [0] + ms, {n: [0.0] + [c[0] for c in removal_ci[n]]
-                                       for n in removal_ci},
-                {n: [[0.0] + [c[0] - c[1] for c in removal_ci[n]],
-                     [0.0] + [c[2] - c[0] for c in removal_ci[n]]] for n in removal_ci})
+    _write_plot(FLAGS.plot, ms, removal_ci)
   if FLAGS.results_json:
     rec = provenance.record("experiments.lds")
     for r in rows_json:

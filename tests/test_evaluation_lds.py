@@ -1,6 +1,7 @@
 """LDS maths against scipy / direct NumPy, the sign convention, retrains on subsets, the
 gradient-dot baseline against per-example autodiff, and a micro LDS run end to end."""
 
+import json
 import os
 import subprocess
 import sys
@@ -205,6 +206,36 @@ def test_lds_cli_bad_flag_is_one_line(tmp_path):
                      capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"),
                      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   assert r.returncode == 2 and match in r.stderr.strip().splitlines()[-1], r.stderr
+
+
+def test_lds_plot_from_results_draws_every_curve_inside_the_figure(tmp_path):
+  """--plot_from redraws the removal curves from a results JSON alone; nothing is clipped
+  at the figure's edges (the y label once was)."""
+  rng = np.random.default_rng()
+  ms = [8, 16, 32]
+  ci = {}
+  for name in ("prism", "full", "random"):
+    mean = np.cumsum(rng.uniform(0.1, 1.0, len(ms)))
+    half = rng.uniform(0.05, 0.5, len(ms))
+    ci[name] = [[float(m), float(m - h), float(m + h)] for m, h in zip(mean, half)]
+  (tmp_path / "lds.json").write_text(json.dumps({"removal_m": ms, "removal_ci": ci}))
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  png = tmp_path / "removal.png"
+  r = subprocess.run([sys.executable, "-m", "experiments.lds", f"--plot={png}",
+                      f"--plot_from={tmp_path / 'lds.json'}"], capture_output=True, text=True,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root), cwd=root)
+  assert r.returncode == 0, r.stderr[-2000:]
+  import matplotlib.image  # pylint: disable=import-outside-toplevel
+  img = matplotlib.image.imread(str(png))[..., :3]
+  assert img.shape[:2] == (480, 720)  # 6 x 4 in at 120 dpi
+  dark = img.min(axis=2) < 0.5
+  edges = (dark[:, :2], dark[:, -2:], dark[:2, :], dark[-2:, :])
+  assert not any(e.any() for e in edges)  # no text or line runs off the figure
+  assert dark.mean() > 0.01  # and something was drawn
+  r = subprocess.run([sys.executable, "-m", "experiments.lds", f"--plot_from={png}"],
+                     capture_output=True, text=True, cwd=root,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root))
+  assert r.returncode == 2 and "needs --plot" in r.stderr.strip().splitlines()[-1]
 
 
 def _key(micro, **changes):
