@@ -3,8 +3,13 @@
 The device count must be set before any JAX backend starts, hence at import time here.
 """
 
+import atexit
+import gc
 import os
 
+# As the command-line launcher does (prism_jax/cli/launcher.py): shutdown skips the
+# cyclic-garbage passes over the heap (~0.5 CPU-s a process, more for a pytest worker).
+atexit.register(gc.freeze)
 os.environ.setdefault("JAX_PLATFORMS", "cpu")
 # The suite compiles hundreds of small programs, each run a few times: LLVM's optimisation
 # of XLA:CPU's generated loops costs more than it saves at these sizes (test_ekfac.py: 107
