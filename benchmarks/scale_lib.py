@@ -2,10 +2,10 @@
 
 Compiler estimates, not measurements: no TPU runs here. For each target (a TPU topology and
 mesh), preset (small/medium/large/xl), kind (PRISM, dense) and remat (off/on) it finds the
-largest per-chip batch whose compiled step fits the chip's HBM (doubling, then bisection
-down to --resolution, on peaks extrapolated in depth from 2- and 4-block compiles; then the
-full-depth step at that batch: libtpu's compile-only devices, benchmarks/scale_measure.py),
-and records from that full-depth compile: the per-chip HBM peak (memory_analysis), FLOPs and bytes
+largest per-chip batch whose compiled step fits the chip's HBM (a first guess from peaks
+extrapolated in depth from 2- and 4-block compiles, then a search of full-depth compiles
+from it: libtpu's compile-only devices, benchmarks/scale_measure.py), and records from the
+full-depth compile at that batch: the per-chip HBM peak (memory_analysis), FLOPs and bytes
 accessed (cost_analysis), the collectives of the step's HLO (benchmarks/hlo_collectives.py)
 and whether any moves a (tokens x K) matrix. Rows then add the roofline step time
 max(FLOPs / peak, bytes / HBM bandwidth) from the chip's published figures (CHIPS),
@@ -83,7 +83,7 @@ def largest_fitting(probe: Callable[[int], tuple[bool, float | None]], limit: fl
   through them meets `limit` (the peak is close to affine in the batch: state + b x
   activations), kept inside the bracket: a handful of compiles instead of ~2 log2(b*).
   `slope_hint` (bytes per batch row) places the probe after the first peak the same way.
-  None when even 1 does not fit."""
+  After two guesses that overflowed, bisection only. None when even 1 does not fit."""
   peaks: dict[int, float] = {}
   lo, hi = 0, max_batch + 1  # lo fits (0: none yet), hi does not
 
@@ -112,7 +112,7 @@ def largest_fitting(probe: Callable[[int], tuple[bool, float | None]], limit: fl
     if hi == 1:
       return None
     step(hi // 2)
-  refuted = 0  # affine guesses in a row that did not fit
+  refuted = 0  # affine guesses that overflowed (two: bisection from then on)
   while hi - lo > max(1, int(resolution * lo)):
     # two refuted guesses say the peak is not affine here (XLA's schedule changes with b:
     # `small` measured 14.51 -> 14.62 GiB from b 13 to 14, then 26 overflowed): bisect from
@@ -268,28 +268,44 @@ def in_depth(shallow: dict[int, dict], n_layers: int, limit: float) -> tuple[boo
 def search_in_depth(result: Callable[[int, int], dict], full: int, shallow: tuple[int, int],
                     limit: float, start: int, max_batch: int, resolution: float
                     ) -> tuple[int | None, str]:
-  """(batch, why not batch + 1): largest_fitting on peaks extrapolated in depth (in_depth)
-  gives a first guess, compiled at full depth; then a full-depth search below it (when it
-  overflows) or above it, its first probe placed by the extrapolated line's slope in b.
-  Near the limit XLA rematerialises to fit, so compiled peaks flatten (`small` with remat:
-  14.48 GiB at b 34, 14.06 at b 39) and the search ends in bisection. Overflows are cheap
-  (`small`: ~25 s at full depth, XLA stops at buffer assignment; a fit takes 100-150 s,
-  and a 4-block fit at b 26 as long), so no shallow compile bounds it from above."""
-  shallow_at = lambda b: in_depth({l: result(b, l) for l in shallow}, full, limit)
+  """(batch, why not batch + 1): largest_fitting on peaks extrapolated in depth (in_depth,
+  within `resolution`) gives a first guess, compiled at full depth; then an exact
+  full-depth search below it (when it overflows) or above it, its first probe placed by
+  the extrapolated line's slope in b. Near the limit XLA rematerialises to fit, so
+  compiled peaks flatten (`small` with remat: 14.48 GiB at b 34, 14.06 at b 39) and the
+  search ends in bisection. Overflows are cheap (`small`: ~25 s at full depth, XLA stops
+  at buffer assignment; a fit takes 100-150 s, and a 4-block fit at b 26 as long), so no
+  shallow compile bounds it from above. The reason names what overflowed at b + 1 and at
+  which depth (compiled), or max_batch."""
+  at_depth = lambda b: {l: result(b, l) for l in shallow}
   full_at = lambda b: _fits_and_peak(result(b, full))
-  guess = largest_fitting(shallow_at, limit, start, max_batch, resolution)
-  if guess is None or (guess == 1 and not result(1, full)["fits"]):
-    return None, "b 1 overflows at full depth"
+  guess = largest_fitting(lambda b: in_depth(at_depth(b), full, limit), limit, start,
+                          max_batch, resolution)
+  if guess is None:  # the line is over the HBM at b 1; the full depth may still fit
+    small = at_depth(1)
+    overflowed = [l for l, m in sorted(small.items()) if not m["fits"]]
+    if overflowed:  # an overflow at a smaller depth is one at every larger depth
+      return None, f"b 1 overflows at {overflowed[0]} blocks (compiled)"
+    guess = 1
   if not result(guess, full)["fits"]:
-    batch = largest_fitting(full_at, limit, max(1, guess - 1), guess - 1, resolution)
+    batch = largest_fitting(full_at, limit, max(1, guess - 1), guess - 1, 0.0) \
+        if guess > 1 else None
+    if batch is None:
+      return None, "b 1 overflows at full depth (compiled)"
     return batch, f"b {batch + 1} overflows at full depth (compiled)"
   if guess == max_batch:
     return guess, "max_batch"
-  line_next = shallow_at(guess + 1)[1]  # compiled by the search that found the guess
-  if line_next is None:  # an overflow at a smaller depth is one at every larger depth
-    return guess, f"b {guess + 1} overflows at {max(shallow)} blocks (compiled)"
-  batch = largest_fitting(full_at, limit, guess, max_batch, 0.0,
-                          slope_hint=line_next - shallow_at(guess)[1])
+  # the slope hint from the shallow compiles at guess + 1, which the exact (resolution 0)
+  # search made already; at a coarser resolution no compile is spent on it
+  nxt = at_depth(guess + 1) if resolution == 0 else None
+  if nxt is not None:
+    overflowed = [l for l, m in sorted(nxt.items()) if not m["fits"]]
+    if overflowed:
+      return guess, f"b {guess + 1} overflows at {overflowed[0]} blocks (compiled)"
+  line_next = None if nxt is None else in_depth(nxt, full, limit)[1]
+  line_here = in_depth(at_depth(guess), full, limit)[1]
+  hint = None if line_next is None or line_here is None else line_next - line_here
+  batch = largest_fitting(full_at, limit, guess, max_batch, 0.0, slope_hint=hint)
   return batch, ("max_batch" if batch == max_batch else
                  f"b {batch + 1} overflows at full depth (compiled)")
 
@@ -297,10 +313,10 @@ def search_in_depth(result: Callable[[int, int], dict], full: int, shallow: tupl
 def build(cache: Cache, targets, presets, kinds, remats, seq_len, start, max_batch,
           resolution, max_compiles, shallow=(2, 4), log=print) -> list[dict]:
   """The rows, a search per target x preset x kind x remat (presets outermost: a cut-short
-  run has whole presets, smallest first). With `shallow` (two block counts) the batch is
-  searched on peaks extrapolated in depth from compiles at those depths, then compiled at
-  full depth (falling back to a full-depth search below it if that overflows); every
-  figure of a row is that full-depth compile's. max_compiles -1: the cache alone."""
+  run has whole presets, smallest first). With `shallow` (two block counts) a first guess
+  comes from peaks extrapolated in depth from compiles at those depths, and full-depth
+  compiles search from it (search_in_depth); every figure of a row is the full-depth
+  compile's at its batch. max_compiles -1: the cache alone."""
   rows = []
   for name in presets:
     for tname in targets:
@@ -346,7 +362,8 @@ def build(cache: Cache, targets, presets, kinds, remats, seq_len, start, max_bat
           row = row_for(target, name, kind, remat, seq_len, batch,
                         None if batch is None else result(batch, full))
           if use_shallow and batch is not None:
-            row["batch_search"] = f"peaks extrapolated in depth from {shallow} blocks"
+            row["batch_search"] = (f"full-depth compiles from the batch where peaks "
+                                   f"extrapolated in depth from {shallow} blocks meet the HBM")
             # the line at the batch, where its compiles exist (not compiled for the row)
             at = {l: cache.peek(key_of(batch, l)) for l in shallow}
             line = None if None in at.values() else in_depth(at, full, limit)[1]

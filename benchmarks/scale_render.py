@@ -16,10 +16,12 @@ def scale_table_markdown(data: dict) -> str:
            f"`{data['command']}`). Chip figures: {chips}."
            + (" batch/chip: the largest that fits"
               + (f" (within {data['resolution']:.0%})" if data["resolution"] else "")
-              + f", searched from the batch where HBM peaks extrapolated linearly in depth from "
-              f"{data['shallow'][0]}- and {data['shallow'][1]}-block compiles meet the HBM size, "
-              "by full-depth compiles; b + 1 compiled at full depth and over the HBM. Every "
-              "other figure of a row is the full-depth compile's at its batch."
+              + f", searched by full-depth compiles from the batch where HBM peaks "
+              f"extrapolated linearly in depth from {data['shallow'][0]}- and "
+              f"{data['shallow'][1]}-block compiles meet the HBM size; why not b + 1 (the "
+              "compile that overflowed there, at full depth or fewer blocks) is each row's "
+              "`batch_above` in the JSON. Every other figure of a row is the full-depth "
+              "compile's at its batch."
               if data.get("shallow") else ""), "",
            "| target | preset | kind | remat | batch/chip | HBM peak GiB (compiler) "
            "| TFLOP/chip/step compiled / analytic | GB accessed (compiler) "

@@ -127,8 +127,8 @@ def main(argv):
       raise ValueError("--plot_from needs --plot (the PNG to write)")
     with open(FLAGS.plot_from) as f:
       results = json.load(f)
-    if "removal_ci" not in results:
-      raise ValueError(f"--plot_from={FLAGS.plot_from}: no removal_ci (not an "
+    if not {"removal_ci", "removal_m"} <= set(results):
+      raise ValueError(f"--plot_from={FLAGS.plot_from}: no removal_ci/removal_m (not an "
                        "experiments.lds results file)")
     _write_plot(FLAGS.plot, results["removal_m"], results["removal_ci"])
     print(f"wrote {FLAGS.plot}")

@@ -231,7 +231,10 @@ def test_lds_plot_from_results_draws_every_curve_inside_the_figure(tmp_path):
   dark = img.min(axis=2) < 0.5
   edges = (dark[:, :2], dark[:, -2:], dark[:2, :], dark[-2:, :])
   assert not any(e.any() for e in edges)  # no text or line runs off the figure
-  assert dark.mean() > 0.01  # and something was drawn
+  # every method's curve is drawn, in matplotlib's colour cycle (C0, C1, C2 in file order)
+  for colour in ("#1f77b4", "#ff7f0e", "#2ca02c"):
+    rgb = np.array([int(colour[i:i + 2], 16) / 255 for i in (1, 3, 5)])
+    assert (np.abs(img - rgb).max(axis=2) < 0.1).sum() > 300, colour
   r = subprocess.run([sys.executable, "-m", "experiments.lds", f"--plot_from={png}"],
                      capture_output=True, text=True, cwd=root,
                      env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root))

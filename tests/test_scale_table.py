@@ -134,6 +134,49 @@ def test_a_refuted_affine_guess_is_followed_by_bisection():
   assert calls[:6] == [1, 2, 10, 13, 14, 26] and len(calls) <= 10, calls
 
 
+def _depth_probe(peak_GiB):
+  """result(b, layers) of a fake compile with peak_GiB(b, layers) (None: overflow) against
+  a 16 GiB chip, and the (b, layers) it was asked for."""
+  asked = []
+
+  def result(b, layers):
+    asked.append((b, layers))
+    peak = peak_GiB(b, layers)
+    if peak is None or peak > 16:
+      return {"fits": False}
+    return {"fits": True, "peak_bytes": peak * 2 ** 30}
+  return result, asked
+
+
+@pytest.mark.parametrize("resolution", [0.0, 0.25])
+def test_search_in_depth_edges_name_what_was_compiled(resolution):
+  """The search's edge cases, each reason a compile it made: nothing fits at full depth; the
+  depth line is over the HBM at b 1 while the full depth fits (it compiles b 1 and searches
+  up); a shallow step overflows at b 1; the deeper shallow step overflows at guess + 1."""
+  limit, search = 16 * 2 ** 30, scale_table.search_in_depth
+  # a full depth that never fits, under a line that says b 5
+  result, asked = _depth_probe(lambda b, l: None if l == 12 else 1.0 + b * (0.2 + 0.1 * l))
+  assert search(result, 12, (2, 4), limit, 1, 64, resolution) == (
+      None, "b 1 overflows at full depth (compiled)")
+  assert (1, 12) in asked
+  # the line says 18 GiB at b 1 (steep in depth), the full depth holds 15 GiB up to b 3
+  result, asked = _depth_probe(
+      lambda b, l: (15.0 + 0.1 * b if b <= 3 else None) if l == 12 else 2.0 + 1.6 * l)
+  batch, why = search(result, 12, (2, 4), limit, 1, 64, resolution)
+  assert (batch, why) == (3, "b 4 overflows at full depth (compiled)") and (4, 12) in asked
+  # the 4-block step overflows at b 1
+  result, _ = _depth_probe(lambda b, l: 17.0 if l == 4 else 1.0)
+  assert search(result, 12, (2, 4), limit, 1, 64, resolution) == (
+      None, "b 1 overflows at 4 blocks (compiled)")
+  # the 4-block step (and so the full depth) overflows from b 9 on, where the line fits
+  result, asked = _depth_probe(
+      lambda b, l: None if l >= 4 and b >= 9 else 1.0 + 0.05 * b * l)
+  batch, why = search(result, 12, (2, 4), limit, 1, 64, resolution)
+  assert batch == 8 and (8, 12) in asked
+  assert why == "b 9 overflows at 4 blocks (compiled)" or (
+      why == "b 9 overflows at full depth (compiled)" and (9, 12) in asked), why
+
+
 def _fake_compiles(monkeypatch, fixed, per_block, per_row, per_row_block, wobble=0.0,
                    curve=0.0, ceiling=None):
   """scale_measure without libtpu: the peak of `blocks` blocks at batch b is
