@@ -14,10 +14,9 @@ def scale_table_markdown(data: dict) -> str:
   chips = "; ".join(f"{k}: {v['source']}" for k, v in data["chips"].items())
   lines = [f"Compiler estimates, not measurements (commit `{data['commit'][:12]}`, "
            f"`{data['command']}`). Chip figures: {chips}."
-           + (" batch/chip: the largest that fits"
-              + (f" (within {data['resolution']:.0%})" if data["resolution"] else "")
-              + f", searched by full-depth compiles from the batch where HBM peaks "
-              f"extrapolated linearly in depth from {data['shallow'][0]}- and "
+           + (" batch/chip: the largest that fits, searched by full-depth compiles from "
+              "the batch where HBM peaks extrapolated linearly in depth from "
+              f"{data['shallow'][0]}- and "
               f"{data['shallow'][1]}-block compiles meet the HBM size; why not b + 1 (the "
               "compile that overflowed there, at full depth or fewer blocks) is each row's "
               "`batch_above` in the JSON. Every other figure of a row is the full-depth "

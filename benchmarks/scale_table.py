@@ -38,7 +38,9 @@ flags.DEFINE_integer("start_batch", 1, "per-chip batch the search starts at (a p
 flags.DEFINE_list("shallow", ["2", "4"], "search the batch on peaks extrapolated in depth "
                   "from compiles at these two block counts, then compile the full depth "
                   "(empty: search at full depth)")
-flags.DEFINE_float("resolution", 0.25, "bisection stops when hi - lo <= max(1, this x lo)")
+flags.DEFINE_float("resolution", 0.25, "bisection stops when hi - lo <= max(1, this x lo); "
+                   "with --shallow only the first (depth-extrapolated) search, the full-depth "
+                   "search is exact")
 flags.DEFINE_integer("max_compiles", 0, "stop after this many new compiles (0: no limit; -1: "
                      "none, the table from the cache alone, up to the first search not in it)")
 flags.DEFINE_string("cache", "runs/scale_table_cache.json", "every compile's result")

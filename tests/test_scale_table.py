@@ -268,6 +268,12 @@ def test_depth_extrapolated_search_then_full_depth_compiles(monkeypatch, tmp_pat
   cached = scale_table.Cache(str(tmp_path / "c.json"), "code.c")  # -1: compile nothing new
   assert scale_table.build(cached, ["v5e-16 fsdp"], ["small"], ["prism"], [True], 1024, 1,
                            256, 0.0, -1, log=lambda _: None) == [] and cached.new == 0
+  # a coarse first guess (--resolution 0.25): the full-depth search after it is exact
+  coarse = scale_table.build(scale_table.Cache(str(tmp_path / "coarse.json"), "code.a"),
+                             ["v5e-16 fsdp"], ["small"], ["prism"], [False], 1024, 1, 256,
+                             0.25, 0, log=lambda _: None)
+  assert coarse[0]["per_chip_batch"] == truth
+  assert coarse[0]["batch_above"] == f"b {truth + 1} overflows at full depth (compiled)"
 
 
 def _measured(flops, nbytes, kind="prism", nxk=False):
