@@ -279,13 +279,17 @@ def search_in_depth(result: Callable[[int, int], dict], full: int, shallow: tupl
   which depth (compiled), or max_batch."""
   at_depth = lambda b: {l: result(b, l) for l in shallow}
   full_at = lambda b: _fits_and_peak(result(b, full))
+
+  def shallow_overflow(b: int) -> str | None:
+    """The reason when a smaller depth overflows at b (and so every larger depth)."""
+    over = [l for l, m in sorted(at_depth(b).items()) if not m["fits"]]
+    return f"b {b} overflows at {over[0]} blocks (compiled)" if over else None
+
   guess = largest_fitting(lambda b: in_depth(at_depth(b), full, limit), limit, start,
                           max_batch, resolution)
   if guess is None:  # the line is over the HBM at b 1; the full depth may still fit
-    small = at_depth(1)
-    overflowed = [l for l, m in sorted(small.items()) if not m["fits"]]
-    if overflowed:  # an overflow at a smaller depth is one at every larger depth
-      return None, f"b 1 overflows at {overflowed[0]} blocks (compiled)"
+    if why := shallow_overflow(1):
+      return None, why
     guess = 1
   if not result(guess, full)["fits"]:
     batch = largest_fitting(full_at, limit, max(1, guess - 1), guess - 1, 0.0) \
@@ -297,14 +301,12 @@ def search_in_depth(result: Callable[[int, int], dict], full: int, shallow: tupl
     return guess, "max_batch"
   # the slope hint from the shallow compiles at guess + 1, which the exact (resolution 0)
   # search made already; at a coarser resolution no compile is spent on it
-  nxt = at_depth(guess + 1) if resolution == 0 else None
-  if nxt is not None:
-    overflowed = [l for l, m in sorted(nxt.items()) if not m["fits"]]
-    if overflowed:
-      return guess, f"b {guess + 1} overflows at {overflowed[0]} blocks (compiled)"
-  line_next = None if nxt is None else in_depth(nxt, full, limit)[1]
-  line_here = in_depth(at_depth(guess), full, limit)[1]
-  hint = None if line_next is None or line_here is None else line_next - line_here
+  hint = None
+  if resolution == 0:
+    if why := shallow_overflow(guess + 1):
+      return guess, why
+    line = lambda b: in_depth(at_depth(b), full, limit)[1]  # both depths fit at both
+    hint = line(guess + 1) - line(guess)
   batch = largest_fitting(full_at, limit, guess, max_batch, 0.0, slope_hint=hint)
   return batch, ("max_batch" if batch == max_batch else
                  f"b {batch + 1} overflows at full depth (compiled)")

@@ -3,7 +3,6 @@
 import os
 
 
-
 def jit_cache_env(cache_dir) -> dict:
   """The environment of a persistent compilation cache in `cache_dir` that keeps every
   program (tests/conftest.py sets it under `make test`, so single-process subprocesses

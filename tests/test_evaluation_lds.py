@@ -239,6 +239,13 @@ def test_lds_plot_from_results_draws_every_curve_inside_the_figure(tmp_path):
                      capture_output=True, text=True, cwd=root,
                      env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root))
   assert r.returncode == 2 and "needs --plot" in r.stderr.strip().splitlines()[-1]
+  (tmp_path / "other.json").write_text(json.dumps({"removal_ci": ci}))  # no removal_m
+  r = subprocess.run([sys.executable, "-m", "experiments.lds", f"--plot={png}",
+                      f"--plot_from={tmp_path / 'other.json'}"], capture_output=True,
+                     text=True, cwd=root,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=root))
+  last = r.stderr.strip().splitlines()[-1]
+  assert r.returncode == 2 and last.startswith("error: ") and "removal_m" in last, r.stderr
 
 
 def _key(micro, **changes):
