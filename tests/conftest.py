@@ -1,6 +1,8 @@
-"""Test set-up: CPU only, 8 simulated devices, float64 available for references.
+"""Test set-up: CPU only, 8 simulated devices (1 where a file needs no more: see
+tests/xdist_devices.py), float64 available for references.
 
-The device count must be set before any JAX backend starts, hence at import time here.
+The device count must be set before any JAX backend starts: in pytest_configure, before
+collection imports the test modules.
 """
 
 import atexit
@@ -27,10 +29,25 @@ if os.environ.get("PRISM_JAX_TEST_JIT_CACHE"):
 
 import jax  # noqa: E402
 
-jax.config.update("jax_num_cpu_devices", 8)
-
-
 import pytest  # noqa: E402
+
+import xdist_devices  # noqa: E402
+
+
+def pytest_configure(config):
+  jax.config.update("jax_num_cpu_devices", xdist_devices.device_count(config))
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_xdist_make_scheduler(config, log):
+  if xdist_devices.splits_by_devices(config):
+    return xdist_devices.DeviceScheduling(config, log)
+  return None
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _device_count_of_the_file(request):
+  xdist_devices.check_devices(request.path)
 
 
 @pytest.fixture(scope="session")
