@@ -43,8 +43,10 @@ demo: $(STAMP)
 
 # The architecture contracts first (.importlinter: DESIGN.md's layers, the kernel op
 # standing alone, data beside model), then the whole suite, the `tpu_aot` compiles for TPU
-# topologies (libtpu's compile-only devices) included, on two pytest-xdist workers (one per
-# core; a file stays on one worker, so its module fixtures are built once). The suite
+# topologies (libtpu's compile-only devices) included, on three pytest-xdist workers (a
+# file stays on one worker, so its module fixtures are built once): gw0 with 8 simulated
+# CPU devices runs the files that test sharding, the other two run the rest on one device
+# (tests/xdist_devices.py; a third worker, since gw0's files are about a quarter). The suite
 # compiles the same tiny programs in many tests: a persistent compilation cache, fresh for
 # each run (so a run's time is a clean clone's), returns the same executables
 # (tests/conftest.py turns it on in the pytest processes only, not in the multi-process

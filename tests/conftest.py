@@ -59,15 +59,17 @@ def gcs():
     yield env
 
 
-# The longest files first (`make test` runs files whole on two xdist workers, in collection
+# The longest files first (`make test` runs files whole on xdist workers, in collection
 # order): the run then ends on short files, not with one worker alone on a long one.
-# Measured with `--durations=0`; a file missing here just keeps its place after them.
-LONGEST_FIRST = ("test_kernels.py", "test_preemption.py", "test_faults.py",
-                 "test_throughput.py", "test_cli.py", "test_ekfac.py", "test_train_extend.py",
-                 "test_sharding.py", "test_report_browser.py", "test_head.py",
-                 "test_kernels_backward.py", "test_train_resume.py",
-                 "test_control_suppression.py", "test_sharding_aot.py", "test_hessian.py",
-                 "test_retrofit.py", "test_hf.py", "test_cache_multihost.py")
+# Measured with `--durations=0` (a99c15e); a file missing here keeps its place after them.
+LONGEST_FIRST = ("test_kernels.py", "test_faults.py", "test_preemption.py",
+                 "test_ekfac.py", "test_report_browser.py", "test_throughput.py",
+                 "test_sharding.py", "test_head.py", "test_evaluation_lds.py",
+                 "test_hessian.py", "test_control_suppression.py", "test_cli.py",
+                 "test_hf.py", "test_kernels_backward.py", "test_train_extend.py",
+                 "test_multihost.py", "test_generate.py", "test_sharding_aot.py",
+                 "test_train_resume.py", "test_control_heldout.py", "test_model.py",
+                 "test_cache_multihost.py")
 
 
 def pytest_collection_modifyitems(items):
