@@ -153,28 +153,43 @@ def code_key(root: str | None = None) -> str:
 class Cache:
   """Compile results on disk: `programs` keyed by scale_measure.program_key (the lowered
   program itself), and `index` from code_key|target|preset|kind|remat|T|b|blocks to that
-  key. A code change re-lowers (seconds) and compiles only programs that changed."""
+  key. A code change re-lowers (seconds) and compiles only programs that changed. Each save
+  merges with the file under a lock, so searches run in parallel share one cache; the
+  default file is tracked, so a commit keeps the compiles (hours of CPU) a lost machine
+  would otherwise take with it."""
 
   def __init__(self, path: str, code: str):
     self.path, self.code = path, code
     self.programs: dict[str, Any] = {}
     self.index: dict[str, str] = {}
-    if os.path.exists(path):
-      with open(path) as f:
-        data = json.load(f)
-      if "programs" in data:  # older files keyed by commit: nothing reusable
-        self.programs, self.index = data["programs"], data["index"]
+    self._merge(self._read())
     self.new = 0
+
+  def _read(self) -> dict:
+    if not os.path.exists(self.path):
+      return {}
+    with open(self.path) as f:
+      return json.load(f)
+
+  def _merge(self, data: dict) -> None:
+    if "programs" in data:  # older files keyed by commit: nothing reusable
+      self.programs = {**data["programs"], **self.programs}
+      self.index = {**data["index"], **self.index}
 
   def key(self, *parts) -> str:
     return "|".join(str(p) for p in (self.code,) + parts)
 
   def _save(self) -> None:
+    import fcntl  # pylint: disable=import-outside-toplevel
     os.makedirs(os.path.dirname(self.path) or ".", exist_ok=True)
-    tmp = self.path + ".tmp"
-    with open(tmp, "w") as f:
-      json.dump({"programs": self.programs, "index": self.index}, f, indent=1, sort_keys=True)
-    os.replace(tmp, self.path)
+    with open(self.path + ".lock", "w") as lock:
+      fcntl.flock(lock, fcntl.LOCK_EX)  # another search may have saved since we read
+      self._merge(self._read())
+      tmp = f"{self.path}.{os.getpid()}.tmp"
+      with open(tmp, "w") as f:
+        json.dump({"programs": self.programs, "index": self.index}, f, indent=1,
+                  sort_keys=True)
+      os.replace(tmp, self.path)
 
   def peek(self, key: str) -> dict | None:
     """The result for `key` if it is cached (nothing lowered or compiled)."""

@@ -6,6 +6,7 @@ itself (libtpu) is the tpu_aot test at the end."""
 import importlib.util
 import json
 import math
+import os
 
 import jax
 import numpy as np
@@ -283,6 +284,25 @@ def _measured(flops, nbytes, kind="prism", nxk=False):
           + ([["all-gather", [[1024, 4096]], [[1024, 8192]], 33554432]] if nxk else []),
           "mesh_shape": [1, 16, 1], "chips": 16, "device_kind": "TPU v5 lite", "params": 1,
           "optimization_barriers": 0, "kind": kind}
+
+
+def test_parallel_searches_share_one_cache_file(tmp_path):
+  """Two searches (two Cache objects on one file) each save what they compiled; neither
+  overwrites the other's entries, and a third reads both."""
+  path = str(tmp_path / "shared.json")
+  rng = np.random.default_rng(7)
+  first, second = scale_table.Cache(path, "code.a"), scale_table.Cache(path, "code.a")
+  results = {name: {"peak_GiB": float(rng.uniform(1, 16))} for name in ("p1", "p2", "p3")}
+
+  def lower(program):
+    return lambda: (program, lambda: results[program])
+  assert first.get(first.key("v5e", 1), lower("p1")) == results["p1"]
+  assert second.get(second.key("v5p", 2), lower("p2")) == results["p2"]
+  assert first.get(first.key("v5e", 3), lower("p3")) == results["p3"]
+  both = scale_table.Cache(path, "code.a")
+  assert both.programs == results and both.new == 0
+  assert both.peek(both.key("v5p", 2)) == results["p2"]
+  assert sorted(os.listdir(tmp_path)) == ["shared.json", "shared.json.lock"]
 
 
 def test_rows_roofline_mfu_and_ratio_rendered_by_reproduce(tmp_path):
