@@ -143,6 +143,25 @@ def lower_train_step(preset_name: str, topology: str, mesh_sizes=(1, -1, 1),
   return lowered, cfg, state, devices
 
 
+def read_compiled(compiled) -> dict[str, Any]:
+  """What XLA says of a compiled program: its memory per device (the peak counts donated
+  state, which aliases its output, once) and its cost (flops, bytes accessed; None where
+  the backend gives none)."""
+  mem = compiled.memory_analysis()
+  cost = compiled.cost_analysis()
+  cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
+  out = {"argument_bytes": int(mem.argument_size_in_bytes),
+         "temp_bytes": int(mem.temp_size_in_bytes),
+         "output_bytes": int(mem.output_size_in_bytes),
+         "alias_bytes": int(mem.alias_size_in_bytes),
+         "code_bytes": int(mem.generated_code_size_in_bytes),
+         "flops": float(cost["flops"]) if "flops" in cost else None,
+         "bytes_accessed": float(cost["bytes accessed"]) if "bytes accessed" in cost else None}
+  out["peak_bytes"] = (out["argument_bytes"] + out["temp_bytes"] + out["output_bytes"]
+                       - out["alias_bytes"])
+  return out
+
+
 def compile_train_step(preset_name: str, topology: str, mesh_sizes=(1, -1, 1),
                        per_device_batch: int = 1, seq_len: int = 0, dtype: str = "bfloat16",
                        remat: bool = False, kind: str = "prism",
@@ -162,22 +181,19 @@ def compile_train_step(preset_name: str, topology: str, mesh_sizes=(1, -1, 1),
   with jax.set_mesh(sharding.make_mesh(mesh_cfg, devices)):
     compiled = lowered.compile()
   compile_s = time.perf_counter() - start
-  mem = compiled.memory_analysis()
-  cost = compiled.cost_analysis()
-  cost = cost[0] if isinstance(cost, (list, tuple)) else cost
+  read = read_compiled(compiled)
   n_params = sum(int(x.size) for x in jax.tree.leaves(state.params))
   kind_name = devices[0].device_kind
   analytic = flops.flops_per_token(cfg.model, seq)["train"] * batch * seq / len(devices)
   return Report(
       preset=preset_name, implementation=implementation, topology=topology, device_kind=kind_name,
       mesh=sharding.resolve_mesh_shape(mesh_cfg, len(devices)), global_batch=batch,
-      seq_len=seq, params=n_params, argument_bytes=int(mem.argument_size_in_bytes),
-      temp_bytes=int(mem.temp_size_in_bytes), output_bytes=int(mem.output_size_in_bytes),
-      alias_bytes=int(mem.alias_size_in_bytes),
-      code_bytes=int(mem.generated_code_size_in_bytes),
-      flops_per_device=(float(cost["flops"]) if cost and "flops" in cost else None),
-      analytic_flops_per_device=analytic, hbm_bytes=HBM_BYTES.get(kind_name),
-      compile_s=compile_s, kernel_calls=compiled.as_text().count("tpu_custom_call"))
+      seq_len=seq, params=n_params, argument_bytes=read["argument_bytes"],
+      temp_bytes=read["temp_bytes"], output_bytes=read["output_bytes"],
+      alias_bytes=read["alias_bytes"], code_bytes=read["code_bytes"],
+      flops_per_device=read["flops"], analytic_flops_per_device=analytic,
+      hbm_bytes=HBM_BYTES.get(kind_name), compile_s=compile_s,
+      kernel_calls=compiled.as_text().count("tpu_custom_call"))
 
 
 def format_table(reports: list[Report]) -> str:

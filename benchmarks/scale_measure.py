@@ -69,11 +69,10 @@ def program_text(lowered) -> str:
   return _DEBUG_LOCATIONS.sub("", lowered.as_text())
 
 
-def program_key(lowered, topology: str, mesh, text: str | None = None) -> str:
+def program_key(lowered, topology: str, mesh) -> str:
   """Same key <=> same program compiled for the same target and read the same way."""
   h = hashlib.sha256()
-  text = program_text(lowered) if text is None else text
-  for part in (text, topology, str(tuple(mesh)), _versions(), _reader_source()):
+  for part in (program_text(lowered), topology, str(tuple(mesh)), _versions(), _reader_source()):
     h.update(part.encode())
     h.update(b"\0")
   return "program." + h.hexdigest()[:20]
@@ -96,22 +95,16 @@ def compile_and_read(lowered, cfg, state, devices, mesh, hbm_bytes: int) -> dict
   compile_s = time.perf_counter() - start
   mesh_shape = sharding.resolve_mesh_shape(MeshConfig(*mesh), len(devices))
   text = compiled.as_text()
-  mem = compiled.memory_analysis()
-  cost = compiled.cost_analysis()
-  cost = (cost[0] if isinstance(cost, (list, tuple)) else cost) or {}
-  peak = int(mem.argument_size_in_bytes + mem.temp_size_in_bytes + mem.output_size_in_bytes
-             - mem.alias_size_in_bytes)
+  read = compile_check.read_compiled(compiled)
+  peak = read["peak_bytes"]
   ops = hlo_collectives.collectives(text)
   k = cfg.model.num_prototypes
   proto_dims = {k, k // mesh_shape[2]}
   with_k = hlo_collectives.with_proto_dim(ops, proto_dims)
   return {
       "fits": peak <= hbm_bytes, "peak_bytes": peak,
-      "argument_bytes": int(mem.argument_size_in_bytes),
-      "temp_bytes": int(mem.temp_size_in_bytes), "output_bytes": int(mem.output_size_in_bytes),
-      "alias_bytes": int(mem.alias_size_in_bytes),
-      "flops": float(cost.get("flops", 0.0)),
-      "bytes_accessed": float(cost.get("bytes accessed", 0.0)),
+      **{k: read[k] for k in ("argument_bytes", "temp_bytes", "output_bytes", "alias_bytes")},
+      "flops": read["flops"] or 0.0, "bytes_accessed": read["bytes_accessed"] or 0.0,
       "collectives": hlo_collectives.summary(ops),
       # every collective with a prototype axis: the N x K check reads them (row_for)
       "proto_collectives": [[op.kind, op.operands, op.results, op.bytes] for op in with_k],
