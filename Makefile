@@ -4,7 +4,10 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
-UV := $(VENV)/bin/uv pip install --quiet --python $(PY) --compile-bytecode
+# uv reads no pip configuration: hand it pip's index where one is set (a mirror).
+PIP_INDEX := $(or $(PIP_INDEX_URL),$(shell python3 -m pip config get global.index-url 2>/dev/null))
+UV := $(VENV)/bin/uv pip install --quiet --python $(PY) --compile-bytecode \
+  $(if $(PIP_INDEX),--default-index $(PIP_INDEX))
 export JAX_PLATFORMS ?= cpu
 PYTEST_ARGS ?=
 
@@ -44,9 +47,10 @@ demo: $(STAMP)
 # The architecture contracts first (.importlinter: DESIGN.md's layers, the kernel op
 # standing alone, data beside model), then the whole suite, the `tpu_aot` compiles for TPU
 # topologies (libtpu's compile-only devices) included, on three pytest-xdist workers (a
-# file stays on one worker, so its module fixtures are built once): gw0 with 8 simulated
-# CPU devices runs the files that test sharding, the other two run the rest on one device
-# (tests/xdist_devices.py; a third worker, since gw0's files are about a quarter). The suite
+# file stays on one worker, so its module fixtures are built once, and files go out in
+# tests/conftest.py's LONGEST_FIRST order): gw0 with 8 simulated CPU devices runs the files
+# that test sharding, the other two run the rest on one device (tests/xdist_devices.py;
+# a third worker, since gw0's files are about a quarter). The suite
 # compiles the same tiny programs in many tests: a persistent compilation cache, fresh for
 # each run (so a run's time is a clean clone's), returns the same executables
 # (tests/conftest.py turns it on in the pytest processes only, not in the multi-process

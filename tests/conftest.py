@@ -39,8 +39,22 @@ def pytest_configure(config):
 
 
 @pytest.hookimpl(optionalhook=True)
+def pytest_configure_node(node):
+  if xdist_devices.splits_by_devices(node.config):
+    node.workerinput[xdist_devices.DEVICES_KEY] = xdist_devices.assign_devices(
+        node.gateway.id)
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node, error):
+  del error
+  xdist_devices.worker_down(node.gateway.id)
+
+
+@pytest.hookimpl(optionalhook=True)
 def pytest_xdist_make_scheduler(config, log):
   if xdist_devices.splits_by_devices(config):
+    config.option.loadscopereorder = False  # LONGEST_FIRST's order, not by test count
     return xdist_devices.DeviceScheduling(config, log)
   return None
 

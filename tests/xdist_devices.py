@@ -1,19 +1,16 @@
 """How many simulated CPU devices each test process gets, and which files run where.
 
 The files of MULTI_DEVICE_FILES test sharding, collectives or an 8-device mesh: they run
-where JAX has 8 simulated CPU devices (a plain `pytest` run, and xdist's worker gw0 under
-`--dist loadfile`). Every other file runs on one device: its programs are then the ones the
-single-device subprocesses it starts (the `prism` commands) compile, so the run's
-persistent compilation cache serves both, and a 1-device program compiles and runs in less
-CPU than its 8-way SPMD twin. Measured on the whole suite (2 cores): 1289 -> 669 user-s,
-all files on one device (the 8-device files failing fast).
-"""
+where JAX has 8 simulated CPU devices (a plain `pytest` run; under `--dist loadfile` with
+several workers, the first worker, or the replacement of a crashed one). Every other file
+runs on one device: its programs are then the ones the single-device subprocesses it
+starts (the `prism` commands) compile, so the run's persistent compilation cache serves
+both, and a 1-device program compiles and runs in less CPU than its 8-way SPMD twin."""
 
 import jax
 from xdist.scheduler import LoadFileScheduling
 
 ALL_DEVICES = 8
-MULTI_DEVICE_WORKER = "gw0"
 MULTI_DEVICE_FILES = frozenset({
     "test_checkpoint_bad_inputs.py", "test_faithfulness.py", "test_kernels.py",
     "test_kernels_sharded_model.py", "test_multihost.py", "test_scale_table.py",
@@ -21,22 +18,39 @@ MULTI_DEVICE_FILES = frozenset({
     "test_train_eval.py", "test_train_golden.py"})
 
 
+# The controller decides each worker's count and sends it in workerinput: xdist resets
+# `dist` and `numprocesses` inside a worker, so a worker cannot tell a split run itself.
+DEVICES_KEY = "prism_jax_devices"
+_live: dict[str, int] = {}  # the controller's workers and their device counts
+
+
 def splits_by_devices(config) -> bool:
-  """Whether this run gives its files 1 or 8 devices by MULTI_DEVICE_FILES: xdist's
-  `--dist loadfile` with at least two workers (`make test`)."""
-  if getattr(config.option, "dist", "no") != "loadfile":
-    return False
-  worker = getattr(config, "workerinput", None)
-  workers = worker["workercount"] if worker else config.option.numprocesses
-  return isinstance(workers, int) and workers >= 2
+  """Whether this run (on the controller) gives its files 1 or 8 devices by
+  MULTI_DEVICE_FILES: xdist's `--dist loadfile` with at least two workers (`make test`)."""
+  workers = getattr(config.option, "numprocesses", None)
+  return (getattr(config.option, "dist", "no") == "loadfile" and isinstance(workers, int)
+          and workers >= 2)
+
+
+def assign_devices(worker_id: str) -> int:
+  """The controller's choice for a new worker: 8 devices where no live worker has them
+  (the first worker, or the replacement of a crashed one), else 1."""
+  devices = 1 if ALL_DEVICES in _live.values() else ALL_DEVICES
+  _live[worker_id] = devices
+  return devices
+
+
+def worker_down(worker_id: str) -> None:
+  _live.pop(worker_id, None)
 
 
 def device_count(config) -> int:
-  """This process's simulated device count (a worker reads its id from xdist)."""
-  worker = getattr(config, "workerinput", None)
-  if worker is None or not splits_by_devices(config):
-    return ALL_DEVICES
-  return ALL_DEVICES if worker["workerid"] == MULTI_DEVICE_WORKER else 1
+  """This process's simulated device count: what the controller sent a worker, else 8."""
+  return getattr(config, "workerinput", {}).get(DEVICES_KEY, ALL_DEVICES)
+
+
+def node_devices(node) -> int:
+  return node.workerinput.get(DEVICES_KEY, ALL_DEVICES)
 
 
 def needs_all_devices(path) -> bool:
@@ -52,17 +66,26 @@ def check_devices(path) -> None:
 
 
 class DeviceScheduling(LoadFileScheduling):
-  """xdist's loadfile scheduling (whole files, in collection order), except that a file
-  goes to a worker with its device count: MULTI_DEVICE_FILES to gw0, the others to the
-  one-device workers. A worker with nothing left it may run is shut down."""
+  """xdist's loadfile scheduling (whole files, in collection order: reordering by test count
+  is off), except that a file goes to a worker with its device count: MULTI_DEVICE_FILES to
+  the 8-device worker, the others to the one-device workers. A worker with nothing left it
+  may run is shut down."""
+
+  def schedule(self) -> None:
+    if self.collection is None:
+      # xdist shuts down the last-registered workers when files are fewer than workers:
+      # keep the 8-device worker (first) so multi-device files still find it.
+      self.assigned_work = dict(sorted(self.assigned_work.items(),
+                                       key=lambda item: node_devices(item[0]) != ALL_DEVICES))
+    super().schedule()
 
   def _runs_on(self, node, scope: str) -> bool:
     multi = scope.rsplit("/", 1)[-1] in MULTI_DEVICE_FILES
-    if (node.gateway.id == MULTI_DEVICE_WORKER) == multi:
+    if (node_devices(node) == ALL_DEVICES) == multi:
       return True
-    # Where no live worker of the file's kind is left (a crashed gw0 is replaced by a
-    # one-device worker), another takes it: a multi-device file then fails clearly.
-    return not any((n.gateway.id == MULTI_DEVICE_WORKER) == multi and not n.shutting_down
+    # Where no live worker of the file's kind is left, another takes it (a multi-device
+    # file then fails in one line: check_devices).
+    return not any((node_devices(n) == ALL_DEVICES) == multi and not n.shutting_down
                    for n in self.nodes)
 
   def _assign_work_unit(self, node) -> None:
