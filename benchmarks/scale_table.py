@@ -43,7 +43,7 @@ flags.DEFINE_float("resolution", 0.25, "bisection stops when hi - lo <= max(1, t
                    "search is exact")
 flags.DEFINE_integer("max_compiles", 0, "stop after this many new compiles (0: no limit; -1: "
                      "none, the table from the cache alone, up to the first search not in it)")
-flags.DEFINE_string("cache", "docs/results/scale_table_cache.json",
+flags.DEFINE_string("cache", "benchmarks/scale_table_cache.json",
                     "every compile's result (tracked: commit it, searches resume from it)")
 flags.DEFINE_string("results_json", None, "write the table's rows here")
 
