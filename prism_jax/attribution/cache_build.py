@@ -168,7 +168,10 @@ def write_cache(model, cfg: Config, packed, out_dir: str,
         (lambda done: on_batch(3, done)) if on_batch else None))
     if shards.process()[0] == 0:
       cache_index.cleanup(out_dir)  # (left by a kill after the index was complete)
-    meta = fmt.read_json(paths.join(out_dir, fmt.METADATA))  # with num_examples
+      # with num_examples; process 0 alone reads it: it rewrites it next (_finish), with no
+      # barrier between, and another process's read raced that write (the test emulator
+      # served it half written)
+      meta = fmt.read_json(paths.join(out_dir, fmt.METADATA))
     _finish(out_dir, meta, t_start, {"pass": 4, "rows_done": num_rows})
 
 
