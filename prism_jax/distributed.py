@@ -18,6 +18,8 @@ auto-detection by JAX on a TPU pod slice, SLURM or Open MPI; otherwise one proce
 from __future__ import annotations
 
 import os
+import sys
+import time
 from typing import Any, Mapping
 
 import jax
@@ -142,3 +144,44 @@ def sync(name: str) -> None:
     from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
     multihost_utils.sync_global_devices(name)
 
+
+
+FAILED_KEY = "prism_jax/failed/"  # the runtime's key-value store: who failed, and why
+
+
+def _client():
+  from jax._src import distributed as jax_distributed  # pylint: disable=import-outside-toplevel
+  return jax_distributed.global_state.client
+
+
+def exit_after_failure(message: str, code: int, peer_lost: bool,
+                       heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S) -> None:
+  """Ends this failed process of a multi-process job, naming the process that failed first.
+
+  jax.distributed's graceful shutdown would wait at a barrier the others never reach (they
+  wait in their next collective) for its shutdown timeout (300 s), then blame the processes
+  still at work. Instead this process posts `message` in the runtime's key-value store,
+  prints what the others posted (the cause, when this one only saw a collective break) and
+  exits at once: its heartbeat stops, and the runtime ends those still waiting within the
+  heartbeat timeout with an error naming it. A collective that lost its peer (`peer_lost`)
+  with nothing posted may mean a peer killed outright: the runtime gets that timeout to
+  name it."""
+  pid = jax.process_index()
+  client = _client()
+  try:
+    client.key_value_set(f"{FAILED_KEY}{pid}", message, allow_overwrite=True)
+    posted = dict(client.key_value_dir_get(FAILED_KEY))
+  except Exception:  # pylint: disable=broad-except
+    posted = {}  # the coordinator (process 0) is gone: its own exit says why
+  others = {k.rsplit("/", 1)[-1]: v for k, v in posted.items()}
+  others.pop(str(pid), None)
+  for other, why in sorted(others.items()):
+    print(f"error: process {other} failed: {why}", file=sys.stderr)
+  sys.stdout.flush()
+  sys.stderr.flush()
+  if peer_lost and not others:
+    time.sleep(heartbeat_timeout_s + 10)  # the runtime aborts this process meanwhile if a peer died
+    print("error: a collective failed while every process still sends heartbeats",
+          file=sys.stderr)
+    sys.stderr.flush()
+  os._exit(code)  # pylint: disable=protected-access

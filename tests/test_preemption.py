@@ -7,13 +7,13 @@
   with one line; the same command resumes, and the losses of all steps equal an
   uninterrupted two-process run's bit for bit. The bank is set from data at step 0, on
   both processes at once (a forward whose result every process holds).
-* SIGKILL of process 1 -> process 0 exits non-zero with the runtime's error naming it,
-  within the heartbeat timeout and a bound.
+* SIGKILL of process 1, or an exception in it -> process 0 exits non-zero with the
+  runtime's error naming it, within the heartbeat timeout and a bound.
 
 The same file is the paced launcher: `python tests/test_preemption.py paced SECONDS
 <prism train flags>` runs prism train's main with a callback that sleeps
 SECONDS after each step from step 2 on, so a signal lands mid-run (sleeping changes
-nothing computed).
+nothing computed); with PRISM_TEST_RAISE_IN_PROCESS_1_AT=N process 1 raises at step N.
 """
 
 import json
@@ -39,6 +39,7 @@ SETS = [
     "train.eval_batches=1", "train.log_every=1", "data.val_fraction=0",
 ]
 TIMEOUT_S = 600  # generous: a loaded CI box compiles slowly
+RAISE_AT_ENV = "PRISM_TEST_RAISE_IN_PROCESS_1_AT"  # the paced launcher's failure step
 
 
 def _free_port() -> int:
@@ -60,7 +61,7 @@ def jit_cache(tmp_path_factory):
   return tmp_path_factory.mktemp("jit")
 
 
-def _launch(tmp_path, cache, name, workdir, data, sets, pace=None, extra=()):
+def _launch(tmp_path, cache, name, workdir, data, sets, pace=None, extra=(), env=None):
   """Two processes of prism train (paced: this file's launcher); logs in tmp_path."""
   port = _free_port()
   procs = []
@@ -72,8 +73,8 @@ def _launch(tmp_path, cache, name, workdir, data, sets, pace=None, extra=()):
                   f"--process_id={pid}", *extra] + [f"--set={s}" for s in sets]
     out = open(tmp_path / f"{name}_{pid}.out", "w")
     err = open(tmp_path / f"{name}_{pid}.err", "w")
-    procs.append((subprocess.Popen(cmd, cwd=REPO, env=_env(cache), stdout=out,
-                                   stderr=err),
+    procs.append((subprocess.Popen(cmd, cwd=REPO, env={**_env(cache), **(env or {})},
+                                   stdout=out, stderr=err),
                   out, err))
   return procs
 
@@ -200,27 +201,43 @@ def test_sigterm_to_one_of_two_processes_saves_one_step_and_resumes_exactly(tmp_
     assert got[s] == want[s], (s, got[s], want[s])
 
 
-def test_a_killed_process_makes_the_other_exit_with_an_error(tmp_path, jit_cache):
+@pytest.mark.parametrize("death", ["SIGKILL", "exception"])
+def test_a_dead_process_makes_the_other_exit_with_an_error(tmp_path, jit_cache, death):
+  """Killed, or failed with an exception (which used to wait out jax.distributed's 300 s
+  shutdown barrier and then blame process 0): process 0 exits within a bound, naming it."""
   data = _corpus(tmp_path / "corpus.txt")
   run_dir = str(tmp_path / "run")
   # SETS' programs (read from the cache); paced so that 9 s remain after step 3
-  run = _launch(tmp_path, jit_cache, "kill", run_dir, data, SETS, pace=1.0,
-                extra=["--heartbeat_timeout_s=5"])
+  raise_at = {RAISE_AT_ENV: "3"} if death == "exception" else {}
+  run = _launch(tmp_path, jit_cache, death, run_dir, data, SETS, pace=1.0,
+                extra=["--heartbeat_timeout_s=5"], env=raise_at)
   try:
-    _wait_for_step(run_dir, 3, run)
-    run[1][0].send_signal(signal.SIGKILL)
+    if death == "SIGKILL":
+      _wait_for_step(run_dir, 3, run)
+      run[1][0].send_signal(signal.SIGKILL)
+    else:
+      run[1][0].wait(timeout=TIMEOUT_S)
     t0 = time.time()
     run[0][0].wait(timeout=90)
     elapsed = time.time() - t0
   finally:
     codes = _wait(run, timeout=5)
-  err = _read(tmp_path, "kill", 0, "err")
-  assert codes[1] == -signal.SIGKILL and codes[0] != 0, (codes, err[-3000:])
+  err = _read(tmp_path, death, 0, "err")
+  assert codes[0] != 0, (codes, err[-3000:])
+  if death == "SIGKILL":
+    assert codes[1] == -signal.SIGKILL, codes
+  else:  # its own traceback, and no shutdown barrier
+    err1 = _read(tmp_path, death, 1, "err")
+    assert codes[1] == 1 and "RuntimeError: injected failure at step 3" in err1, err1[-3000:]
+    assert "Shutdown barrier" not in err + err1, (err + err1)[-3000:]
   assert elapsed < 60, elapsed
-  # the runtime names the dead task (process 1) in one message
-  assert re.search(r"tasks are unhealthy \(stopped sending heartbeats\):\s*1\b", err) or \
-      re.search(r"task[^\n]*\b1\b[^\n]*(heartbeat|unhealthy|died|crash)", err, re.I), err[-3000:]
-  print(f"\nprocess 0 exited {codes[0]} {elapsed:.1f} s after process 1 was killed")
+  # process 0 names process 1: its posted failure (when 0's collective broke at once, on
+  # CPU) or the runtime's heartbeat verdict (when 0 waited)
+  posted = "error: process 1 failed: RuntimeError: injected failure at step 3"
+  assert death == "exception" and posted in err or re.search(
+      r"tasks are unhealthy \(stopped sending heartbeats\):\s*1\b", err) or re.search(
+      r"task[^\n]*\b1\b[^\n]*(heartbeat|unhealthy|died|crash)", err, re.I), err[-3000:]
+  print(f"\nprocess 0 exited {codes[0]} {elapsed:.1f} s after process 1 died ({death})")
 
 
 if __name__ == "__main__":
@@ -230,8 +247,12 @@ if __name__ == "__main__":
     from prism_jax.cli import launcher as cli  # pylint: disable=g-import-not-at-top
     from prism_jax.cli import train as launcher  # pylint: disable=g-import-not-at-top
 
+    raise_at = int(os.environ.get(RAISE_AT_ENV, "0"))
+
     def slow(step, state):
       del state
+      if raise_at and step >= raise_at and "--process_id=1" in sys.argv:
+        raise RuntimeError(f"injected failure at step {step}")
       if step >= 2:
         time.sleep(pace)
 
