@@ -147,41 +147,59 @@ def sync(name: str) -> None:
 
 
 FAILED_KEY = "prism_jax/failed/"  # the runtime's key-value store: who failed, and why
+WAIT_FOR_PEERS_S = 10  # process 0, whose exit ends the store, waits this long for their posts
 
 
 def _client():
+  # jax has no public accessor for the runtime's client (orbax reads the same attribute)
   from jax._src import distributed as jax_distributed  # pylint: disable=import-outside-toplevel
   return jax_distributed.global_state.client
 
 
 def exit_after_failure(message: str, code: int, peer_lost: bool,
                        heartbeat_timeout_s: int = HEARTBEAT_TIMEOUT_S) -> None:
-  """Ends this failed process of a multi-process job, naming the process that failed first.
+  """Ends this failed process of a multi-process job at once (never returns).
 
   jax.distributed's graceful shutdown would wait at a barrier the others never reach (they
   wait in their next collective) for its shutdown timeout (300 s), then blame the processes
-  still at work. Instead this process posts `message` in the runtime's key-value store,
-  prints what the others posted (the cause, when this one only saw a collective break) and
-  exits at once: its heartbeat stops, and the runtime ends those still waiting within the
-  heartbeat timeout with an error naming it. A collective that lost its peer (`peer_lost`)
-  with nothing posted may mean a peer killed outright: the runtime gets that timeout to
-  name it."""
-  pid = jax.process_index()
+  still at work. Instead this process posts `message` in the runtime's key-value store and
+  exits: its heartbeat stops, and the runtime ends those still waiting within the heartbeat
+  timeout with an error naming it. Process 0 holds the store, so it first waits (at most
+  WAIT_FOR_PEERS_S) for the others' posts: when all fail alike (a bad config, divergence)
+  each exits with its own message, none aborted by the store's loss. `peer_lost`: this
+  process only saw a collective break (gloo, on CPU): it prints what the others posted,
+  and with nothing posted (a peer killed outright) gives the runtime the heartbeat timeout
+  to name the dead one."""
+  pid, count = jax.process_index(), jax.process_count()
   client = _client()
+  posted: dict[str, str] = {}
   try:
     client.key_value_set(f"{FAILED_KEY}{pid}", message, allow_overwrite=True)
+    if pid == 0 and not peer_lost:
+      deadline = time.time() + WAIT_FOR_PEERS_S
+      for other in range(1, count):
+        left_ms = int(1000 * (deadline - time.time()))
+        if left_ms <= 0:
+          break
+        try:
+          client.blocking_key_value_get(f"{FAILED_KEY}{other}", left_ms)
+        except Exception:  # pylint: disable=broad-except
+          break  # still at work (or dead): the heartbeat tells them
     posted = dict(client.key_value_dir_get(FAILED_KEY))
   except Exception:  # pylint: disable=broad-except
-    posted = {}  # the coordinator (process 0) is gone: its own exit says why
-  others = {k.rsplit("/", 1)[-1]: v for k, v in posted.items()}
-  others.pop(str(pid), None)
-  for other, why in sorted(others.items()):
-    print(f"error: process {other} failed: {why}", file=sys.stderr)
+    pass  # the store (process 0) is gone: the runtime's own error says why
+  if peer_lost:
+    others = {k.rsplit("/", 1)[-1]: v for k, v in posted.items()}
+    others.pop(str(pid), None)
+    for other, why in sorted(others.items()):
+      print(f"error: process {other} failed: {why}", file=sys.stderr)
+    if not others:
+      print(f"error: a collective lost a process; waiting up to {heartbeat_timeout_s + 10} s "
+            "for the runtime to name it", file=sys.stderr)
+      sys.stderr.flush()
+      time.sleep(heartbeat_timeout_s + 10)  # the runtime aborts this process meanwhile
+      print("error: no process was named: every process still sends heartbeats",
+            file=sys.stderr)
   sys.stdout.flush()
   sys.stderr.flush()
-  if peer_lost and not others:
-    time.sleep(heartbeat_timeout_s + 10)  # the runtime aborts this process meanwhile if a peer died
-    print("error: a collective failed while every process still sends heartbeats",
-          file=sys.stderr)
-    sys.stderr.flush()
   os._exit(code)  # pylint: disable=protected-access

@@ -78,9 +78,10 @@ def _exit_after_failure(e: Exception, code: int) -> None:
   from prism_jax import distributed  # pylint: disable=g-import-not-at-top
   timeout = getattr(flags.FLAGS, "heartbeat_timeout_s", None) or distributed.HEARTBEAT_TIMEOUT_S
   # on CPU a collective whose peer died fails at once (gloo: "Connection closed by peer");
-  # on TPU it waits, and the runtime's heartbeat ends it
-  peer_lost = isinstance(e, jax.errors.JaxRuntimeError) and bool(
-      re.search(r"gloo|peer", str(e), re.I))
+  # on TPU and GPU it waits, and the runtime's heartbeat ends it. The process's devices,
+  # not a traced code path.
+  peer_lost = (isinstance(e, jax.errors.JaxRuntimeError) and jax.default_backend() == "cpu"
+               and bool(re.search(r"Gloo|Connection closed by peer", str(e))))
   why = f"{type(e).__name__}: {one_line(e).removeprefix('error: ')}"
   distributed.exit_after_failure(why, code, peer_lost, timeout)
 
