@@ -148,6 +148,9 @@ def sync(name: str) -> None:
 
 FAILED_KEY = "prism_jax/failed/"  # the runtime's key-value store: who failed, and why
 WAIT_FOR_PEERS_S = 10  # process 0, whose exit ends the store, waits this long for their posts
+# ... and, once some posted, this long more: a process between its post and its exit when
+# the store goes is aborted by the runtime (SIGABRT, not its own exit code)
+EXIT_GRACE_S = 3
 
 
 def _client():
@@ -166,7 +169,8 @@ def exit_after_failure(message: str, code: int, peer_lost: bool,
   exits: its heartbeat stops, and the runtime ends those still waiting within the heartbeat
   timeout with an error naming it. Process 0 holds the store, so it first waits (at most
   WAIT_FOR_PEERS_S) for the others' posts: when all fail alike (a bad config, divergence)
-  each exits with its own message, none aborted by the store's loss. `peer_lost`: this
+  each exits with its own message, none aborted by the store's loss (process 0 leaves
+  EXIT_GRACE_S after them). `peer_lost`: this
   process only saw a collective break (gloo, on CPU): it prints what the others posted,
   and with nothing posted (a peer killed outright) gives the runtime the heartbeat timeout
   to name the dead one."""
@@ -185,15 +189,15 @@ def exit_after_failure(message: str, code: int, peer_lost: bool,
           client.blocking_key_value_get(f"{FAILED_KEY}{other}", left_ms)
         except Exception:  # pylint: disable=broad-except
           break  # still at work (or dead): the heartbeat tells them
-    posted = dict(client.key_value_dir_get(FAILED_KEY))
+    if pid == 0 or peer_lost:  # the others leave at once: the store may go any moment
+      posted = {k.rsplit("/", 1)[-1]: v for k, v in client.key_value_dir_get(FAILED_KEY)}
   except Exception:  # pylint: disable=broad-except
     pass  # the store (process 0) is gone: the runtime's own error says why
+  posted.pop(str(pid), None)  # the others' posts, by process index
   if peer_lost:
-    others = {k.rsplit("/", 1)[-1]: v for k, v in posted.items()}
-    others.pop(str(pid), None)
-    for other, why in sorted(others.items()):
+    for other, why in sorted(posted.items()):
       print(f"error: process {other} failed: {why}", file=sys.stderr)
-    if not others:
+    if not posted:
       print(f"error: a collective lost a process; waiting up to {heartbeat_timeout_s + 10} s "
             "for the runtime to name it", file=sys.stderr)
       sys.stderr.flush()
@@ -202,4 +206,6 @@ def exit_after_failure(message: str, code: int, peer_lost: bool,
             file=sys.stderr)
   sys.stdout.flush()
   sys.stderr.flush()
+  if pid == 0 and posted:
+    time.sleep(EXIT_GRACE_S)  # those that posted are exiting; the store outlives them
   os._exit(code)  # pylint: disable=protected-access
