@@ -145,6 +145,25 @@ def test_controller_row_mean_with_and_without_below_chance_tasks():
   assert "above chance (95% CI) on 2 of 2" in synthetic["note"]
 
 
+def test_scale_row_is_the_range_over_targets_and_remat_not_the_best():
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from experiments import reproduce_sources  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng()
+  values = rng.uniform(0.8, 1.0, 4)
+  ratios = [{"target": t, "preset": "xl", "remat": m, "prism_over_dense": float(v)}
+            for (t, m), v in zip([("A", False), ("A", True), ("B", False), ("B", True)], values)]
+  ratios.append({"target": "A", "preset": "small", "remat": True,
+                 "prism_over_dense": float(rng.uniform(0.8, 1.0))})
+  out = reproduce_sources.scale_table({"ratios": ratios[::-1], "command": "python -m x"})
+  assert [r["metric"].split(", ")[1] for r in out] == ["small", "xl"]
+  lo, hi = ratios[int(np.argmin(values))], ratios[int(np.argmax(values))]
+  assert out[1]["ours"] == (f"{100 * lo['prism_over_dense']:.1f}% ({lo['target']}, remat "
+                            f"{'on' if lo['remat'] else 'off'}) to "
+                            f"{100 * hi['prism_over_dense']:.1f}% ({hi['target']}, remat "
+                            f"{'on' if hi['remat'] else 'off'})")
+  assert "of 4 target x remat rows" in out[1]["note"] and " to " not in out[0]["ours"]
+
+
 def test_rerun_leaves_the_recorded_results_md_unchanged(tmp_path):
   """docs/RESULTS.md is what experiments.reproduce makes of docs/results: regenerating it
   changes nothing (the table was not edited by hand, nor left stale)."""
