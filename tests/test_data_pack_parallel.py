@@ -9,7 +9,8 @@ its text, and every (document, offset) is a target exactly once.
 
 The same file is the worker: `python tests/test_data_pack_parallel.py worker PID PORT
 CORPUS OUT [die]` packs with jax.distributed as process PID of 2; with `die`, process 1
-SIGKILLs itself once its first piece is done.
+SIGKILLs itself once its first piece is done. `... slow CORPUS OUT` packs with 2 worker
+processes that each take SLOW_PIECE_S per piece (the orphan test SIGKILLs it mid-way).
 """
 
 import collections
@@ -32,6 +33,8 @@ from prism_jax.data import pack_format as fmt  # noqa: E402
 from prism_jax.data import piece as piece_lib  # noqa: E402
 
 PIECE_BYTES, VOCAB, TIMEOUT_S = 3000, 300, 240
+SLOW_PIECE_S = 0.4
+_PACK_PIECE_IN_WORKER = piece_lib.pack_piece_in_worker
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 WORDS = ["alpha", "beta", "gamma", "δέλτα", "日本", "x", "yz", "the", "a", "packing"]
 
@@ -238,8 +241,85 @@ def test_gcs_sources_hash_by_stored_checksum_without_download(gcs, monkeypatch):
   assert sources.source_hash([path]) == h1
 
 
+
+# --- a killed pack takes its worker processes with it (issue 49) ---------------------
+
+
+def slow_piece_in_worker(*args):
+  """The real worker function, slowed so a kill lands mid-pack (runs in the workers)."""
+  time.sleep(SLOW_PIECE_S)
+  return _PACK_PIECE_IN_WORKER(*args)
+
+
+def slow_pack(corpus: str, out: str) -> None:
+  piece_lib.pack_piece_in_worker = slow_piece_in_worker  # pickled by name: the workers
+  # import this module and run the wrapper around their own, real, function
+  pack(corpus_config(corpus), VOCAB, out, workers=2, piece_bytes=PIECE_BYTES)
+
+
+def _alive(procs) -> list:
+  import psutil  # pylint: disable=import-outside-toplevel
+  out = []
+  for p in procs:
+    try:
+      if p.status() != psutil.STATUS_ZOMBIE:  # a zombie holds no memory and runs nothing
+        out.append(p)
+    except psutil.NoSuchProcess:
+      pass
+  return out
+
+
+def test_sigkilled_pack_leaves_no_worker_alive_and_resumes_to_the_same_rows(reference,
+                                                                           tmp_path):
+  import psutil  # pylint: disable=import-outside-toplevel
+  corpus, cfg, _, want = reference
+  out = str(tmp_path / "killed")
+  env = dict(os.environ, JAX_PLATFORMS="cpu",
+             PYTHONPATH=os.pathsep.join([REPO, os.path.dirname(__file__)]))
+  log = tmp_path / "slow.log"
+  proc = subprocess.Popen([sys.executable, __file__, "slow", corpus, out], env=env,
+                          stdout=open(log, "w"), stderr=subprocess.STDOUT)
+  done = lambda: [k for k in range(len(want[0]["pieces"]["documents"]))
+                  if os.path.exists(os.path.join(fmt.piece_dir(out, k), fmt.DONE))]
+  try:
+    deadline = time.time() + TIMEOUT_S
+    while not done() and time.time() < deadline and proc.poll() is None:
+      time.sleep(0.05)
+    kids = psutil.Process(proc.pid).children(recursive=True)
+    cmdlines = [" ".join(_cmdline(p)) for p in kids]
+    assert done() and proc.poll() is None, log.read_text()[-3000:]
+    proc.send_signal(signal.SIGKILL)
+    assert proc.wait(timeout=30) == -signal.SIGKILL
+  finally:
+    if proc.poll() is None:
+      proc.kill()
+  assert sum("spawn_main" in c for c in cmdlines) == 2, cmdlines  # the pool's 2 workers
+  assert not os.path.exists(os.path.join(out, fmt.METADATA))  # it really was mid-way
+  finished = set(done())
+  t0 = time.time()
+  while _alive(kids) and time.time() - t0 < 10:
+    time.sleep(0.1)
+  left = _alive(kids)
+  for p in left:
+    p.kill()
+  assert not left, f"alive {time.time() - t0:.1f} s after the kill: {cmdlines}"
+  assert finished <= set(done())  # finished pieces are kept ...
+  resumed = pack(cfg, VOCAB, out, workers=0, piece_bytes=PIECE_BYTES)
+  assert_same(read_all(resumed), want)  # ... and the rerun completes to the same rows
+
+
+def _cmdline(p) -> list[str]:
+  import psutil  # pylint: disable=import-outside-toplevel
+  try:
+    return p.cmdline()
+  except psutil.Error:
+    return []
+
+
 if __name__ == "__main__":
   if len(sys.argv) in (6, 7) and sys.argv[1] == "worker":
     worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], len(sys.argv) == 7)
+  elif len(sys.argv) == 4 and sys.argv[1] == "slow":
+    slow_pack(sys.argv[2], sys.argv[3])
   else:
-    sys.exit(f"usage: {sys.argv[0]} worker PID PORT CORPUS OUT [die]")
+    sys.exit(f"usage: {sys.argv[0]} worker PID PORT CORPUS OUT [die] | slow CORPUS OUT")

@@ -238,7 +238,8 @@ def _pack_pieces(out_dir, pieces, todo, settings, tok, workers) -> None:
     return
   ctx = multiprocessing.get_context("spawn")  # never fork a process that runs JAX
   with cf.ProcessPoolExecutor(workers, mp_context=ctx,
-                              initializer=piece_lib.worker_init) as pool:
+                              initializer=piece_lib.worker_init,
+                              initargs=(os.getpid(),)) as pool:
     futures = [pool.submit(piece_lib.pack_piece_in_worker, out_dir, pieces[k], k, settings)
                for k in todo]
     try:

@@ -15,6 +15,7 @@ from typing import Any
 
 import numpy as np
 
+from prism_jax import children
 from prism_jax import paths
 from prism_jax.data import pack_format as fmt
 from prism_jax.data import plan as plan_lib
@@ -77,8 +78,11 @@ def _tokenizer(out_dir: str):
   return tok_lib.load_tokenizer(out_dir)
 
 
-def worker_init() -> None:
-  """A worker process tokenizes on one core: the pool, not the tokenizer, is parallel."""
+def worker_init(parent_pid: int | None = None) -> None:
+  """A worker process tokenizes on one core: the pool, not the tokenizer, is parallel; it
+  ends when the packing process dies, however it dies (prism_jax/children.py)."""
+  if parent_pid is not None:
+    children.die_with_parent(parent_pid)
   os.environ["TOKENIZERS_PARALLELISM"] = "false"
   os.environ["RAYON_NUM_THREADS"] = "1"
 
