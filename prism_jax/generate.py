@@ -26,7 +26,9 @@ keeping r_t from the unedited pass (`prism_jax.model.logit_edit.controlled_logit
 edit a teacher-forced scorer uses too); `logit_edit.suppression_gains(K, ids)` gives g = 0
 on a set G (suppression); g_i = 1 + w_i is the gain controller ℓ' = ℓ + Σ_i w_i a W p_i.
 Contributions are reported after the gains, so they still sum with the residual to the
-logit that was sampled from.
+logit that was sampled from. Each token's trust (prism_jax/model/trust.py) is that of the
+step's edited logits: whether argmax W z_hat (gains applied) is the model's top-1 and the
+prototypes' share of the top-1's lead over the runner-up.
 `logit_hook(logits_BxV, protos) -> logits_BxV` is applied last (e.g. banning tokens); the
 trace decomposes the logit before the hook.
 """
@@ -46,6 +48,7 @@ from prism_jax.model.lm import DenseLM, LMOutput, PrismLM, decompose
 from prism_jax.model.logit_edit import controlled_logits
 from prism_jax.model.prototypes import PrototypeOutput
 from prism_jax.model.token_ids import check_token_ids
+from prism_jax.model.trust import token_trust
 
 LogitHook = Callable[[jax.Array, PrototypeOutput | None], jax.Array]
 
@@ -57,6 +60,9 @@ class TokenTrace(NamedTuple):
   act_BxLxk: np.ndarray  # activations a_{t,i} (before any gain)
   contrib_BxLxk: np.ndarray  # g_i a_{t,i} <W_y, p_i> for the sampled token y
   residual_BxL: np.ndarray  # <W_y, r_t>
+  proto_top1_BxL: np.ndarray  # int32, argmax W z_hat at the step (gains applied)
+  agrees_BxL: np.ndarray  # bool, argmax W z_hat = argmax W z: the prototypes pick the top-1
+  proto_share_BxL: np.ndarray  # the prototypes' share of the top-1's lead (model/trust.py)
 
 
 class GenerationOutput(NamedTuple):
@@ -139,10 +145,16 @@ def _pick(model, logits_BxV, protos, key, knobs, spec: _Spec):
   if protos is None:
     return tok_B, logit_B, None
   dec = decompose(model, protos, tok_B)
-  contrib_Bxk = dec.contrib_Nxk
+  contrib_Bxk, act_Bxk = dec.contrib_Nxk, protos.act_Nxk
   if spec.use_gains:
     contrib_Bxk = contrib_Bxk * knobs["gains_K"][protos.idx_Nxk]
-  return tok_B, logit_B, (dec.idx_Nxk, protos.act_Nxk, contrib_Bxk, dec.residual_N)
+    act_Bxk = act_Bxk * knobs["gains_K"][protos.idx_Nxk]
+  # W z_hat with the gains: the prototype path of the logits that were sampled from
+  z_hat_BxD = jnp.einsum("bk,bkd->bd", act_Bxk, model.bank.protos[...][protos.idx_Nxk],
+                         precision=jax.lax.Precision.HIGHEST)
+  trust = token_trust(logits_BxV, model.backbone.lm_head(z_hat_BxD[:, None])[:, 0])
+  return tok_B, logit_B, (dec.idx_Nxk, protos.act_Nxk, contrib_Bxk, dec.residual_N,
+                          trust.proto_top1_N, trust.agrees_N, trust.proto_share_N)
 
 
 def _write(carry, tok_B, logit_B, row, caches, knobs, prompt_len: int):
@@ -198,6 +210,9 @@ def _prefill(model, prompt_BxP, key, knobs, spec: _Spec):
     carry["trace"] = (jnp.zeros((batch, steps, k), jnp.int32),
                       jnp.zeros((batch, steps, k), jnp.float32),
                       jnp.zeros((batch, steps, k), jnp.float32),
+                      jnp.zeros((batch, steps), jnp.float32),
+                      jnp.zeros((batch, steps), jnp.int32),
+                      jnp.zeros((batch, steps), bool),
                       jnp.zeros((batch, steps), jnp.float32))
   if not spec.use_cache:
     return _step(model, carry, key, knobs, spec, prompt_len)

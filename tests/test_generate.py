@@ -66,7 +66,29 @@ def _reference(model, prompt, tokens, gains=None):
   w_y = w[tokens]
   contrib = eff * np.einsum("blkd,bld->blk", p[idx], w_y)
   return dict(idx=idx, act=act, contrib=contrib, logits=logits,
+              proto_logits=np.einsum("blk,blkd->bld", eff, p[idx]) @ w.T,
               residual=np.einsum("bld,bld->bl", residual_vec, w_y))
+
+
+def _check_trust(tr, ref, msg):
+  """The trace's trust marks against the float64 logits (gains applied) of the reference,
+  where float32 rounding cannot flip an order (both the top-2 gap and the prototype
+  path's top-2 gap clear by 1e-3)."""
+  full, proto = ref["logits"], ref["proto_logits"]
+  top2 = np.sort(full, -1)[..., -2:]
+  ptop2 = np.sort(proto, -1)[..., -2:]
+  clear = (top2[..., 1] - top2[..., 0] > 1e-3) & (ptop2[..., 1] - ptop2[..., 0] > 1e-3)
+  assert clear.mean() > 0.5, msg
+  top1 = full.argmax(-1)
+  runner = np.argsort(-full, -1, kind="stable")[..., 1]
+  agrees = proto.argmax(-1) == top1
+  take = lambda x, i: np.take_along_axis(x, i[..., None], -1)[..., 0]
+  share = (take(proto, top1) - take(proto, runner)) / (take(full, top1) - take(full, runner))
+  np.testing.assert_array_equal(tr.agrees_BxL[clear], agrees[clear], err_msg=msg)
+  np.testing.assert_array_equal(tr.proto_top1_BxL[clear], proto.argmax(-1)[clear], err_msg=msg)
+  big = clear & (top2[..., 1] - top2[..., 0] > 0.05)  # a share divides by the gap
+  np.testing.assert_allclose(tr.proto_share_BxL[big], share[big], rtol=1e-2, atol=1e-2,
+                             err_msg=msg)
 
 
 @pytest.mark.parametrize("kind", ["prism", "dense"])
@@ -106,6 +128,7 @@ def test_trace_decomposes_the_sampled_logit(mixture, prism):
   np.testing.assert_allclose(tr.residual_BxL, ref["residual"], atol=1e-3, err_msg=msg)
   sampled = np.take_along_axis(ref["logits"], out.tokens_BxL[..., None], -1)[..., 0]
   np.testing.assert_allclose(out.logit_BxL, sampled, atol=1e-3, err_msg=msg)
+  _check_trust(tr, ref, msg)
 
 
 def test_suppression_edits_exactly_the_suppressed_prototypes(prism):
@@ -130,6 +153,7 @@ def test_suppression_edits_exactly_the_suppressed_prototypes(prism):
   np.testing.assert_array_equal(out.tokens_BxL, ref["logits"].argmax(-1), err_msg=msg)
   np.testing.assert_allclose(tr.contrib_BxLxk.sum(-1) + tr.residual_BxL, out.logit_BxL,
                              rtol=1e-5, atol=1e-4, err_msg=msg)
+  _check_trust(tr, ref, msg)  # the trust of the edited logits: W z_hat with the gains
   # At step 0 (same prefix) unsuppressed prototypes keep their share of the same token.
   if (out.tokens_BxL[:, 0] == plain.tokens_BxL[:, 0]).all():
     np.testing.assert_allclose(tr.contrib_BxLxk[:, 0][~suppressed[:, 0]],
@@ -227,7 +251,12 @@ def test_token_report_lists_prototypes(prism):
   out = generate(prism, prompt, max_new_tokens=STEPS)
   text = token_report(out, lambda ids: " ".join(f"t{i}" for i in ids), top=2)
   lines = text.splitlines()
-  assert len(lines) == 2 + STEPS
+  assert len(lines) == 3 + STEPS
+  for t in range(STEPS):  # each token's trust mark is its trace's
+    assert ("| RESIDUAL" in lines[2 + t]) == (not out.trace.agrees_BxL[0, t]), lines[2 + t]
+  decided = int((~out.trace.agrees_BxL[0]).sum())
+  assert lines[-1].startswith(f"trust: the prototypes pick the model's top-1 on "
+                              f"{STEPS - decided} of {STEPS} tokens")
   first = out.trace
   j = int(np.argmax(first.contrib_BxLxk[0, 0]))
   assert f"#{first.idx_BxLxk[0, 0, j]} a=" in lines[2]

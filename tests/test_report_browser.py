@@ -46,6 +46,18 @@ def _reference(model, seq):
           np.asarray(parts.residual_N, np.float64), np.asarray(parts.logit_N, np.float64))
 
 
+def _reference_trust(model, seq):
+  """(agrees, order is clear) per position from float64 W z and W z_hat of a fresh forward."""
+  out = model(jnp.asarray(np.asarray(seq, np.int32)[None, :-1]))
+  w = np.asarray(model.backbone.wte[...], np.float64)
+  full = np.asarray(out.logits_BxTxV[0], np.float64)
+  proto = np.asarray(out.protos.z_hat_NxD, np.float64) @ w.T
+  used = model.cfg.num_token_ids
+  full, proto = full[:, :used], proto[:, :used]
+  gap = lambda x: np.diff(np.sort(x, -1)[:, -2:], axis=-1)[:, 0]
+  return proto.argmax(-1) == full.argmax(-1), (gap(full) > 1e-3) & (gap(proto) > 1e-3)
+
+
 def test_report_in_browser(page_setup):
   s = page_setup
   data, model = s["data"], s["model"]
@@ -53,6 +65,7 @@ def test_report_in_browser(page_setup):
   seq = list(prompt[:1]) + [t["id"] for t in data["tokens"]]
   assert seq[:len(prompt)] == list(prompt) and any(t["generated"] for t in data["tokens"])
   idx, contrib, resid, logit = _reference(model, seq)
+  agrees, clear = _reference_trust(model, seq)
   shot = str(s["root"] / "shot.png")
   with browser.open_page(s["path"]) as view:
     page = view.page
@@ -67,6 +80,11 @@ def test_report_in_browser(page_setup):
       assert len(slices) == model.cfg.k + 1 and "residual" in by_proto
       assert abs(sum(v for _, v in slices) - shown) <= 1e-4 * max(1.0, abs(shown))
       assert abs(shown - logit[j]) <= 1e-4 * max(1.0, abs(logit[j]))
+      # the trust mark: the token's class and its detail line agree with float64 argmaxes
+      marked = page.locator("#trust").get_attribute("data-agrees") == "true"
+      assert marked == ("resid" not in toks.nth(j).get_attribute("class"))
+      if clear[j]:
+        assert marked == bool(agrees[j]), j
       assert abs(by_proto["residual"] - resid[j]) <= 1e-4 * max(1.0, abs(resid[j]))
       for i, c in zip(idx[j], contrib[j]):
         assert abs(by_proto[str(int(i))] - c) <= 1e-4 * max(1.0, abs(c))
@@ -99,6 +117,13 @@ def test_report_in_browser(page_setup):
     assert page.locator("#plots polyline").count() >= 3  # metrics over training
     page.select_option("#mapcolour", "label")
     assert page.locator("#map circle.pt").count() == tiny_run.K  # redrawn, not appended
+    # the filter dims every token the prototypes decided, leaving the residual's
+    page.check("#residonly")
+    dimmed = page.locator("span.tok.dim").count()
+    assert dimmed == sum(t["trust"]["agrees"] for t in data["tokens"])
+    assert page.locator("span.tok.resid.dim").count() == 0
+    page.uncheck("#residonly")
+    assert page.locator("span.tok.dim").count() == 0
     page.select_option("#colour", "share")
     page.screenshot(path=shot, full_page=True)
   assert view.errors == [] and view.requests == []

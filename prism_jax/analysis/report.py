@@ -33,6 +33,7 @@ from prism_jax.attribution import cache_format as fmt
 from prism_jax.config import Config
 from prism_jax.model.lm import decompose
 from prism_jax.model.token_ids import check_token_ids
+from prism_jax.model.trust import output_trust
 
 REPORT_KIND = "report"  # io_guard marker kind
 REPORT_FILE = "index.html"
@@ -62,7 +63,7 @@ def _generate(model, prompt, max_new_tokens, cache, packed, eos_id, top):
 
 def token_decomposition(model, seq: np.ndarray):
   """(Decomposition of seq[1:] at the positions before, activations a_{t,i} (N, k),
-  faithfulness metrics of the sequence): one forward of seq[:-1]."""
+  faithfulness metrics of the sequence, per-position trust): one forward of seq[:-1]."""
   inputs = jnp.asarray(seq[None, :-1])
   out = model(inputs)
   parts = decompose(model, out.protos, jnp.asarray(seq[1:]))
@@ -73,7 +74,9 @@ def token_decomposition(model, seq: np.ndarray):
                                            proto.reshape(-1, vocab), jnp.asarray(seq[1:]))
   faith = {k: (v if np.isfinite(v) else None)  # JSON has no nan
            for k, v in faithfulness.faithfulness_finalize(state).items()}
-  return parts, np.asarray(out.protos.act_Nxk, np.float64), faith
+  trust = output_trust(model, out)
+  return parts, np.asarray(out.protos.act_Nxk, np.float64), faith, type(trust)(
+      *(np.asarray(x) for x in trust))
 
 
 def read_metrics(path: str | None) -> dict:
@@ -183,7 +186,7 @@ def report_data(model, cfg: Config, decode: Callable, prompt_ids: Sequence[int],
   seq = np.concatenate([prompt, new]).astype(np.int32)
   if len(seq) < 2:
     raise ValueError("a one-token prompt with nothing generated has no token to decompose")
-  parts, act, faith = token_decomposition(model, seq)
+  parts, act, faith, trust = token_decomposition(model, seq)
   idx, contrib = np.asarray(parts.idx_Nxk), np.asarray(parts.contrib_Nxk, np.float64)
   resid, logit = np.asarray(parts.residual_N, np.float64), np.asarray(parts.logit_N, np.float64)
   tokens = []
@@ -194,6 +197,14 @@ def report_data(model, cfg: Config, decode: Callable, prompt_ids: Sequence[int],
         "logit": float(logit[j]), "residual": float(resid[j]),
         "protos": [{"id": int(i), "act": float(a), "contrib": float(c)}
                    for i, a, c in zip(idx[j], act[j], contrib[j])],
+        # the model's prediction at this position (its top-1) and whether the prototypes
+        # alone pick it, with their share of its lead (None: an exact tie)
+        "trust": {"top1": int(trust.top1_N[j]), "top1_text": decode([int(trust.top1_N[j])]),
+                  "proto_top1": int(trust.proto_top1_N[j]),
+                  "proto_top1_text": decode([int(trust.proto_top1_N[j])]),
+                  "agrees": bool(trust.agrees_N[j]),
+                  "share": (float(trust.proto_share_N[j])
+                            if np.isfinite(float(trust.proto_share_N[j])) else None)},
         "attributions": atts[gen_j] if (atts is not None and gen_j >= 0) else []})
   usage = np.array([c.usage for c in cards.cards])
   text = decode(seq.tolist())
@@ -208,6 +219,7 @@ def report_data(model, cfg: Config, decode: Callable, prompt_ids: Sequence[int],
       "faithfulness": faith, "first_token": decode([int(seq[0])]),
       "first_id": int(seq[0]),
       "prompt_len": int(len(prompt)), "tokens": tokens,
+      "residual_decided": int(sum(not t["trust"]["agrees"] for t in tokens)),
       "attribution_note": ("top attributed training sequences are listed for generated "
                            "tokens" if atts is not None else
                            "no attribution cache given: no attributed training sequences"),

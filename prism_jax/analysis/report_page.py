@@ -3,7 +3,10 @@
 `render(data)` returns the page; `data` is report.report_data's dict (its keys are listed
 there). Nothing is fetched: no external script, style, font or image, so the page opens
 from disk and makes no network request. The DOM the browser tests read:
-  span.tok[data-i]                   a token (click: its decomposition in #detail)
+  span.tok[data-i]                   a token (click: its decomposition in #detail); class
+                                     "resid" when the residual decided the prediction there
+  #residonly                         checkbox: dim every token the prototypes decided
+  #trust[data-agrees]                the selected token's trust line
   #logit[data-value]                 the selected token's logit
   #bar rect.slice[data-proto][data-value]   one slice per active prototype + "residual"
   #detail .proto-row                 per prototype: label, snippets, signature, card link
@@ -30,6 +33,9 @@ h2{font-size:15px;margin:0 0 8px}
 .tok{cursor:pointer;border-radius:3px;padding:1px 0;border-bottom:2px solid transparent}
 .tok.prompt{opacity:.75;border-bottom-color:#999}
 .tok.sel{outline:2px solid #000}
+.tok.resid{border-bottom:2px dashed #c62828}
+.tok.dim{opacity:.18}
+#trust.resid{color:#c62828;font-weight:600}
 .first{color:#777}
 table{border-collapse:collapse;width:100%;font-size:12px}
 td,th{border-bottom:1px solid #eee;padding:3px 4px;vertical-align:top;text-align:left}
@@ -107,7 +113,7 @@ function drawText() {
   box.innerHTML = `<span class="first">${vis(D.first_token)}</span>`;
   D.tokens.forEach((t, i) => {
     const s = document.createElement('span');
-    s.className = 'tok' + (t.generated ? ' gen' : ' prompt');
+    s.className = 'tok' + (t.generated ? ' gen' : ' prompt') + (t.trust.agrees ? '' : ' resid');
     s.dataset.i = i;
     s.innerHTML = vis(t.text);
     s.addEventListener('click', () => showToken(i));
@@ -115,6 +121,21 @@ function drawText() {
     box.appendChild(s);
   });
   colourTokens();
+  filterTokens();
+}
+function filterTokens() {  // only the tokens the residual decided, when asked
+  const only = $('#residonly').checked;
+  document.querySelectorAll('span.tok').forEach(s => s.classList.toggle(
+      'dim', only && D.tokens[+s.dataset.i].trust.agrees));
+}
+function trustLine(t) {
+  const r = t.trust, share = r.share === null ? 'a tie' : `${(100 * r.share).toFixed(0)}%`;
+  return r.agrees ? `trust: the prototypes alone pick the model's prediction ` +
+      `<code>${vis(r.top1_text)}</code>; their share of its lead over the runner-up: ${share}` :
+      `trust: the residual decided this prediction (<code>${vis(r.top1_text)}</code>; the ` +
+      `prototypes alone would pick <code>${vis(r.proto_top1_text)}</code>): the prototypes ` +
+      `below do not explain it. Explain it with a method over the whole model (EK-FAC or ` +
+      `gradient dot-products).`;
 }
 
 // --- one token: the stacked bar of its logit, the prototypes, the attributed sequences ---
@@ -128,6 +149,8 @@ function showToken(i) {
   det.innerHTML = `<h2>token <code>${vis(t.text)}</code> (id ${t.id}${t.generated ?
       ', generated' : ', prompt'}): logit <span id="logit" data-value="${t.logit}">` +
       `${t.logit.toFixed(4)}</span> = ${parts.length - 1} prototype slices + residual</h2>` +
+      `<div id="trust" data-agrees="${t.trust.agrees}" class="${t.trust.agrees ? '' : 'resid'}">` +
+      `${trustLine(t)}</div>` +
       '<svg id="bar" width="100%" height="46" viewBox="0 0 600 46"></svg>' +
       '<div class="legend">bar: positive slices stack right of 0, negative left; hover a ' +
       'slice for its prototype</div><table id="ptable"></table><div id="attr"></div>';
@@ -276,6 +299,7 @@ function drawPlots() {
     `${D.usage_hist.never} never active`;
 }
 $('#colour').addEventListener('change', colourTokens);
+$('#residonly').addEventListener('change', filterTokens);
 $('#mapcolour').addEventListener('change', redrawMap);
 $('#search').addEventListener('input', drawList);
 drawText(); drawMap(); drawList(); drawPlots();
@@ -293,7 +317,9 @@ BODY = """
  <section><h2>prompt and generation</h2>
   <div class="muted">colour by <select id="colour"><option value="top">top prototype
   </option><option value="share">prototype-path share</option></select>
-  <label><input type="checkbox" id="hover"> follow hover</label>;
+  <label><input type="checkbox" id="hover"> follow hover</label>
+  <label><input type="checkbox" id="residonly"> only tokens the residual decided
+  ({resid} of {ntok}, dashed red)</label>;
   click a token for its decomposition (prompt tokens underlined)</div>
   <div id="text"></div></section>
  <section id="detail"></section>
@@ -322,7 +348,8 @@ def render(data: dict) -> str:
   """The whole page for report_data's dict."""
   body = BODY.format(title=html.escape(data["title"]), subtitle=html.escape(data["subtitle"]),
                      faith=html.escape(data["faithfulness_line"]),
-                     method=html.escape(data["map_method"]))
+                     method=html.escape(data["map_method"]),
+                     resid=int(data["residual_decided"]), ntok=len(data["tokens"]))
   return ("<!DOCTYPE html>\n<html lang=\"en\"><head><meta charset=\"utf-8\">"
           f"<title>{html.escape(data['title'])}</title><style>{CSS}</style></head><body>"
           f"{body}<script type=\"application/json\" id=\"data\">{_json_for_script(data)}"

@@ -84,11 +84,17 @@ def main(argv):
   if not prompt:
     raise ValueError("the prompt encodes to no tokens; pass a non-empty --prompt")
   icfg = influence.InfluenceConfig(coupling=FLAGS.coupling, top=FLAGS.top)
+  from prism_jax.model import trust as trust_lib  # pylint: disable=g-import-not-at-top
   print(f"prompt: {FLAGS.prompt!r}")
+  seq = list(prompt)
   for tok, att in influence.attribute_generation(
       model, cache, prompt, max_new_tokens=FLAGS.max_new_tokens, cfg=icfg, packed=packed,
       temperature=FLAGS.temperature, eos_id=tokenizer.eos_id):
+    seq.append(tok)
     print(f"\n>> {tokenizer.decode([tok])!r}  (prototypes {att.query_protos.tolist()})")
+    tr = trust_lib.prediction_trust(model, seq, [len(seq) - 1])
+    if not tr.agrees_N[0]:  # the prototypes below do not explain this prediction
+      print(f"   note: {trust_lib.RESIDUAL_DECIDED}")
     for rank, (e, s, snip) in enumerate(zip(att.example_ids, att.scores, att.snippets)):
       protos = ", ".join(f"{i}:{v:+.3g}" for i, v in list(att.breakdown[rank].items())[:3])
       print(f"   {rank + 1}. score {s:+.4g}  [{protos}]  {snip!r}")

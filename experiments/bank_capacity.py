@@ -1,0 +1,232 @@
+"""How far can the prototype path carry the prediction? Bank capacity on a frozen backbone
+(issue 44, items 1-2).
+
+  nice python -m experiments.bank_capacity --root=/tmp/cap --backbone=128x4 \
+      --grid=512:8,2048:8,8192:8,16384:8,512:32 --results_json=docs/results/bank_capacity_128x4.json
+
+Per backbone (d_model x n_layers on the tiny preset's corpus, tokenizer and recipe; heads of
+32 dimensions): its dense twin trains train.steps (600) steps; then, per grid setting
+`K:k[:key=value...]` (a model.* or loss.* override, e.g. `2048:16:model.mixture=raw`), the
+bank alone trains on the frozen twin (`train.init_from` + `train.trainable=prototypes`, the
+bank set from the twin's hidden states at step 0, steps - proto_init_step = 550 steps: the
+bank sees the tokens a from-scratch bank sees). The full logits stay W z of the twin to the
+bit, so the full CE is the twin's by construction: only the prototype path's figures move.
+
+Every figure is measured on one half of the val documents (prism_jax/data/val_halves.py):
+--half=choose (the default) for the sweep, where settings are chosen; --half=test once, for
+the chosen settings and today's defaults. Per setting: agreement of argmax W z_hat with
+argmax W z (all tokens, decisive ones, the decisive share), CE(W z_hat)/CE(W z), R̄1/R̄2,
+dead prototypes, residual share, bank parameters K·D, the steady step time, and the median
+and 90th percentile over tokens of how many prototypes carry 90% of the prediction's
+prototype logit (prism_jax/model/trust.py: carriers_N). Runs already trained under --root
+are reused (train() resumes a cut one); each run's measurement is kept beside it.
+"""
+
+import json
+import os
+
+import numpy as np
+from absl import flags, logging
+
+from prism_jax.cli import launcher as cli
+from prism_jax.cli import provenance
+
+flags.DEFINE_string("root", None, "directory of the runs (reused when finished)")
+flags.DEFINE_string("backbone", "128x4", "d_model x n_layers of the frozen dense twin")
+flags.DEFINE_list("grid", ["512:8"], "settings K:k[:model.X=v|loss.X=v ...]")
+flags.DEFINE_list("seeds", ["0"], "seeds (train.seed = data.seed) of twin and bank")
+flags.DEFINE_integer("steps", 600, "train.steps of the dense twin (the bank: minus the "
+                     "preset's proto_init_step)")
+flags.DEFINE_enum("half", "choose", ["choose", "test"], "the val half measured on: choose "
+                  "for the sweep, test once for the chosen settings")
+flags.DEFINE_integer("half_seed", 0, "seed of the val halves")
+flags.DEFINE_string("results_json", None, "write the rows here (experiments.reproduce)")
+flags.mark_flag_as_required("root")
+FLAGS = flags.FLAGS
+
+HEAD_DIM = 32
+SHOWN = ("agreement", "agreement_decisive", "decisive_share", "proto_ce_ratio", "r1_bar",
+         "r2_bar", "dead_prototypes", "residual_share", "loss")
+
+
+def parse_backbone(text: str) -> tuple[int, int]:
+  try:
+    d, layers = (int(x) for x in text.lower().split("x"))
+  except ValueError:
+    raise ValueError(f"--backbone={text!r}: write d_model x n_layers, e.g. 256x6") from None
+  if d % HEAD_DIM or d <= 0 or layers <= 0:
+    raise ValueError(f"--backbone={text!r}: d_model must be a positive multiple of {HEAD_DIM}")
+  return d, layers
+
+
+def parse_setting(text: str) -> tuple[int, int, tuple[str, ...]]:
+  """'K:k[:key=value...]' -> (K, k, overrides)."""
+  parts = text.split(":")
+  try:
+    big_k, k = int(parts[0]), int(parts[1])
+  except (ValueError, IndexError):
+    raise ValueError(f"--grid entry {text!r}: write K:k[:model.X=v...], e.g. 2048:16") from None
+  extra = tuple(parts[2:])
+  bad = [e for e in extra if "=" not in e or not e.startswith(("model.", "loss."))]
+  if bad or not 0 < k <= big_k:
+    raise ValueError(f"--grid entry {text!r}: need 0 < k <= K and model.*/loss.* overrides")
+  return big_k, k, extra
+
+
+def setting_name(big_k: int, k: int, extra: tuple[str, ...]) -> str:
+  return "_".join([f"K{big_k}", f"k{k}"] + [e.split(".", 1)[1].replace("=", "-") for e in extra])
+
+
+def base_sets(backbone: str, seed: int, root: str) -> list[str]:
+  d, layers = parse_backbone(backbone)
+  return [f"model.d_model={d}", f"model.n_layers={layers}", f"model.n_heads={d // HEAD_DIM}",
+          f"train.seed={seed}", f"data.seed={seed}",
+          f"data.packed_dir={os.path.join(root, backbone, 'data')}"]
+
+
+def twin_config(backbone: str, seed: int, root: str, steps: int):
+  from prism_jax.config import preset  # pylint: disable=g-import-not-at-top
+  from prism_jax.train import apply_overrides  # pylint: disable=g-import-not-at-top
+  return apply_overrides(preset("tiny"), base_sets(backbone, seed, root)
+                         + ["model.kind=dense", f"train.steps={steps}"])
+
+
+def bank_config(backbone: str, seed: int, root: str, steps: int, setting: str):
+  from prism_jax.config import preset  # pylint: disable=g-import-not-at-top
+  from prism_jax.train import apply_overrides  # pylint: disable=g-import-not-at-top
+  base = preset("tiny")
+  big_k, k, extra = parse_setting(setting)
+  return apply_overrides(base, base_sets(backbone, seed, root) + [
+      f"model.num_prototypes={big_k}", f"model.k={k}", *extra,
+      f"train.steps={steps - base.train.proto_init_step}", "train.proto_init_step=0",
+      "train.trainable=prototypes", "train.eval_at_start=false",
+      f"train.eval_every={steps}",
+      f"train.init_from={os.path.join(root, backbone, f'dense_s{seed}')}"])
+
+
+def step_seconds(workdir: str, cfg) -> float:
+  from prism_jax.train.metrics import read_metrics  # pylint: disable=g-import-not-at-top
+  last = [r for r in read_metrics(workdir, "train") if "steady_tokens_per_s" in r][-1]
+  return cfg.train.batch_size * cfg.data.seq_len / last["steady_tokens_per_s"]
+
+
+def measure_half(workdir: str, half: str, half_seed: int) -> dict:
+  """The run's final parameters on one val half: the eval metrics and the carriers."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from prism_jax import data as data_lib  # pylint: disable=g-import-not-at-top
+  from prism_jax.data.val_halves import HalfLoader, val_halves  # pylint: disable=g-import-not-at-top
+  from prism_jax.model.lm import decompose  # pylint: disable=g-import-not-at-top
+  from prism_jax.model.trust import carriers_N  # pylint: disable=g-import-not-at-top
+  from prism_jax.train.evaluation import evaluate  # pylint: disable=g-import-not-at-top
+  from prism_jax.train.inference import load_params  # pylint: disable=g-import-not-at-top
+  graphdef, params, cfg, _ = load_params(workdir)
+  packed = data_lib.prepare_data(cfg.data, cfg.model.vocab_size, workdir)
+  docs = val_halves(packed, half_seed)[half]
+  loader = HalfLoader(data_lib.make_loader(packed, "val", cfg.train.batch_size, cfg.data.seed),
+                      docs)
+  row = evaluate(graphdef, params, cfg, loader, num_batches=0)
+  if cfg.model.kind != "prism":
+    return row
+
+  @jax.jit
+  def contributions(params, inputs, mask):
+    model = nnx.merge(graphdef, params)
+    out = model(inputs, mask_BxT=mask)
+    top1 = out.logits_BxTxV.reshape(-1, out.logits_BxTxV.shape[-1]).argmax(-1)
+    return decompose(model, out.protos, top1).contrib_Nxk
+
+  counts = []
+  for i in range(loader.num_batches):
+    b = loader.batch_at(i)
+    contrib = np.asarray(contributions(params, b["inputs"], b["mask"]))
+    counts.append(carriers_N(contrib)[np.asarray(b["mask"]).reshape(-1)])
+  counts = np.concatenate(counts)
+  row.update(carriers90_median=float(np.median(counts)),
+             carriers90_p90=float(np.percentile(counts, 90)),
+             documents=int(len(docs)))
+  return row
+
+
+def measure_run(workdir: str, cfg, half: str) -> dict:
+  """Train (or reuse) the run, then its row on the half; kept in <run>/capacity_<half>.json."""
+  from prism_jax.train import train  # pylint: disable=g-import-not-at-top
+  saved = os.path.join(workdir, f"capacity_{half}_h{FLAGS.half_seed}.json")
+  train(cfg, workdir)
+  if os.path.exists(saved):
+    with open(saved, encoding="utf-8") as f:
+      return json.load(f)
+  row = measure_half(workdir, half, FLAGS.half_seed)
+  row = {k: row[k] for k in list(SHOWN) + ["tokens", "carriers90_median", "carriers90_p90",
+                                           "documents"] if k in row}
+  row["step_s"] = step_seconds(workdir, cfg)
+  if cfg.model.kind == "prism":
+    row["bank_params"] = cfg.model.num_prototypes * cfg.model.d_model
+  with open(saved, "w", encoding="utf-8") as f:
+    json.dump(row, f, indent=1)
+  return row
+
+
+def table(results: dict) -> str:
+  lines = ["| backbone | setting | seed | agreement | decisive (share) | proto CE ratio | "
+           "R̄1 / R̄2 | dead | residual share | carriers 90% (median / p90) | bank params | "
+           "step s |", "|" + "---|" * 12]
+  for backbone, per_setting in results.items():
+    for setting, per_seed in per_setting.items():
+      for seed, r in per_seed.items():
+        lines.append(
+            f"| {backbone} | {setting} | {seed} | {100 * r['agreement']:.1f}% | "
+            f"{100 * r['agreement_decisive']:.1f}% ({100 * r['decisive_share']:.1f}%) | "
+            f"{r['proto_ce_ratio']:.3f} | {r['r1_bar']:.3f} / {r['r2_bar']:.3f} | "
+            f"{r['dead_prototypes']:.0f} | {r['residual_share']:.3f} | "
+            f"{r['carriers90_median']:.0f} / {r['carriers90_p90']:.0f} | "
+            f"{r['bank_params']:,} | {r['step_s']:.3f} |")
+  return "\n".join(lines)
+
+
+def check_flags() -> None:
+  """Every flag combination checked before any work (one `error:` line)."""
+  parse_backbone(FLAGS.backbone)
+  for s in FLAGS.grid:
+    parse_setting(s)
+  if FLAGS.steps <= 50:
+    raise ValueError(f"--steps={FLAGS.steps}: the bank trains steps - 50 steps; give > 50")
+  if not FLAGS.seeds:
+    raise ValueError("--seeds is empty")
+
+
+def main(argv):
+  del argv
+  check_flags()
+  from prism_jax.train.metrics import quiet_library_logs  # pylint: disable=g-import-not-at-top
+  quiet_library_logs()
+  results: dict = {FLAGS.backbone: {}}
+  twins = {}
+  for s in FLAGS.seeds:
+    seed = int(s)
+    workdir = os.path.join(FLAGS.root, FLAGS.backbone, f"dense_s{seed}")
+    twins[seed] = measure_run(workdir, twin_config(FLAGS.backbone, seed, FLAGS.root,
+                                                   FLAGS.steps), FLAGS.half)
+  for setting in FLAGS.grid:
+    per_seed = {}
+    for s in FLAGS.seeds:
+      seed = int(s)
+      cfg = bank_config(FLAGS.backbone, seed, FLAGS.root, FLAGS.steps, setting)
+      workdir = os.path.join(FLAGS.root, FLAGS.backbone,
+                             setting_name(*parse_setting(setting)) + f"_s{seed}")
+      per_seed[seed] = measure_run(workdir, cfg, FLAGS.half)
+      logging.info("%s seed %d: %s", setting, seed, per_seed[seed])
+    results[FLAGS.backbone][setting] = per_seed
+  print(table(results))
+  if FLAGS.results_json:
+    rec = provenance.record("experiments.bank_capacity")
+    with open(FLAGS.results_json, "w", encoding="utf-8") as f:
+      json.dump({**rec, "half": FLAGS.half, "half_seed": FLAGS.half_seed,
+                 "twins": {str(k): v for k, v in twins.items()},
+                 "results": {b: {st: {str(k): v for k, v in ps.items()}
+                                 for st, ps in r.items()} for b, r in results.items()},
+                 "table": table(results)}, f, indent=1)
+
+
+if __name__ == "__main__":
+  cli.run(main)
