@@ -1,8 +1,9 @@
 """How far can the prototype path carry the prediction? Bank capacity on a frozen backbone
 (issue 44, items 1-2).
 
-  nice python -m experiments.bank_capacity --root=/tmp/cap --backbone=128x4 \
-      --grid=512:8,2048:8,8192:8,16384:8,512:32 --results_json=docs/results/bank_capacity_128x4.json
+  nice python -m experiments.bank_capacity --root=/tmp/cap --backbones=128x4,256x6 \
+      --grid=512:8,2048:8,8192:8,16384:8,512:32 --results_json=docs/results/bank_capacity.json \
+      --plot=docs/results/bank_capacity.png
 
 Per backbone (d_model x n_layers on the tiny preset's corpus, tokenizer and recipe; heads of
 32 dimensions): its dense twin trains train.steps (600) steps; then, per grid setting
@@ -32,7 +33,7 @@ from prism_jax.cli import launcher as cli
 from prism_jax.cli import provenance
 
 flags.DEFINE_string("root", None, "directory of the runs (reused when finished)")
-flags.DEFINE_string("backbone", "128x4", "d_model x n_layers of the frozen dense twin")
+flags.DEFINE_list("backbones", ["128x4"], "d_model x n_layers of each frozen dense twin")
 flags.DEFINE_list("grid", ["512:8"], "settings K:k[:model.X=v|loss.X=v ...]")
 flags.DEFINE_list("seeds", ["0"], "seeds (train.seed = data.seed) of twin and bank")
 flags.DEFINE_integer("steps", 600, "train.steps of the dense twin (the bank: minus the "
@@ -41,6 +42,7 @@ flags.DEFINE_enum("half", "choose", ["choose", "test"], "the val half measured o
                   "for the sweep, test once for the chosen settings")
 flags.DEFINE_integer("half_seed", 0, "seed of the val halves")
 flags.DEFINE_string("results_json", None, "write the rows here (experiments.reproduce)")
+flags.DEFINE_string("plot", None, "PNG of agreement against K per k and backbone")
 flags.mark_flag_as_required("root")
 FLAGS = flags.FLAGS
 
@@ -184,15 +186,81 @@ def table(results: dict) -> str:
   return "\n".join(lines)
 
 
+LEVELS = (("agreement", (0.5, 0.6, 0.7, 0.8, 0.9)), ("agreement_decisive", (0.9, 0.95, 0.97)))
+
+
+def smallest_reaching(per_setting: dict, key: str, level: float) -> str:
+  """The setting of smallest k (then K) whose seed-mean `key` reaches `level`."""
+  best = None
+  for setting, per_seed in per_setting.items():
+    big_k, k, extra = parse_setting(setting)
+    if np.mean([r[key] for r in per_seed.values()]) >= level:
+      if best is None or (k, big_k, len(extra)) < best[0]:
+        best = ((k, big_k, len(extra)), setting)
+  return "not reached" if best is None else best[1]
+
+
+def markdown(data: dict) -> str:
+  """The "Prototype path: bank capacity" section (experiments.reproduce writes it)."""
+  lines = [f"`{data['command']}` (commit `{data['commit'][:12]}`); measured on the "
+           f"**{data['half']}** half of the val documents (seed {data['half_seed']}).", ""]
+  for backbone, twins in data["twins"].items():
+    lines.append(f"- dense twin {backbone}: val CE on the half "
+                 + ", ".join(f"seed {s} {r['loss']:.4f}" for s, r in twins.items())
+                 + " (every bank row's full CE equals it: frozen backbone, logits W z)")
+  lines += ["", data["table"], "", "Smallest k (then K) reaching each level (seed mean):", "",
+            "| backbone | " + " | ".join(f"{key.replace('agreement_', '')} ≥ {lv:.0%}"
+                                         for key, lvs in LEVELS for lv in lvs) + " |",
+            "|---|" + "---|" * sum(len(lvs) for _, lvs in LEVELS)]
+  for backbone, per_setting in data["results"].items():
+    lines.append(f"| {backbone} | " + " | ".join(
+        smallest_reaching(per_setting, key, lv) for key, lvs in LEVELS for lv in lvs) + " |")
+  if data.get("plot"):
+    lines += ["", f"![agreement against K]({os.path.relpath(data['plot'], 'docs')})"]
+  return "\n".join(lines)
+
+
+def plot(results: dict, path: str) -> None:
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+  fig, axes = plt.subplots(1, 2, figsize=(11, 4.2))
+  for (key, title), ax in zip((("agreement", "all tokens"),
+                               ("agreement_decisive", "decisive tokens")), axes):
+    for backbone, per_setting in results.items():
+      by_k: dict = {}
+      for setting, per_seed in per_setting.items():
+        big_k, k, extra = parse_setting(setting)
+        if not extra:
+          by_k.setdefault(k, []).append((big_k, np.mean([r[key] for r in per_seed.values()])))
+      for k, pts in sorted(by_k.items()):
+        pts.sort()
+        ax.plot([p[0] for p in pts], [100 * p[1] for p in pts], marker="o",
+                linestyle="-" if backbone == next(iter(results)) else "--",
+                label=f"{backbone}, k={k}")
+    ax.set_xscale("log", base=2)
+    ax.set_xlabel("prototypes K")
+    ax.set_ylabel("agreement argmax W ẑ = argmax W z (%)")
+    ax.set_title(f"frozen backbone, {title}")
+    ax.grid(alpha=0.3)
+  axes[1].legend(fontsize=7, ncol=2)
+  fig.tight_layout()
+  fig.savefig(path, dpi=110)
+  plt.close(fig)
+
+
 def check_flags() -> None:
   """Every flag combination checked before any work (one `error:` line)."""
-  parse_backbone(FLAGS.backbone)
+  for b in FLAGS.backbones:
+    parse_backbone(b)
   for s in FLAGS.grid:
     parse_setting(s)
   if FLAGS.steps <= 50:
     raise ValueError(f"--steps={FLAGS.steps}: the bank trains steps - 50 steps; give > 50")
-  if not FLAGS.seeds:
-    raise ValueError("--seeds is empty")
+  if not FLAGS.seeds or not FLAGS.backbones:
+    raise ValueError("--seeds and --backbones must not be empty")
+  if FLAGS.plot and not FLAGS.plot.endswith(".png"):
+    raise ValueError(f"--plot={FLAGS.plot!r}: give a .png path")
 
 
 def main(argv):
@@ -200,32 +268,34 @@ def main(argv):
   check_flags()
   from prism_jax.train.metrics import quiet_library_logs  # pylint: disable=g-import-not-at-top
   quiet_library_logs()
-  results: dict = {FLAGS.backbone: {}}
-  twins = {}
-  for s in FLAGS.seeds:
-    seed = int(s)
-    workdir = os.path.join(FLAGS.root, FLAGS.backbone, f"dense_s{seed}")
-    twins[seed] = measure_run(workdir, twin_config(FLAGS.backbone, seed, FLAGS.root,
-                                                   FLAGS.steps), FLAGS.half)
-  for setting in FLAGS.grid:
-    per_seed = {}
+  results: dict = {}
+  twins: dict = {}
+  for backbone in FLAGS.backbones:
+    twins[backbone] = {}
     for s in FLAGS.seeds:
-      seed = int(s)
-      cfg = bank_config(FLAGS.backbone, seed, FLAGS.root, FLAGS.steps, setting)
-      workdir = os.path.join(FLAGS.root, FLAGS.backbone,
-                             setting_name(*parse_setting(setting)) + f"_s{seed}")
-      per_seed[seed] = measure_run(workdir, cfg, FLAGS.half)
-      logging.info("%s seed %d: %s", setting, seed, per_seed[seed])
-    results[FLAGS.backbone][setting] = per_seed
+      workdir = os.path.join(FLAGS.root, backbone, f"dense_s{s}")
+      twins[backbone][s] = measure_run(workdir, twin_config(backbone, int(s), FLAGS.root,
+                                                            FLAGS.steps), FLAGS.half)
+    results[backbone] = {}
+    for setting in FLAGS.grid:
+      per_seed = {}
+      for s in FLAGS.seeds:
+        cfg = bank_config(backbone, int(s), FLAGS.root, FLAGS.steps, setting)
+        workdir = os.path.join(FLAGS.root, backbone,
+                               setting_name(*parse_setting(setting)) + f"_s{s}")
+        per_seed[s] = measure_run(workdir, cfg, FLAGS.half)
+        logging.info("%s %s seed %s: %s", backbone, setting, s, per_seed[s])
+      results[backbone][setting] = per_seed
   print(table(results))
+  if FLAGS.plot:
+    plot(results, FLAGS.plot)
   if FLAGS.results_json:
     rec = provenance.record("experiments.bank_capacity")
+    data = {**rec, "half": FLAGS.half, "half_seed": FLAGS.half_seed, "twins": twins,
+            "results": results, "table": table(results), "plot": FLAGS.plot}
     with open(FLAGS.results_json, "w", encoding="utf-8") as f:
-      json.dump({**rec, "half": FLAGS.half, "half_seed": FLAGS.half_seed,
-                 "twins": {str(k): v for k, v in twins.items()},
-                 "results": {b: {st: {str(k): v for k, v in ps.items()}
-                                 for st, ps in r.items()} for b, r in results.items()},
-                 "table": table(results)}, f, indent=1)
+      json.dump(data, f, indent=1)
+    print(markdown(data))
 
 
 if __name__ == "__main__":

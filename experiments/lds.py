@@ -120,6 +120,29 @@ def _write_plot(path, ms, removal_ci):
   fig.savefig(path, dpi=120)
 
 
+def removal_section(deltas: dict, ms: list[int], seed_gap: np.ndarray
+                    ) -> tuple[list[str], dict]:
+  """The removal table's lines and per method the (mean, lo, hi) per m; removal curves off
+  (--removal_queries=0: `deltas` of 0 queries) gives one line saying so and no curves."""
+  from prism_jax.evaluation import lds  # pylint: disable=g-import-not-at-top
+  n_queries = next(iter(deltas.values())).shape[0] if deltas else 0
+  if n_queries == 0:
+    return ["", "removal curves: off (--removal_queries=0)"], {}
+  lines = ["", f"removal: query loss change vs the full model (m = 0), mean [95% bootstrap "
+           f"CI] over {n_queries} queries; seed noise |full seed 1 − full seed 0| "
+           f"= {seed_gap[:n_queries].mean():.3f} nats (all queries: "
+           f"{seed_gap.mean():.3f})", "",
+           "| method | " + " | ".join(f"m={m}" for m in ms) + " |",
+           "|---|" + "---|" * len(ms)]
+  removal_ci = {}
+  for name, d in deltas.items():
+    removal_ci[name] = [lds.bootstrap_ci(d[:, j]) if n_queries > 1
+                        else (float(d[0, j]),) * 3 for j in range(len(ms))]
+    lines.append(f"| {name} | " + " | ".join(f"{a:+.3f} [{lo:+.3f}, {hi:+.3f}]" for a, lo, hi
+                                            in removal_ci[name]) + " |")
+  return lines, removal_ci
+
+
 def main(argv):
   del argv
   if FLAGS.plot_from:
@@ -130,6 +153,9 @@ def main(argv):
     if not {"removal_ci", "removal_m"} <= set(results):
       raise ValueError(f"--plot_from={FLAGS.plot_from}: no removal_ci/removal_m (not an "
                        "experiments.lds results file)")
+    if not results["removal_ci"]:
+      raise ValueError(f"--plot_from={FLAGS.plot_from}: it was run with removal curves off "
+                       "(--removal_queries=0): nothing to draw")
     _write_plot(FLAGS.plot, results["removal_m"], results["removal_ci"])
     print(f"wrote {FLAGS.plot}")
     return
@@ -233,25 +259,16 @@ def main(argv):
     rows_json.append({"metric": "LDS noise ceiling √ρ(seed A, seed B)", "paper": "not reported",
                       "ours": round(float(np.sqrt(max(ceiling[0], 0))), 4), "section": "§5",
                       "note": f"two-seed Spearman ρ {ceiling[0]:.3f}"})
-  seed_gap = np.abs(full1 - full0)
-  lines += ["", f"removal: query loss change vs the full model (m = 0), mean [95% bootstrap "
-            f"CI] over {FLAGS.removal_queries} queries; seed noise |full seed 1 − full seed 0| "
-            f"= {seed_gap[:FLAGS.removal_queries].mean():.3f} nats (all queries: "
-            f"{seed_gap.mean():.3f})", "",
-            "| method | " + " | ".join(f"m={m}" for m in ms) + " |",
-            "|---|" + "---|" * len(ms)]
-  removal_ci = {}
-  for name in removal_methods:
-    removal_ci[name] = [lds.bootstrap_ci(deltas[name][:, j]) if FLAGS.removal_queries > 1
-                        else (float(deltas[name][0, j]),) * 3 for j in range(len(ms))]
-    lines.append(f"| {name} | " + " | ".join(f"{a:+.3f} [{lo:+.3f}, {hi:+.3f}]" for a, lo, hi
-                                            in removal_ci[name]) + " |")
+  removal_lines, removal_ci = removal_section(deltas, ms, np.abs(full1 - full0))
+  lines += removal_lines
   table = "\n".join(lines)
   print(table)
   with open(os.path.join(FLAGS.out, "results.md"), "w") as f:
     f.write(table + "\n")
-  if FLAGS.plot:
+  if FLAGS.plot and removal_ci:
     _write_plot(FLAGS.plot, ms, removal_ci)
+  elif FLAGS.plot:
+    logging.warning("--plot: no removal curves to draw (--removal_queries=0)")
   if FLAGS.results_json:
     rec = provenance.record("experiments.lds")
     for r in rows_json:

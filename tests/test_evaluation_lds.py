@@ -312,3 +312,18 @@ def test_lds_cli_refuses_a_changed_flag_on_resume(tmp_path):
   assert r.returncode == 2 and last.startswith("error: ") and "loss.lambda_proto" in last, \
       r.stderr[-2000:]
   assert not list((tmp_path / "retrains").glob("*.npz"))
+
+
+def test_removal_curves_off_gives_a_table_without_them():
+  """--removal_queries=0 (documented: removal curves off) used to end in an IndexError
+  after every retrain; now its report says the curves are off and has no removal rows."""
+  from experiments import lds as lds_exp  # pylint: disable=import-outside-toplevel
+  gap = np.random.default_rng(0).random(5)
+  lines, ci = lds_exp.removal_section({"prism": np.zeros((0, 2)), "ekfac": np.zeros((0, 2))},
+                                      [4, 8], gap)
+  assert ci == {} and lines[-1] == "removal curves: off (--removal_queries=0)"
+  deltas = {"prism": np.random.default_rng(1).normal(size=(3, 2))}
+  lines, ci = lds_exp.removal_section(deltas, [4, 8], gap)
+  assert len(ci["prism"]) == 2 and lines[-1].startswith("| prism | ")
+  np.testing.assert_allclose(ci["prism"][0][0], deltas["prism"][:, 0].mean())
+

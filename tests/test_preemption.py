@@ -173,13 +173,13 @@ def test_sigterm_to_one_of_two_processes_saves_one_step_and_resumes_exactly(tmp_
   outs = [_read(tmp_path, "run", pid, "out") for pid in range(2)]
   errs = [_read(tmp_path, "run", pid, "err")[-3000:] for pid in range(2)]
   assert codes == [0, 0], errs
-  # stdout: the one line, beside gloo's connection notes ("[Gloo] Rank r is connected to
-  # n peer ranks ...", from C++ threads that may interleave with each other mid-line)
-  lines = [re.findall(r"^preempted by .*$", o, re.M) for o in outs]
+  # stdout: one preemption line per process, found wherever gloo's C++ threads put their
+  # connection notes around it (they write a note in pieces, so the line may start mid-line
+  # after half a note, and stray pieces of notes may stand alone): behaviour is checked
+  # below (same saved step, exit 0, bit-exact resume), not the interleaving.
+  lines = [re.findall(r"preempted by .*?: saved step \d+ of 12 in \S+", o) for o in outs]
   assert all(len(l) == 1 for l in lines), outs
-  assert not [x for o, l in zip(outs, lines) for x in o.replace(l[0], "").splitlines()
-              if x.strip() and "peer ranks" not in x], outs
-  saved = [int(re.match(r"preempted by .*: saved step (\d+) of 12 in ", l[0]).group(1))
+  saved = [int(re.match(r"preempted by .*?: saved step (\d+) of 12 in ", l[0]).group(1))
            for l in lines]
   # JAX's notifier took the SIGTERM: neither process can tell which one received it
   assert lines[0] == lines[1] and lines[0][0].startswith(
