@@ -210,6 +210,10 @@ class TrainConfig:
   grad_clip: float = 1.0
   seed: int = 0
   proto_init_step: int = 50  # dense warm-up steps before prototypes are set from data
+  # every this many steps after the init, prototypes no token of a window of the coming
+  # training tokens selects are set anew from hidden states (prism_jax/train/revive.py);
+  # 0 = never
+  revive_every: int = 0
   eval_every: int = 200
   eval_batches: int = 8  # val batches per eval; 0 = the whole val split
   eval_at_start: bool = True  # also evaluate the untrained model (step 0) of a new run
@@ -231,6 +235,7 @@ class TrainConfig:
     _check(int(self.eval_batches) >= 0, "train.eval_batches must be >= 0 (0: the whole split)")
     _check(self.lr > 0, "train.lr must be positive")
     _check(0 <= self.warmup_steps, "train.warmup_steps must be >= 0")
+    _check(int(self.revive_every) >= 0, "train.revive_every must be >= 0 (0: never)")
     _check_choice("train.trainable", self.trainable, ("all", "prototypes"))
 
 
@@ -316,6 +321,7 @@ WARMUP_TOKENS = 375_000_000  # GPT-3's linear warm-up (App. B) ...
 WARMUP_MAX_FRACTION = 0.1  # ... at most 10% of the run
 PROTO_INIT_FRACTION = 0.05  # the bank is set from data after 5% of the run (dense warm-up)
 EVAL_FRACTION = 0.02  # 50 evaluations per run, 8 val batches (4.2M tokens) each
+REVIVE_FRACTION = 0.02  # unused prototypes set anew 50 times a run (train/revive.py)
 CKPT_EVERY_MAX = 500  # a checkpoint every 20% of the run or 500 steps, whichever is sooner
 SMOKE = "_smoke"  # "small_smoke": the GPT-2 model with a 10-step, batch-8 run (tests)
 
@@ -333,6 +339,7 @@ def recipe_train(name: str, steps: int | None = None) -> TrainConfig:
   return TrainConfig(steps=steps, batch_size=RECIPE_ROWS, lr=lr, warmup_steps=warmup,
                      min_lr_ratio=0.1, proto_init_step=init,
                      eval_every=max(round(EVAL_FRACTION * steps), 1), eval_batches=8,
+                     revive_every=max(round(REVIVE_FRACTION * steps), 1),
                      ckpt_every=max(min(CKPT_EVERY_MAX, steps // 5), 1), keep_checkpoints=3,
                      log_every=10)
 

@@ -132,6 +132,38 @@ def decompose(model: PrismLM, protos: PrototypeOutput, target_N: jax.Array) -> D
   return Decomposition(protos.idx_Nxk, contrib, residual, logit)
 
 
+def _unit(x_NxD: np.ndarray) -> np.ndarray:
+  x = np.asarray(x_NxD, np.float64)
+  return x / np.maximum(np.linalg.norm(x, axis=1, keepdims=True), 1e-12)
+
+
+def kmeans_pp_pick(x_NxD: np.ndarray, num: int, rng: np.random.Generator,
+                   centres_CxD: np.ndarray | None = None) -> np.ndarray:
+  """`num` distinct row indices of x spread by k-means++ seeding on cosine distance: each
+  next row drawn with probability ∝ its distance to the nearest centre so far. `centres`
+  (e.g. the prototypes still in use) start the set; without them the first row is uniform."""
+  unit = _unit(x_NxD)
+  if num > len(unit):
+    raise ValueError(f"k-means++ needs at least {num} rows, got {len(unit)}")
+  picks: list[int] = []
+  if centres_CxD is None or not len(centres_CxD):
+    picks.append(int(rng.integers(len(unit))))
+    best_dist = 1.0 - unit @ unit[picks[0]]
+  else:  # in float32 blocks: N x C cosines of a real bank
+    c = _unit(centres_CxD).astype(np.float32)
+    best_dist = 1.0 - np.concatenate([(unit[i:i + 4096].astype(np.float32) @ c.T).max(-1)
+                                      for i in range(0, len(unit), 4096)]).astype(np.float64)
+  while len(picks) < num:
+    weights = np.maximum(best_dist, 0.0)
+    weights[picks] = 0.0
+    total = weights.sum()
+    nxt = (int(rng.choice(len(unit), p=weights / total)) if total > 0
+           else int(rng.choice(np.setdiff1d(np.arange(len(unit)), picks))))
+    picks.append(nxt)
+    best_dist = np.minimum(best_dist, 1.0 - unit @ unit[nxt])
+  return np.asarray(picks)
+
+
 def init_prototypes_from_hidden(model: PrismLM, tokens_BxT: jax.Array, *, seed: int = 0,
                                 mask_BxT: jax.Array | None = None,
                                 kmeans_pp: bool = True,
@@ -156,18 +188,6 @@ def init_prototypes_from_hidden(model: PrismLM, tokens_BxT: jax.Array, *, seed: 
   if not kmeans_pp:
     chosen = rng.choice(candidates, num_protos, replace=False)
   else:
-    unit = z_NxD[candidates] / np.maximum(np.linalg.norm(z_NxD[candidates], axis=1,
-                                                         keepdims=True), 1e-12)
-    picks = [int(rng.integers(len(candidates)))]
-    best_dist = 1.0 - unit @ unit[picks[0]]
-    for _ in range(num_protos - 1):
-      weights = np.maximum(best_dist, 0.0)
-      weights[picks] = 0.0
-      total = weights.sum()
-      nxt = (int(rng.choice(len(candidates), p=weights / total)) if total > 0
-             else int(rng.choice(np.setdiff1d(np.arange(len(candidates)), picks))))
-      picks.append(nxt)
-      best_dist = np.minimum(best_dist, 1.0 - unit @ unit[nxt])
-    chosen = candidates[np.asarray(picks)]
+    chosen = candidates[kmeans_pp_pick(z_NxD[candidates], num_protos, rng)]
   model.bank.protos[...] = jnp.asarray(z_NxD[chosen], jnp.float32)
   return chosen

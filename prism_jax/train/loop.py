@@ -27,6 +27,7 @@ from prism_jax.train import evaluation
 from prism_jax.train import init_from as init_from_lib
 from prism_jax.train import metrics as metrics_lib
 from prism_jax.train import overrides
+from prism_jax.train import revive
 from prism_jax.train import step as step_lib
 from prism_jax.train import trainer
 from prism_jax.train.optimizer import PROTO_PATH, make_optimizer, reset_moments
@@ -242,6 +243,14 @@ def _run(cfg, workdir, mesh, ckpt, packed, train_loader, val_loader, callbacks, 
     last_eval: dict[str, float] = {}
 
     def before_step(s: int, state: TrainState) -> TrainState:
+      if revive.revive_due(cfg, s):
+        loop.flush()
+        with loop.paused():
+          toks, mask = revive.window_tokens(train_loader, cfg, s)
+          state, n, seen = revive.revive_dead(graphdef, state, shardings, cfg, toks, mask)
+        if n:
+          loop.note(f"step {s}: revived {n} prototypes no token of {seen} selected")
+        return state
       if not proto_init_due(cfg, s):
         return state
       loop.flush()

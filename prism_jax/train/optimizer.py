@@ -83,13 +83,16 @@ def is_head(path) -> bool:
   return _key_names(path)[0] != "backbone"
 
 
-def reset_moments(opt_state: Any, path: tuple[str, ...] = PROTO_PATH) -> Any:
-  """Zero every optimiser leaf that mirrors the parameter at `path` (Adam mu/nu).
+def reset_moments(opt_state: Any, path: tuple[str, ...] = PROTO_PATH, rows=None) -> Any:
+  """Zero every optimiser leaf that mirrors the parameter at `path` (Adam mu/nu), or only
+  its `rows` (revived prototypes).
 
   Used when prototypes are re-initialised from data: moments accumulated for the old bank
   would push the new one. Adam's shared step count is kept, so the first updates after the
   reset are smaller than usual (a built-in mini warm-up for the new bank).
   """
   def one(p, x):
-    return jnp.zeros_like(x) if _key_names(p)[-len(path):] == path else x
+    if _key_names(p)[-len(path):] != path:
+      return x
+    return jnp.zeros_like(x) if rows is None else x.at[jnp.asarray(rows)].set(0)
   return jax.tree_util.tree_map_with_path(one, opt_state)
