@@ -31,6 +31,8 @@ from absl import flags, logging
 
 from prism_jax.cli import launcher as cli
 from prism_jax.cli import provenance
+from experiments.prototype_path_md import capacity_markdown as markdown
+from experiments.prototype_path_md import parse_setting
 
 flags.DEFINE_string("root", None, "directory of the runs (reused when finished)")
 flags.DEFINE_list("backbones", ["128x4"], "d_model x n_layers of each frozen dense twin")
@@ -59,20 +61,6 @@ def parse_backbone(text: str) -> tuple[int, int]:
   if d % HEAD_DIM or d <= 0 or layers <= 0:
     raise ValueError(f"--backbone={text!r}: d_model must be a positive multiple of {HEAD_DIM}")
   return d, layers
-
-
-def parse_setting(text: str) -> tuple[int, int, tuple[str, ...]]:
-  """'K:k[:key=value...]' -> (K, k, overrides)."""
-  parts = text.split(":")
-  try:
-    big_k, k = int(parts[0]), int(parts[1])
-  except (ValueError, IndexError):
-    raise ValueError(f"--grid entry {text!r}: write K:k[:model.X=v...], e.g. 2048:16") from None
-  extra = tuple(parts[2:])
-  bad = [e for e in extra if "=" not in e or not e.startswith(("model.", "loss."))]
-  if bad or not 0 < k <= big_k:
-    raise ValueError(f"--grid entry {text!r}: need 0 < k <= K and model.*/loss.* overrides")
-  return big_k, k, extra
 
 
 def setting_name(big_k: int, k: int, extra: tuple[str, ...]) -> str:
@@ -183,40 +171,6 @@ def table(results: dict) -> str:
             f"{r['dead_prototypes']:.0f} | {r['residual_share']:.3f} | "
             f"{r['carriers90_median']:.0f} / {r['carriers90_p90']:.0f} | "
             f"{r['bank_params']:,} | {r['step_s']:.3f} |")
-  return "\n".join(lines)
-
-
-LEVELS = (("agreement", (0.5, 0.6, 0.7, 0.8, 0.9)), ("agreement_decisive", (0.9, 0.95, 0.97)))
-
-
-def smallest_reaching(per_setting: dict, key: str, level: float) -> str:
-  """The setting of smallest k (then K) whose seed-mean `key` reaches `level`."""
-  best = None
-  for setting, per_seed in per_setting.items():
-    big_k, k, extra = parse_setting(setting)
-    if np.mean([r[key] for r in per_seed.values()]) >= level:
-      if best is None or (k, big_k, len(extra)) < best[0]:
-        best = ((k, big_k, len(extra)), setting)
-  return "not reached" if best is None else best[1]
-
-
-def markdown(data: dict) -> str:
-  """The "Prototype path: bank capacity" section (experiments.reproduce writes it)."""
-  lines = [f"`{data['command']}` (commit `{data['commit'][:12]}`); measured on the "
-           f"**{data['half']}** half of the val documents (seed {data['half_seed']}).", ""]
-  for backbone, twins in data["twins"].items():
-    lines.append(f"- dense twin {backbone}: val CE on the half "
-                 + ", ".join(f"seed {s} {r['loss']:.4f}" for s, r in twins.items())
-                 + " (every bank row's full CE equals it: frozen backbone, logits W z)")
-  lines += ["", data["table"], "", "Smallest k (then K) reaching each level (seed mean):", "",
-            "| backbone | " + " | ".join(f"{key.replace('agreement_', '')} ≥ {lv:.0%}"
-                                         for key, lvs in LEVELS for lv in lvs) + " |",
-            "|---|" + "---|" * sum(len(lvs) for _, lvs in LEVELS)]
-  for backbone, per_setting in data["results"].items():
-    lines.append(f"| {backbone} | " + " | ".join(
-        smallest_reaching(per_setting, key, lv) for key, lvs in LEVELS for lv in lvs) + " |")
-  if data.get("plot"):
-    lines += ["", f"![agreement against K]({os.path.relpath(data['plot'], 'docs')})"]
   return "\n".join(lines)
 
 

@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 from benchmarks.scale_render import scale_table_markdown
+from experiments.prototype_path_md import capacity_markdown, size_markdown
 
 
 def _pct(x: float) -> str:
@@ -295,4 +296,7 @@ DETAIL_PREFIXES = ("suppression_", "lds_")
 SECTIONS: dict[str, tuple[Callable[[dict], str], str]] = {
     "scale_table": (scale_table_markdown, "scale_table"),
     "rehearsal": (rehearsal_markdown, "rehearsal"),
+    "bank_capacity": (capacity_markdown, "prototype_path_capacity"),
+    "bank_capacity_test": (capacity_markdown, "prototype_path_test"),
+    "size_trend": (size_markdown, "prototype_path_size"),
 }

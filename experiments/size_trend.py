@@ -27,12 +27,11 @@ from absl import flags, logging
 from experiments import bank_capacity as cap
 from prism_jax.cli import launcher as cli
 from prism_jax.cli import provenance
+from experiments.prototype_path_md import TARGETS
+from experiments.prototype_path_md import size_markdown as markdown
 
 flags.DEFINE_string("setting", "2048:4", "the bank K:k[:overrides] of every PRISM run")
 FLAGS = flags.FLAGS
-
-TARGETS = {"agreement": 0.90, "agreement_decisive": 0.97, "ce_gap": 0.02}
-
 
 def scratch_config(backbone: str, seed: int, root: str, steps: int, setting: str):
   from prism_jax.config import preset  # pylint: disable=g-import-not-at-top
@@ -58,10 +57,6 @@ def fit_crossing(xs, ys, target: float, higher_is_better: bool = True) -> float 
   if (slope <= 0) if higher_is_better else (slope >= 0):
     return None
   return float((target - icept) / slope)
-
-
-def meets(key: str, value: float) -> bool:
-  return value <= TARGETS[key] if key == "ce_gap" else value >= TARGETS[key]
 
 
 def plot(rows: list[dict], path: str) -> None:
@@ -92,32 +87,6 @@ def plot(rows: list[dict], path: str) -> None:
   fig.tight_layout()
   fig.savefig(path, dpi=110)
   plt.close(fig)
-
-
-def markdown(data: dict) -> str:
-  lines = [f"`{data['command']}` (commit `{data['commit'][:12]}`); PRISM {data['setting']} "
-           f"from scratch beside its dense twin, {data['steps']} steps each on the same "
-           f"batches; measured on the **{data['half']}** half of the val documents.", "",
-           "| backbone | params | dense val CE | PRISM val CE | CE gap | agreement | decisive "
-           "(share) | proto CE ratio | R̄1 / R̄2 | dead |", "|" + "---|" * 10]
-  for r in data["rows"]:
-    lines.append(f"| {r['backbone']} | {r['backbone_params']:,} | {r['dense_loss']:.4f} | "
-                 f"{r['loss']:.4f} | {100 * r['ce_gap']:+.1f}% | {100 * r['agreement']:.1f}% | "
-                 f"{100 * r['agreement_decisive']:.1f}% ({100 * r['decisive_share']:.1f}%) | "
-                 f"{r['proto_ce_ratio']:.3f} | {r['r1_bar']:.3f} / {r['r2_bar']:.3f} | "
-                 f"{r['dead_prototypes']:.0f} |")
-  lines += ["", "Linear fit in log10(backbone parameters) through these points (an "
-            "extrapolation from few points):", ""]
-  for key, target in TARGETS.items():
-    at = data["crossings"].get(key)
-    met = [r["backbone"] for r in data["rows"] if meets(key, r[key])]
-    lines.append(f"- {key} target {target:g}: " + (
-        f"met (measured) at {', '.join(met)}" if met else
-        "the fit does not move towards it" if at is None else
-        f"the fit reaches it at ~10^{at:.1f} backbone parameters"))
-  if data.get("plot"):
-    lines += ["", f"![agreement and CE gap against size]({os.path.relpath(data['plot'], 'docs')})"]
-  return "\n".join(lines)
 
 
 def main(argv):

@@ -1,0 +1,87 @@
+"""The "Prototype path" sections of docs/RESULTS.md (issue 44), from the results JSONs of
+experiments.bank_capacity and experiments.size_trend. Flag-free (experiments.reproduce
+imports it beside other experiments' renderers)."""
+
+import os
+
+import numpy as np
+
+TARGETS = {"agreement": 0.90, "agreement_decisive": 0.97, "ce_gap": 0.02}
+
+
+def parse_setting(text: str) -> tuple[int, int, tuple[str, ...]]:
+  """'K:k[:key=value...]' -> (K, k, overrides)."""
+  parts = text.split(":")
+  try:
+    big_k, k = int(parts[0]), int(parts[1])
+  except (ValueError, IndexError):
+    raise ValueError(f"--grid entry {text!r}: write K:k[:model.X=v...], e.g. 2048:16") from None
+  extra = tuple(parts[2:])
+  bad = [e for e in extra if "=" not in e or not e.startswith(("model.", "loss."))]
+  if bad or not 0 < k <= big_k:
+    raise ValueError(f"--grid entry {text!r}: need 0 < k <= K and model.*/loss.* overrides")
+  return big_k, k, extra
+
+
+def meets(key: str, value: float) -> bool:
+  return value <= TARGETS[key] if key == "ce_gap" else value >= TARGETS[key]
+
+
+LEVELS = (("agreement", (0.5, 0.6, 0.7, 0.8, 0.9)), ("agreement_decisive", (0.9, 0.95, 0.97)))
+
+
+def smallest_reaching(per_setting: dict, key: str, level: float) -> str:
+  """The setting of smallest k (then K) whose seed-mean `key` reaches `level`."""
+  best = None
+  for setting, per_seed in per_setting.items():
+    big_k, k, extra = parse_setting(setting)
+    if np.mean([r[key] for r in per_seed.values()]) >= level:
+      if best is None or (k, big_k, len(extra)) < best[0]:
+        best = ((k, big_k, len(extra)), setting)
+  return "not reached" if best is None else best[1]
+
+
+def capacity_markdown(data: dict) -> str:
+  """The "Prototype path: bank capacity" section (experiments.reproduce writes it)."""
+  lines = [f"`{data['command']}` (commit `{data['commit'][:12]}`); measured on the "
+           f"**{data['half']}** half of the val documents (seed {data['half_seed']}).", ""]
+  for backbone, twins in data["twins"].items():
+    lines.append(f"- dense twin {backbone}: val CE on the half "
+                 + ", ".join(f"seed {s} {r['loss']:.4f}" for s, r in twins.items())
+                 + " (every bank row's full CE equals it: frozen backbone, logits W z)")
+  lines += ["", data["table"], "", "Smallest k (then K) reaching each level (seed mean):", "",
+            "| backbone | " + " | ".join(f"{key.replace('agreement_', '')} ≥ {lv:.0%}"
+                                         for key, lvs in LEVELS for lv in lvs) + " |",
+            "|---|" + "---|" * sum(len(lvs) for _, lvs in LEVELS)]
+  for backbone, per_setting in data["results"].items():
+    lines.append(f"| {backbone} | " + " | ".join(
+        smallest_reaching(per_setting, key, lv) for key, lvs in LEVELS for lv in lvs) + " |")
+  if data.get("plot"):
+    lines += ["", f"![agreement against K]({os.path.relpath(data['plot'], 'docs')})"]
+  return "\n".join(lines)
+
+
+def size_markdown(data: dict) -> str:
+  lines = [f"`{data['command']}` (commit `{data['commit'][:12]}`); PRISM {data['setting']} "
+           f"from scratch beside its dense twin, {data['steps']} steps each on the same "
+           f"batches; measured on the **{data['half']}** half of the val documents.", "",
+           "| backbone | params | dense val CE | PRISM val CE | CE gap | agreement | decisive "
+           "(share) | proto CE ratio | R̄1 / R̄2 | dead |", "|" + "---|" * 10]
+  for r in data["rows"]:
+    lines.append(f"| {r['backbone']} | {r['backbone_params']:,} | {r['dense_loss']:.4f} | "
+                 f"{r['loss']:.4f} | {100 * r['ce_gap']:+.1f}% | {100 * r['agreement']:.1f}% | "
+                 f"{100 * r['agreement_decisive']:.1f}% ({100 * r['decisive_share']:.1f}%) | "
+                 f"{r['proto_ce_ratio']:.3f} | {r['r1_bar']:.3f} / {r['r2_bar']:.3f} | "
+                 f"{r['dead_prototypes']:.0f} |")
+  lines += ["", "Linear fit in log10(backbone parameters) through these points (an "
+            "extrapolation from few points):", ""]
+  for key, target in TARGETS.items():
+    at = data["crossings"].get(key)
+    met = [r["backbone"] for r in data["rows"] if meets(key, r[key])]
+    lines.append(f"- {key} target {target:g}: " + (
+        f"met (measured) at {', '.join(met)}" if met else
+        "the fit does not move towards it" if at is None else
+        f"the fit reaches it at ~10^{at:.1f} backbone parameters"))
+  if data.get("plot"):
+    lines += ["", f"![agreement and CE gap against size]({os.path.relpath(data['plot'], 'docs')})"]
+  return "\n".join(lines)
