@@ -1,0 +1,118 @@
+"""Does the bank stay alive at the real shape? The `small` rehearsal's collapse, diagnosed
+and fixed (issue 44, item 4).
+
+  nice python -m experiments.bank_alive --root=/tmp/alive --steps=48 \
+      --results_json=docs/results/bank_alive.json
+
+The `small` model (d 768, 12 layers, K 8192, k 16, GPT-2 BPE) on the embedded corpus with
+the rehearsal's cut (global batch 8 rows x 128 tokens, its recipe's learning rate and
+schedule for --steps steps), val_fraction 0.1 so that the val split holds >= 8,192 tokens.
+Three runs at equal steps:
+  unfixed    the bank set at step --init_step (the rehearsal's 6), nothing else
+  late_init  the bank set at step --late_init_step: is a young backbone the cause?
+  revive     as unfixed, with train.revive_every=--revive_every (prism_jax/train/revive.py)
+Per run, on the whole val split: alive = prototypes selected at least once (K - dead),
+val CE, agreement of argmax W z_hat with argmax W z (all, decisive), R̄1/R̄2, and the mean
+cosine of the val hidden states to their mean direction (a shared direction makes cosine
+routing pick the same few prototypes for every token). Runs are resumable (train()).
+"""
+
+import json
+import os
+
+import numpy as np
+from absl import flags, logging
+
+from prism_jax.cli import launcher as cli
+from prism_jax.cli import provenance
+
+flags.DEFINE_string("root", None, "directory of the runs (resumed / reused)")
+flags.DEFINE_integer("steps", 48, "train.steps of every run")
+flags.DEFINE_integer("init_step", 6, "the bank's init step of unfixed and revive")
+flags.DEFINE_integer("late_init_step", 24, "the bank's init step of late_init")
+flags.DEFINE_integer("revive_every", 6, "train.revive_every of the revive run")
+flags.DEFINE_list("runs", ["unfixed", "late_init", "revive"], "runs to train and measure")
+flags.DEFINE_string("results_json", None, "write the rows here")
+flags.mark_flag_as_required("root")
+FLAGS = flags.FLAGS
+
+RUNS = ("unfixed", "late_init", "revive")
+
+
+def run_config(name: str, root: str):
+  from prism_jax.config import preset  # pylint: disable=g-import-not-at-top
+  from prism_jax.train import apply_overrides  # pylint: disable=g-import-not-at-top
+  init = FLAGS.late_init_step if name == "late_init" else FLAGS.init_step
+  sets = ["train.batch_size=8", "data.seq_len=128", "data.val_fraction=0.1",
+          f"train.proto_init_step={init}", f"train.eval_every={FLAGS.steps}",
+          "train.eval_at_start=false", "train.eval_batches=0", "train.log_every=1",
+          f"train.ckpt_every={FLAGS.init_step}", "train.keep_checkpoints=1",
+          f"train.revive_every={FLAGS.revive_every if name == 'revive' else 0}",
+          f"data.packed_dir={os.path.join(root, 'data')}"]
+  return apply_overrides(preset("small", FLAGS.steps), sets)
+
+
+def common_direction(workdir: str) -> float:
+  """Mean cosine of the val hidden states to their mean direction (final parameters)."""
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from prism_jax import data as data_lib  # pylint: disable=g-import-not-at-top
+  from prism_jax.train.inference import load_for_inference  # pylint: disable=g-import-not-at-top
+  model, cfg, _ = load_for_inference(workdir)
+  packed = data_lib.prepare_data(cfg.data, cfg.model.vocab_size, workdir)
+  b = data_lib.make_loader(packed, "val", 8, 0).batch_at(0)
+  z = np.asarray(model.backbone(jnp.asarray(b["inputs"]))[0], np.float64)[b["mask"]]
+  unit = z / np.linalg.norm(z, axis=-1, keepdims=True)
+  mean = unit.mean(0) / np.linalg.norm(unit.mean(0))
+  return float((unit @ mean).mean())
+
+
+def measure(name: str) -> dict:
+  from prism_jax.train import train  # pylint: disable=g-import-not-at-top
+  workdir = os.path.join(FLAGS.root, name)
+  cfg = run_config(name, FLAGS.root)
+  result = train(cfg, workdir)
+  ev = dict(result.eval)
+  k = cfg.model.num_prototypes
+  return {"init_step": cfg.train.proto_init_step, "revive_every": cfg.train.revive_every,
+          "steps": cfg.train.steps, "val_tokens": ev["tokens"], "loss": ev["loss"],
+          "alive": k - ev["dead_prototypes"], "alive_frac": 1 - ev["dead_prototypes"] / k,
+          "agreement": ev["agreement"], "agreement_decisive": ev["agreement_decisive"],
+          "r1_bar": ev["r1_bar"], "r2_bar": ev["r2_bar"],
+          "common_direction_cos": common_direction(workdir)}
+
+
+def markdown(data: dict) -> str:
+  lines = [f"`{data['command']}` (commit `{data['commit'][:12]}`)", "",
+           "| run | bank set at | revive every | val tokens | val CE | alive | agreement | "
+           "decisive | R̄1 / R̄2 | cos to mean direction |", "|" + "---|" * 10]
+  for name, r in data["runs"].items():
+    lines.append(f"| {name} | {r['init_step']} | {r['revive_every'] or '–'} | "
+                 f"{r['val_tokens']:,.0f} | {r['loss']:.4f} | {r['alive']:,.0f} "
+                 f"({100 * r['alive_frac']:.1f}%) | {100 * r['agreement']:.1f}% | "
+                 f"{100 * r['agreement_decisive']:.1f}% | {r['r1_bar']:.3f} / "
+                 f"{r['r2_bar']:.3f} | {r['common_direction_cos']:.3f} |")
+  return "\n".join(lines)
+
+
+def main(argv):
+  del argv
+  bad = sorted(set(FLAGS.runs) - set(RUNS))
+  if bad:
+    raise ValueError(f"--runs: unknown {bad}; choose from {list(RUNS)}")
+  if not 0 < FLAGS.init_step < FLAGS.steps or not 0 < FLAGS.late_init_step < FLAGS.steps:
+    raise ValueError("--init_step and --late_init_step must lie in (0, --steps)")
+  from prism_jax.train.metrics import quiet_library_logs  # pylint: disable=g-import-not-at-top
+  quiet_library_logs()
+  runs = {}
+  for name in FLAGS.runs:
+    runs[name] = measure(name)
+    logging.info("%s: %s", name, runs[name])
+  data = {**provenance.record("experiments.bank_alive"), "runs": runs}
+  print(markdown(data))
+  if FLAGS.results_json:
+    with open(FLAGS.results_json, "w", encoding="utf-8") as f:
+      json.dump(data, f, indent=1)
+
+
+if __name__ == "__main__":
+  cli.run(main)
