@@ -44,7 +44,7 @@ demo: $(STAMP)
 	$(VENV)/bin/prism demo
 	$(VENV)/bin/prism report --workdir=runs/demo --prompt="The for statement"
 
-# The architecture contracts first (.importlinter: DESIGN.md's layers, the kernel op
+# The architecture contracts first (.importlinter: docs/DESIGN.md's layers, the kernel op
 # standing alone, data beside model), then the whole suite, the `tpu_aot` compiles for TPU
 # topologies (libtpu's compile-only devices) included, on three pytest-xdist workers (a
 # file stays on one worker, so its module fixtures are built once, and files go out in
