@@ -41,6 +41,9 @@ CASES = {
                  (["--workdir={w}/none", "--dense_workdir={w}/none2"], "none")],
     # model-card reads no file: its "missing input" is a preset that does not exist
     "model-card": [(["--seq_len=long"], "--seq_len"), (["--config=tiny,huge"], "huge")],
+    # config: a missing config file, an unknown override key
+    "config": [(["--config={w}/missing.yaml"], "missing.yaml"),
+               (["--set=model.dmodel=3"], "model.dmodel")],
     "import-hf": [(["--hf_dir={w}/hf", "--workdir={w}/imp", "--kind=moe"], "--kind"),
                   (["--hf_dir={w}/none", "--workdir={w}/imp"], "none")],
     "export-hf": [(["--workdir={w}/run", "--out={w}/exp", "--step=last"], "--step"),
@@ -88,7 +91,7 @@ def test_help_lists_every_subcommand_and_an_unknown_one_is_one_line():
   listed = [line.split()[0] for line in res.stdout.split("commands:")[1].splitlines()
             if line.strip()]
   assert listed == ["train", "generate", "attribute", "report", "cards", "suppress",
-                    "evaluate", "model-card", "import-hf", "export-hf", "demo"]
+                    "evaluate", "model-card", "import-hf", "export-hf", "config", "demo"]
   res = prism("evalute")
   assert_one_line_error(res.returncode, res.stderr, "'evalute'")
   res = prism()

@@ -87,3 +87,38 @@ def test_cli_rejects_bad_set_before_training(tmp_path):
     assert proc.returncode != 0
     assert fragment in proc.stderr, proc.stderr[-2000:]
   assert not os.path.exists(tmp_path / "w")  # nothing was created
+
+
+def test_a_run_started_from_a_runs_config_json_trains_like_the_original(tmp_path):
+  from prism_jax.train import train  # pylint: disable=import-outside-toplevel
+  from prism_jax.train.config_files import build_config  # pylint: disable=import-outside-toplevel
+  from prism_jax.train.metrics import read_metrics  # pylint: disable=import-outside-toplevel
+  sets = ["train.steps=4", "train.batch_size=8", "train.proto_init_step=2",
+          "train.eval_every=4", "train.eval_batches=1", "train.log_every=1",
+          "model.num_prototypes=32", "model.k=4", "data.seq_len=32"]
+  first = build_config("tiny", None, None, sets)
+  train(first, str(tmp_path / "a"))
+  again = build_config(str(tmp_path / "a" / "config.json"))
+  assert overrides.config_diff(first, again) == []
+  train(again, str(tmp_path / "b"))
+  losses = [{r["step"]: r["loss"] for r in read_metrics(str(tmp_path / d), "train")}
+            for d in ("a", "b")]
+  assert losses[0] == losses[1] and len(losses[0]) == 4  # bit for bit (JSON keeps float32)
+  # a YAML file of the differences from the defaults, with --set on top
+  (tmp_path / "c.yaml").write_text("model: {d_model: 64, n_heads: 2}\ntrain: {steps: 7}\n")
+  cfg = build_config(str(tmp_path / "c.yaml"), sets=["train.lr=0.01"])
+  assert (cfg.model.d_model, cfg.train.steps, cfg.train.lr) == (64, 7, 0.01)
+
+
+@pytest.mark.parametrize("text,fragment", [
+    ("model: {dmodel: 64}\n", "unknown to this version of prism_jax: ['model.dmodel']"),
+    ("a: [\n", "not valid YAML"), ("- 1\n", "must hold a mapping"),
+    ("model: {k: 2.5}\n", "model.k")])
+def test_a_bad_config_file_is_one_line(tmp_path, text, fragment):
+  path = tmp_path / "bad.yaml"
+  path.write_text(text)
+  r = subprocess.run([sys.executable, "-m", "prism_jax.cli", "config", f"--config={path}"],
+                     capture_output=True, text=True, cwd=REPO, timeout=120,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu"))
+  assert r.returncode == 2 and r.stderr.count("\n") == 1, r.stderr
+  assert r.stderr.startswith("error: ") and fragment in r.stderr, r.stderr

@@ -30,6 +30,8 @@ COMMANDS = {
     "import-hf": ("import_hf", "import a Hugging Face GPT-2 directory as a run (dense, or "
                   "PRISM with its bank to set)"),
     "export-hf": ("export_hf", "export a run's backbone as a Hugging Face GPT-2 directory"),
+    "config": ("config", "print the resolved config of a preset or a config file with --set "
+               "overrides (what `prism train` would train)"),
     "demo": ("demo", "train the tiny PRISM on the embedded corpus, then show a sample"),
 }
 

@@ -22,7 +22,9 @@ from prism_jax.cli import launcher
 
 flags.DEFINE_string("config", "tiny", "preset: tiny, the GPT-2 recipes small/medium/large/xl "
                     "(prism_jax.config.preset; --set train.steps=N rescales warm-up, prototype "
-                    "init, eval and checkpoints) or small_smoke ... xl_smoke (10 steps)")
+                    "init, eval and checkpoints) or small_smoke ... xl_smoke (10 steps); or a "
+                    "config file (.json, .yaml, .yml: a run's own config.json, or the keys "
+                    "that differ from the defaults); --set applies on top")
 flags.DEFINE_string("data", None, "comma-separated .txt/.jsonl/.parquet files or globs; "
                     "default: the embedded corpus")
 flags.DEFINE_string("workdir", None, "the run directory trained into or resumed "
@@ -42,23 +44,7 @@ from prism_jax import distributed  # noqa: E402  (registers the multi-host flags
 distributed.define_flags()
 
 
-def build_config(preset_name: str, data: str | None, model: str | None, sets: list[str]):
-  """The preset, built for the step count of a `train.steps` override (so a GPT-2 recipe
-  places its warm-up, prototype init, evals and checkpoints in that run), then the
-  overrides: one given explicitly, e.g. train.warmup_steps, wins over the recipe's."""
-  from prism_jax.config import preset  # pylint: disable=g-import-not-at-top
-  from prism_jax.train.overrides import apply_overrides, parse_override  # pylint: disable=g-import-not-at-top
-  steps = None
-  for item in sets:
-    key, value = parse_override(item)
-    if key == "train.steps" and value.isdigit() and int(value) > 0:
-      steps = int(value)  # anything else: apply_overrides names the bad value
-  items = []
-  if data:
-    items.append(f"data.sources={data}")
-  if model:
-    items.append(f"model.kind={model}")
-  return apply_overrides(preset(preset_name, steps), items + list(sets))
+from prism_jax.train.config_files import build_config  # noqa: E402,F401  (tests import it here)
 
 
 def main(argv, callbacks=()):
