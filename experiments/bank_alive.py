@@ -25,6 +25,7 @@ from absl import flags, logging
 
 from prism_jax.cli import launcher as cli
 from prism_jax.cli import provenance
+from experiments.prototype_path_md import alive_markdown as markdown
 
 flags.DEFINE_string("root", None, "directory of the runs (resumed / reused)")
 flags.DEFINE_integer("steps", 48, "train.steps of every run")
@@ -79,19 +80,6 @@ def measure(name: str) -> dict:
           "agreement": ev["agreement"], "agreement_decisive": ev["agreement_decisive"],
           "r1_bar": ev["r1_bar"], "r2_bar": ev["r2_bar"],
           "common_direction_cos": common_direction(workdir)}
-
-
-def markdown(data: dict) -> str:
-  lines = [f"`{data['command']}` (commit `{data['commit'][:12]}`)", "",
-           "| run | bank set at | revive every | val tokens | val CE | alive | agreement | "
-           "decisive | R̄1 / R̄2 | cos to mean direction |", "|" + "---|" * 10]
-  for name, r in data["runs"].items():
-    lines.append(f"| {name} | {r['init_step']} | {r['revive_every'] or '–'} | "
-                 f"{r['val_tokens']:,.0f} | {r['loss']:.4f} | {r['alive']:,.0f} "
-                 f"({100 * r['alive_frac']:.1f}%) | {100 * r['agreement']:.1f}% | "
-                 f"{100 * r['agreement_decisive']:.1f}% | {r['r1_bar']:.3f} / "
-                 f"{r['r2_bar']:.3f} | {r['common_direction_cos']:.3f} |")
-  return "\n".join(lines)
 
 
 def main(argv):

@@ -85,3 +85,16 @@ def size_markdown(data: dict) -> str:
   if data.get("plot"):
     lines += ["", f"![agreement and CE gap against size]({os.path.relpath(data['plot'], 'docs')})"]
   return "\n".join(lines)
+
+
+def alive_markdown(data: dict) -> str:
+  lines = [f"`{data['command']}` (commit `{data['commit'][:12]}`)", "",
+           "| run | bank set at | revive every | val tokens | val CE | alive | agreement | "
+           "decisive | R̄1 / R̄2 | cos to mean direction |", "|" + "---|" * 10]
+  for name, r in data["runs"].items():
+    lines.append(f"| {name} | {r['init_step']} | {r['revive_every'] or '–'} | "
+                 f"{r['val_tokens']:,.0f} | {r['loss']:.4f} | {r['alive']:,.0f} "
+                 f"({100 * r['alive_frac']:.1f}%) | {100 * r['agreement']:.1f}% | "
+                 f"{100 * r['agreement_decisive']:.1f}% | {r['r1_bar']:.3f} / "
+                 f"{r['r2_bar']:.3f} | {r['common_direction_cos']:.3f} |")
+  return "\n".join(lines)

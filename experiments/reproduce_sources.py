@@ -10,7 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 from benchmarks.scale_render import scale_table_markdown
-from experiments.prototype_path_md import capacity_markdown, size_markdown
+from experiments.prototype_path_md import alive_markdown, capacity_markdown, size_markdown
 
 
 def _pct(x: float) -> str:
@@ -299,4 +299,5 @@ SECTIONS: dict[str, tuple[Callable[[dict], str], str]] = {
     "bank_capacity": (capacity_markdown, "prototype_path_capacity"),
     "bank_capacity_test": (capacity_markdown, "prototype_path_test"),
     "size_trend": (size_markdown, "prototype_path_size"),
+    "bank_alive": (alive_markdown, "prototype_path_alive"),
 }
