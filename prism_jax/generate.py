@@ -52,6 +52,19 @@ from prism_jax.model.trust import token_trust
 
 LogitHook = Callable[[jax.Array, PrototypeOutput | None], jax.Array]
 
+# What user-facing generation samples with unless asked for greedy (the demo, `prism
+# generate` / `report` / `attribute`, the report's Python API): greedy decoding of a small
+# model loops (" statements" eight times), a seeded sample reads. `generate` itself stays
+# greedy by default: a low-level call states what it wants.
+SAMPLING = {"temperature": 0.8, "top_k": 40, "seed": 0}
+
+
+def sampling_label(temperature: float, top_k: int | None, seed: int) -> str:
+  """"greedy" or "temperature 0.8, top-k 40, seed 0": how a text was generated."""
+  if temperature == 0:
+    return "greedy"
+  return f"temperature {temperature:g}, top-k {top_k or 'off'}, seed {seed}"
+
 
 class TokenTrace(NamedTuple):
   """Per generated token of a PrismLM: its active prototypes and the logit decomposition."""

@@ -6,9 +6,10 @@
 
 For every token after the first of prompt + generation, `decompose` (model/lm.py) splits the
 logit the model gave it at the position before into the k active prototypes' slices and the
-residual slice (they sum to the logit). Generation is greedy (prism_jax.generate, or
-influence.attribute_generation when a cache is given, which also yields each generated
-token's top attributed training sequences). The page (report_page.py) shows the text
+residual slice (they sum to the logit). Generation samples with the library's defaults
+(prism_jax.generate.SAMPLING: temperature 0.8, top-k 40, seed 0; temperature=0 is greedy)
+through prism_jax.generate, or influence.attribute_generation when a cache is given, which
+also yields each generated token's top attributed training sequences. The page (report_page.py) shows the text
 coloured by top prototype or prototype-path share, a token's stacked bar, its prototypes'
 labels / snippets / signatures from the cards, the prototype map, a searchable card list,
 the usage over prototypes and the val metrics over training from metrics.jsonl, and the
@@ -31,6 +32,7 @@ from prism_jax.analysis import report_page
 from prism_jax.analysis.cards import LABEL_METHOD, CardSet
 from prism_jax.attribution import cache_format as fmt
 from prism_jax.config import Config
+from prism_jax.generate import SAMPLING, sampling_label
 from prism_jax.model.lm import decompose
 from prism_jax.model.token_ids import check_token_ids
 from prism_jax.model.trust import output_trust
@@ -43,18 +45,18 @@ METRIC_KEYS = ("loss", "r1_bar", "r2_bar", "residual_share", "dead_frac", "proto
 CARD_CONTEXTS, CARD_LOGITS = 5, 8  # what each embedded card keeps (the page stays small)
 
 
-def _generate(model, prompt, max_new_tokens, cache, packed, eos_id, top):
+def _generate(model, prompt, max_new_tokens, cache, packed, eos_id, top, sampling):
   """(new tokens, per new token [(example_id, score, snippet)] or None without a cache)."""
   if cache is None:
     from prism_jax import generate as gen  # pylint: disable=import-outside-toplevel
-    out = gen.generate(model, prompt[None], max_new_tokens=max_new_tokens, temperature=0.0,
-                       eos_id=eos_id)
+    out = gen.generate(model, prompt[None], max_new_tokens=max_new_tokens, eos_id=eos_id,
+                       **sampling)
     return out.tokens_BxL[0, :int(out.lengths_B[0])].astype(np.int32), None
   from prism_jax.attribution import influence  # pylint: disable=import-outside-toplevel
   new, atts = [], []
   for tok, att in influence.attribute_generation(
       model, cache, prompt, max_new_tokens=max_new_tokens,
-      cfg=influence.InfluenceConfig(top=top), packed=packed, temperature=0.0, eos_id=eos_id):
+      cfg=influence.InfluenceConfig(top=top), packed=packed, eos_id=eos_id, **sampling):
     new.append(tok)
     atts.append([{"example_id": int(e), "score": float(s), "snippet": snip}
                  for e, s, snip in zip(att.example_ids, att.scores, att.snippets)])
@@ -158,8 +160,12 @@ def detailed_cards(cards: CardSet, shown_ids, limit: int) -> list[int]:
 def report_data(model, cfg: Config, decode: Callable, prompt_ids: Sequence[int],
                 cards: CardSet, *, cache=None, packed=None, metrics_path: str | None = None,
                 max_new_tokens: int = 32, eos_id: int | None = None, top_sequences: int = 3,
-                title: str = "PRISM report", detail_cards: int = 1024) -> dict:
+                title: str = "PRISM report", detail_cards: int = 1024,
+                temperature: float = SAMPLING["temperature"], top_k: int | None = SAMPLING["top_k"],
+                seed: int = SAMPLING["seed"]) -> dict:
   """Everything the page shows, as one JSON-able dict (report_page.render draws it).
+
+  temperature / top_k / seed: how the continuation is sampled (temperature 0: greedy).
 
   `detail_cards` caps the cards embedded in full (see `detailed_cards`): at K 8192 all of
   them would make a ~16 MB page.
@@ -181,8 +187,10 @@ def report_data(model, cfg: Config, decode: Callable, prompt_ids: Sequence[int],
   if room < 1:
     raise ValueError(f"the prompt has {len(prompt)} tokens, the model's context is "
                      f"{cfg.model.max_len}: shorten it")
+  sampling = {"temperature": temperature, "seed": seed,
+              "top_k": None if top_k is None else min(top_k, cfg.model.vocab_size)}
   new, atts = _generate(model, prompt, min(max_new_tokens, room), cache, packed, eos_id,
-                        top_sequences)
+                        top_sequences, sampling)
   seq = np.concatenate([prompt, new]).astype(np.int32)
   if len(seq) < 2:
     raise ValueError("a one-token prompt with nothing generated has no token to decompose")
@@ -212,7 +220,7 @@ def report_data(model, cfg: Config, decode: Callable, prompt_ids: Sequence[int],
   metrics = read_metrics(metrics_path)
   return {
       "title": title, "subtitle": f"K={cfg.model.num_prototypes} prototypes, k="
-      f"{cfg.model.k} active; sample: {text[:160]!r}",
+      f"{cfg.model.k} active; sample ({sampling_label(**sampling)}): {text[:160]!r}",
       "faithfulness_line": "this sample: " + faithfulness.format_line(
           {k: float("nan") if v is None else v for k, v in faith.items()})
       + val_faithfulness_line(metrics),

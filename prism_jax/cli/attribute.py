@@ -17,11 +17,11 @@ import jax
 from absl import flags
 
 from prism_jax.cli import launcher
+from prism_jax.cli import sampling_flags
 
 flags.DEFINE_string("workdir", None, "trained run directory (prism train)")
 flags.DEFINE_string("prompt", None, "prompt text")
 flags.DEFINE_integer("max_new_tokens", 16, "tokens to generate")
-flags.DEFINE_float("temperature", 0.0, "0 = greedy")
 flags.DEFINE_integer("top", 3, "training snippets per generated token")
 flags.DEFINE_integer("rank", None, "eigenvectors of G kept in the cache (default: d_model)")
 flags.DEFINE_string("cache_dir", None, "default: <workdir>/attribution_cache")
@@ -39,6 +39,7 @@ flags.DEFINE_integer("stat_shards", None, "cache.stat_shards (>= the process cou
                      "the same bits")
 flags.mark_flags_as_required(["workdir"])
 FLAGS = flags.FLAGS
+sampling_flags.define()
 
 from prism_jax import distributed  # noqa: E402  (registers the multi-host flags)
 
@@ -85,11 +86,11 @@ def main(argv):
     raise ValueError("the prompt encodes to no tokens; pass a non-empty --prompt")
   icfg = influence.InfluenceConfig(coupling=FLAGS.coupling, top=FLAGS.top)
   from prism_jax.model import trust as trust_lib  # pylint: disable=g-import-not-at-top
-  print(f"prompt: {FLAGS.prompt!r}")
+  print(f"prompt: {FLAGS.prompt!r} (generated: {sampling_flags.label()})")
   seq = list(prompt)
   for tok, att in influence.attribute_generation(
       model, cache, prompt, max_new_tokens=FLAGS.max_new_tokens, cfg=icfg, packed=packed,
-      temperature=FLAGS.temperature, eos_id=tokenizer.eos_id):
+      eos_id=tokenizer.eos_id, **sampling_flags.kwargs()):
     seq.append(tok)
     print(f"\n>> {tokenizer.decode([tok])!r}  (prototypes {att.query_protos.tolist()})")
     tr = trust_lib.prediction_trust(model, seq, [len(seq) - 1])

@@ -15,17 +15,15 @@ import textwrap
 from absl import flags
 
 from prism_jax.cli import launcher
+from prism_jax.cli import sampling_flags
 
 flags.DEFINE_string("workdir", "runs/demo", "run directory (resumed if present)")
 flags.DEFINE_string("prompt", "The for statement", "text to continue")
 flags.DEFINE_integer("max_new_tokens", 32, "tokens to generate")
-flags.DEFINE_float("temperature", 0.8, "softmax temperature of the sample")
-flags.DEFINE_integer("top_k", 40, "sample from the k most likely tokens; 0 = off")
-flags.DEFINE_integer("seed", 0, "sampling seed (same seed, same text)")
-flags.DEFINE_bool("greedy", False, "trace the greedy continuation (temperature 0) instead")
 flags.DEFINE_integer("top", 3, "prototypes shown per token")
 flags.DEFINE_multi_string("set", [], "config override KEY=VALUE on the tiny preset")
 FLAGS = flags.FLAGS
+sampling_flags.define()
 
 # What the validation line's abbreviations mean (PRISM.md §3).
 LEGEND = (
@@ -60,9 +58,9 @@ def main(argv):
                                load_for_inference, train)
   from prism_jax.train.metrics import quiet_library_logs  # pylint: disable=g-import-not-at-top
   quiet_library_logs(40)  # orbax's read-only notices are noise here
-  if FLAGS.temperature < 0 or FLAGS.top_k < 0 or FLAGS.max_new_tokens < 1:
-    raise ValueError("--temperature and --top_k must be >= 0 and --max_new_tokens >= 1, got "
-                     f"{FLAGS.temperature}, {FLAGS.top_k}, {FLAGS.max_new_tokens}")
+  sampling = sampling_flags.kwargs()  # a bad --temperature / --top_k: one line, no work
+  if FLAGS.max_new_tokens < 1:
+    raise ValueError(f"--max_new_tokens must be >= 1, got {FLAGS.max_new_tokens}")
   cfg = apply_overrides(preset("tiny"), list(FLAGS.set))
   try:
     result = train(cfg, FLAGS.workdir)
@@ -92,13 +90,10 @@ def main(argv):
   model, cfg, tok = load_for_inference(FLAGS.workdir)
   prompt_ids = tok.encode(FLAGS.prompt)
   max_new = min(FLAGS.max_new_tokens, cfg.model.max_len - len(prompt_ids))
-  temperature = 0.0 if FLAGS.greedy else FLAGS.temperature
-  out = generate(model, [prompt_ids], max_new_tokens=max_new, temperature=temperature,
-                 top_k=FLAGS.top_k or None, seed=FLAGS.seed, eos_id=tok.eos_id)
+  out = generate(model, [prompt_ids], max_new_tokens=max_new, eos_id=tok.eos_id, **sampling)
   n = int(out.lengths_B[0])
   new_ids = out.tokens_BxL[0, :n].tolist()
-  how = ("greedy" if temperature == 0 else
-         f"temperature {temperature:g}, top-k {FLAGS.top_k or 'off'}, seed {FLAGS.seed}")
+  how = sampling_flags.label()
   print(f"\nprompt: {FLAGS.prompt!r}")
   print(f"sample ({how}):\n{textwrap.indent(FLAGS.prompt + tok.decode(new_ids), '  ')}")
   print(f"distinct tokens: {distinct_ratio(new_ids):.2f} ({len(set(new_ids))} of {n})\n")

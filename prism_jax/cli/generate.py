@@ -1,28 +1,28 @@
 """Sample from a trained run and show, for PRISM, each token's top prototypes.
 
   prism generate --workdir=runs/tiny --prompt="The for statement" \
-      [--max_new_tokens=48 --temperature=0.8 --top_k=40 --top_p=1.0 --seed=0] \
+      [--max_new_tokens=48 --temperature=0.8 --top_k=40 --top_p=1.0 --seed=0 | --greedy] \
       [--suppress=12,40]   # zero these prototypes' share of the logits (PRISM.md §6)
 
-Temperature 0 is greedy. Generation stops at the tokenizer's EOS.
+Samples with the library's defaults (prism_jax.generate.SAMPLING); --greedy (or
+temperature 0) decodes greedily. Generation stops at the tokenizer's EOS.
 """
 
 from absl import flags, logging
 
 from prism_jax.cli import launcher
+from prism_jax.cli import sampling_flags
 
 flags.DEFINE_string("workdir", None, "trained run directory (prism train)")
 flags.DEFINE_string("prompt", "The ", "text to continue")
 flags.DEFINE_integer("max_new_tokens", 48, "tokens to generate (prompt + this <= max_len)")
-flags.DEFINE_float("temperature", 0.8, "softmax temperature; 0 = greedy")
-flags.DEFINE_integer("top_k", 40, "sample from the k most likely tokens; 0 = off")
 flags.DEFINE_float("top_p", 1.0, "nucleus sampling mass; 1 = off")
-flags.DEFINE_integer("seed", 0, "sampling seed (same seed, same text)")
 flags.DEFINE_integer("top_protos", 3, "prototypes listed per generated token")
 flags.DEFINE_list("suppress", [], "prototype ids whose contributions are removed")
 flags.DEFINE_integer("step", None, "checkpoint step (default: the newest)")
 flags.mark_flag_as_required("workdir")
 FLAGS = flags.FLAGS
+sampling_flags.define()
 
 
 def main(argv):
@@ -42,12 +42,12 @@ def main(argv):
       raise ValueError("--suppress needs a PRISM model (this run is dense)")
     gains = suppression_gains(cfg.model.num_prototypes, [int(i) for i in FLAGS.suppress])
   out = generate(model, [prompt_ids], max_new_tokens=FLAGS.max_new_tokens,
-                 temperature=FLAGS.temperature, top_k=FLAGS.top_k or None,
-                 top_p=FLAGS.top_p, eos_id=tokenizer.eos_id, seed=FLAGS.seed,
+                 top_p=FLAGS.top_p, eos_id=tokenizer.eos_id, **sampling_flags.kwargs(),
                  proto_gain_K=gains)
   n = int(out.lengths_B[0])
   print(f"prompt: {FLAGS.prompt!r}")
-  print(f"sample: {FLAGS.prompt + tokenizer.decode(out.tokens_BxL[0, :n].tolist())!r}\n")
+  print(f"sample ({sampling_flags.label()}): "
+        f"{FLAGS.prompt + tokenizer.decode(out.tokens_BxL[0, :n].tolist())!r}\n")
   print(token_report(out, tokenizer.decode, top=FLAGS.top_protos))
 
 

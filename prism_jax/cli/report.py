@@ -17,13 +17,14 @@ import time
 from absl import flags, logging
 
 from prism_jax.cli import launcher
+from prism_jax.cli import sampling_flags
 
 flags.DEFINE_string("workdir", None, "trained PRISM run directory (prism train)")
 flags.DEFINE_string("prompt", None, "prompt text")
 flags.DEFINE_string("out", None, "report directory written (default: <workdir>/report)")
 flags.DEFINE_string("cards_dir", None, "the run's cards, reused or built there (prism cards; default: <workdir>/cards)")
 flags.DEFINE_string("cache_dir", None, "default: <workdir>/attribution_cache")
-flags.DEFINE_integer("max_new_tokens", 32, "tokens to generate (greedy)")
+flags.DEFINE_integer("max_new_tokens", 32, "tokens to generate")
 flags.DEFINE_integer("top_m", 16, "training contexts per card")
 flags.DEFINE_bool("attribution", True, "build/use the attribution cache (attributed "
                   "training sequences per generated token)")
@@ -33,6 +34,7 @@ flags.DEFINE_bool("rebuild_cards", False, "rebuild the cards even if a set is sa
 flags.DEFINE_string("screenshot", None, "also write a PNG of the page (headless Chromium)")
 flags.mark_flags_as_required(["workdir", "prompt"])
 FLAGS = flags.FLAGS
+sampling_flags.define()
 
 
 def main(argv):
@@ -46,6 +48,7 @@ def main(argv):
   from prism_jax.train.metrics import quiet_library_logs  # pylint: disable=g-import-not-at-top
   quiet_library_logs(40)
   logging.set_verbosity(logging.INFO)
+  sampling = sampling_flags.kwargs()  # a bad value: one line before any work
   model, cfg, tokenizer = load_for_inference(FLAGS.workdir, needs_prototypes="a report")
   prompt = tokenizer.encode(FLAGS.prompt)
   # Claimed before any work: a directory that is not a report's fails here, in seconds.
@@ -73,6 +76,7 @@ def main(argv):
                             packed=packed, max_new_tokens=FLAGS.max_new_tokens,
                             metrics_path=paths.join(FLAGS.workdir, "metrics.jsonl"),
                             eos_id=tokenizer.eos_id, detail_cards=FLAGS.detail_cards,
+                            **sampling,
                             title="PRISM report: "
                             + os.path.basename(os.path.abspath(FLAGS.workdir)))
   path = report.write_report(out_dir, data)
