@@ -16,7 +16,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.topk_reconstruct import benchmark, vjp
+from benchmarks import kernel_bench_lib as benchmark
+from pallas_kernels.topk_reconstruct import vjp
 
 _SHAPES = flags.DEFINE_list("shapes", ["small", "xl"], f"subset of {list(configs.layer_shapes())}")
 _ITERS = flags.DEFINE_integer("iters", 3, "timed repetitions (median reported)")

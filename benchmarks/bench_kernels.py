@@ -12,7 +12,8 @@ from prism_jax.cli import launcher
 import jax
 import numpy as np
 
-from pallas_kernels.topk_reconstruct import api, benchmark
+from benchmarks import kernel_bench_lib as benchmark
+from pallas_kernels.topk_reconstruct import api
 
 _SHAPES = flags.DEFINE_list("shapes", None, f"subset of {list(benchmark.SHAPES)}")
 _DTYPES = flags.DEFINE_list("dtypes", ["float32", "bfloat16"], "input dtypes")

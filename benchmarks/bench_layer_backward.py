@@ -23,7 +23,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from pallas_kernels.topk_reconstruct import api, benchmark, vjp
+from benchmarks import kernel_bench_lib as benchmark
+from pallas_kernels.topk_reconstruct import api, vjp
 from prism_jax.model.prototypes import mixture_weights
 
 SHAPES = configs.layer_shapes()  # (N, D, K, k); `wide`: many tokens, a small bank

@@ -9,7 +9,7 @@ TRAIN: a train step's config by name, (preset, overrides) on prism_jax.config's 
   The loss is the preset's (tiny: λ_proto_kl 1; small: no W z_hat term); bench_train adds
   its loss variants, profile_train its PROFILE_LOSS.
 LAYER: the prototype layer's op shapes by name, (N tokens, D, K, k): the kernel op's table
-  (pallas_kernels/topk_reconstruct/benchmark.SHAPES, micro .. xl) plus `wide` (many tokens,
+  (benchmarks/kernel_bench_lib.SHAPES, micro .. xl) plus `wide` (many tokens,
   a small bank); bench_kernels, bench_gather_dtype and bench_layer_backward time these.
 layer_shape(name): the (N, D, K, k) of a TRAIN config's prototype layer (N = batch x
   seq_len): what bench_topk times, so the op benchmarks and the train benchmarks agree.
@@ -30,7 +30,7 @@ PROFILE_LOSS: dict[str, tuple[str, ...]] = {"small": ("loss.lambda_proto=1.0",)}
 
 
 def _kernel_shapes() -> dict[str, tuple[int, int, int, int]]:
-  from pallas_kernels.topk_reconstruct import benchmark  # pylint: disable=g-import-not-at-top
+  from benchmarks import kernel_bench_lib as benchmark  # pylint: disable=g-import-not-at-top
   return dict(benchmark.SHAPES)
 
 

@@ -286,7 +286,7 @@ def test_gpu_kernel_lowers_to_triton_for_h200():
 
 def test_benchmark_checks_what_it_times(monkeypatch):
   """bench_kernels' rows carry the timed kernel's agreement with the timed reference."""
-  from pallas_kernels.topk_reconstruct import benchmark  # pylint: disable=import-outside-toplevel
+  from benchmarks import kernel_bench_lib as benchmark  # pylint: disable=import-outside-toplevel
   monkeypatch.setitem(benchmark.SHAPES, "test", (48, 16, 300, 4))
   rows = benchmark.bench_shape("test", jnp.float32, "pallas_interpret", iters=1,
                                distance="cosine")
@@ -298,7 +298,7 @@ def test_benchmark_checks_what_it_times(monkeypatch):
 
 def test_merge_iteration_count_matches_brute_force():
   """benchmark.merge_iterations vs a direct sorted-list simulation of the running top-k."""
-  from pallas_kernels.topk_reconstruct import benchmark  # pylint: disable=import-outside-toplevel
+  from benchmarks import kernel_bench_lib as benchmark  # pylint: disable=import-outside-toplevel
   rng = np.random.default_rng(8)
   z, p = rng.standard_normal((32, 12)), rng.standard_normal((96, 12))
   sims = (z / np.linalg.norm(z, axis=1, keepdims=True)) @ (

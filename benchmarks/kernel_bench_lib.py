@@ -1,6 +1,7 @@
 """Reference-vs-kernel timing, traffic and roofline for the top-k reconstruction.
 
-Library half of benchmarks/bench_kernels.py (importable from a notebook). Every number
+Library half of benchmarks/bench_kernels.py (importable from a notebook; moved out of the
+kernel op, which ships no benchmark). Every number
 comes from one run measuring both implementations side by side.
 """
 
