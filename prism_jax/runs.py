@@ -1,0 +1,191 @@
+"""A trained run in one line: `run = prism_jax.load("runs/demo")`.
+
+  run = prism_jax.load("runs/demo")                  # a run directory, local or gs://
+  out = run.generate("The for statement")            # the library's sampling defaults
+  dec = run.decompose("def f(x): return x")          # per token: prototypes + residual
+  dec                                                # a table in a notebook, text in a terminal
+
+`Run` holds `.model`, `.config`, `.tokenizer` and `.workdir`. Text goes in and comes out;
+token ids are accepted too. Every explanation carries its trust mark
+(prism_jax/model/trust.py): whether the prototype path alone picks the model's prediction,
+and the prototypes' share of the prediction's lead over the runner-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import html
+from typing import Any
+
+import jax.numpy as jnp
+import numpy as np
+
+from prism_jax.generate import SAMPLING, generate as generate_ids, sampling_label
+from prism_jax.model.lm import decompose as decompose_logits
+from prism_jax.model.trust import output_trust, trust_label
+
+TOP_SHOWN = 3  # prototypes a token's line shows (all k are in the records)
+
+
+@dataclasses.dataclass(frozen=True)
+class TokenExplanation:
+  """The model's logit of `token` at its position, split into prototype slices and the
+  residual (they sum to `logit`), with the trust of the model's prediction there."""
+
+  position: int  # index of `token` in the text's tokens (its prediction read at position-1)
+  token: int
+  text: str
+  logit: float
+  prototypes: tuple[tuple[int, float, float], ...]  # (id, activation, contribution), by |c|
+  residual: float
+  prediction: int  # argmax W z at this position
+  prediction_text: str
+  agrees: bool  # argmax W z_hat = the prediction: the prototypes pick it
+  proto_share: float  # the prototypes' share of the prediction's lead (nan: a tie)
+
+  @property
+  def trust(self) -> str:
+    return trust_label(self.agrees, self.proto_share)
+
+
+@dataclasses.dataclass(frozen=True)
+class Decomposition:
+  """Per token of a text (after the first): see TokenExplanation. Displays itself."""
+
+  text: str
+  first: str
+  tokens: tuple[TokenExplanation, ...]
+
+  @property
+  def residual_decided(self) -> list[TokenExplanation]:
+    return [t for t in self.tokens if not t.agrees]
+
+  def __str__(self) -> str:
+    lines = [f"{'pos':>4} {'token':<14} {'logit':>8} = {'protos':>8} + {'residual':>8} | "
+             f"{'prediction':<12} {'trust':<10} | top prototypes (#id c=contribution)"]
+    for t in self.tokens:
+      protos = "  ".join(f"#{i} c={c:+.3f}" for i, _, c in t.prototypes[:TOP_SHOWN])
+      mark = "RESIDUAL" if not t.agrees else t.trust
+      total = sum(c for _, _, c in t.prototypes)
+      lines.append(f"{t.position:>4} {repr(t.text)[:14]:<14} {t.logit:>8.3f} = {total:>+8.3f} + "
+                   f"{t.residual:>+8.3f} | {repr(t.prediction_text)[:12]:<12} {mark:<10} | "
+                   f"{protos}")
+    lines.append(f"the residual decided {len(self.residual_decided)} of {len(self.tokens)} "
+                 "predictions (RESIDUAL: their prototypes do not explain them)")
+    return "\n".join(lines)
+
+  __repr__ = __str__
+
+  def _repr_html_(self) -> str:
+    rows = []
+    for t in self.tokens:
+      protos = ", ".join(f"#{i} ({c:+.2f})" for i, _, c in t.prototypes[:TOP_SHOWN])
+      style = "" if t.agrees else " style='color:#c62828;font-weight:600'"
+      rows.append(f"<tr><td>{t.position}</td><td><code>{html.escape(repr(t.text))}</code></td>"
+                  f"<td>{t.logit:.3f}</td><td>{protos}</td><td>{t.residual:+.3f}</td>"
+                  f"<td{style}>{html.escape('residual decided' if not t.agrees else t.trust)}"
+                  f"</td><td><code>{html.escape(repr(t.prediction_text))}</code></td></tr>")
+    return ("<table><thead><tr><th>pos</th><th>token</th><th>logit</th><th>top prototypes "
+            "(contribution)</th><th>residual</th><th>trust</th><th>prediction</th></tr>"
+            "</thead><tbody>" + "".join(rows) + "</tbody></table>"
+            f"<p>the residual decided {len(self.residual_decided)} of {len(self.tokens)} "
+            "predictions: their prototypes do not explain them</p>")
+
+
+@dataclasses.dataclass(frozen=True)
+class Generation:
+  """A continuation and its per-token trace (prism_jax.generate.GenerationOutput)."""
+
+  prompt: str
+  text: str  # the continuation alone
+  how: str  # "temperature 0.8, top-k 40, seed 0" or "greedy"
+  output: Any  # GenerationOutput of the one row
+  report: str  # the token report (analysis.token_report)
+
+  def __str__(self) -> str:
+    return f"{self.prompt}{self.text}\n({self.how})\n{self.report}"
+
+  __repr__ = __str__
+
+  def _repr_html_(self) -> str:
+    return (f"<p><b>{html.escape(self.prompt)}</b>{html.escape(self.text)} "
+            f"<i>({html.escape(self.how)})</i></p><pre>{html.escape(self.report)}</pre>")
+
+
+class Run:
+  """A trained run: its model, config and tokenizer, and what PRISM does with them."""
+
+  def __init__(self, workdir: str, model, config, tokenizer):
+    self.workdir, self.model, self.config, self.tokenizer = workdir, model, config, tokenizer
+
+  def __repr__(self) -> str:
+    m = self.config.model
+    bank = f", K={m.num_prototypes}, k={m.k}" if m.kind == "prism" else ""
+    return (f"Run({self.workdir!r}: {m.kind}, d={m.d_model}, layers={m.n_layers}{bank}, "
+            f"vocab={m.vocab_size})")
+
+  def _ids(self, text_or_ids) -> np.ndarray:
+    if isinstance(text_or_ids, str):
+      ids = self.tokenizer.encode(text_or_ids)
+    else:
+      ids = list(text_or_ids)
+    if not len(ids):
+      raise ValueError("the text encodes to no tokens")
+    if len(ids) > self.config.model.max_len:
+      raise ValueError(f"the text has {len(ids)} tokens, the model's context is "
+                       f"{self.config.model.max_len}")
+    return np.asarray(ids, np.int32)
+
+  def generate(self, text, max_new_tokens: int = 32, *, greedy: bool = False,
+               temperature: float = SAMPLING["temperature"], top_k: int | None = SAMPLING["top_k"],
+               seed: int = SAMPLING["seed"], top: int = TOP_SHOWN) -> Generation:
+    """Continue `text` (the library's sampling defaults; `greedy=True` for argmax)."""
+    from prism_jax.analysis.token_report import token_report  # pylint: disable=g-import-not-at-top
+    ids = self._ids(text)
+    room = self.config.model.max_len - len(ids)
+    if room < 1:
+      raise ValueError(f"the prompt fills the model's context ({self.config.model.max_len})")
+    temperature = 0.0 if greedy else temperature
+    out = generate_ids(self.model, ids[None], max_new_tokens=min(max_new_tokens, room),
+                       temperature=temperature, top_k=top_k, seed=seed,
+                       eos_id=self.tokenizer.eos_id)
+    n = int(out.lengths_B[0])
+    prompt = text if isinstance(text, str) else self.tokenizer.decode(ids.tolist())
+    return Generation(prompt, self.tokenizer.decode(out.tokens_BxL[0, :n].tolist()),
+                      sampling_label(temperature, top_k, seed), out,
+                      token_report(out, self.tokenizer.decode, top=top))
+
+  def decompose(self, text) -> Decomposition:
+    """Every token after the first, explained: its logit split into the k prototype slices
+    and the residual, and the trust of the model's prediction at its position."""
+    if self.config.model.kind != "prism":
+      raise ValueError(f"{self.workdir} is a dense run: it has no prototypes to decompose by")
+    ids = self._ids(text)
+    if len(ids) < 2:
+      raise ValueError("decompose needs at least two tokens (the first has no prediction)")
+    out = self.model(jnp.asarray(ids[None, :-1]))
+    parts = decompose_logits(self.model, out.protos, jnp.asarray(ids[1:]))
+    trust = output_trust(self.model, out)
+    idx, act = np.asarray(parts.idx_Nxk), np.asarray(out.protos.act_Nxk, np.float64)
+    contrib = np.asarray(parts.contrib_Nxk, np.float64)
+    decode = lambda i: self.tokenizer.decode([int(i)])
+    rows = []
+    for j in range(len(ids) - 1):
+      order = np.argsort(-np.abs(contrib[j]), kind="stable")
+      rows.append(TokenExplanation(
+          position=j + 1, token=int(ids[j + 1]), text=decode(ids[j + 1]),
+          logit=float(parts.logit_N[j]),
+          prototypes=tuple((int(idx[j, o]), float(act[j, o]), float(contrib[j, o]))
+                           for o in order),
+          residual=float(parts.residual_N[j]), prediction=int(trust.top1_N[j]),
+          prediction_text=decode(trust.top1_N[j]), agrees=bool(trust.agrees_N[j]),
+          proto_share=float(trust.proto_share_N[j])))
+    return Decomposition(self.tokenizer.decode(ids.tolist()), decode(ids[0]), tuple(rows))
+
+
+def load(workdir: str, *, step: int | None = None) -> Run:
+  """The run in `workdir` (local or gs://; the newest checkpoint, or `step`)."""
+  from prism_jax.train.inference import load_for_inference  # pylint: disable=g-import-not-at-top
+  model, cfg, tokenizer = load_for_inference(workdir, step=step)
+  return Run(workdir, model, cfg, tokenizer)
+

@@ -1,0 +1,87 @@
+"""prism_jax.load (prism_jax/runs.py): one-line load, decompose against float64 NumPy,
+trust marks, generation, display in a notebook and a terminal."""
+
+import secrets
+
+import numpy as np
+import pytest
+
+import prism_jax
+from prism_jax.config import preset
+from prism_jax.generate import generate
+from prism_jax.train import apply_overrides, train
+
+WORDS = ["for", "while", "the", "of", "prototype", "token", "mesh", "return", "def"]
+
+
+@pytest.fixture(scope="module")
+def run_dir(tmp_path_factory):
+  root = tmp_path_factory.mktemp("runs")
+  rng = np.random.default_rng(5)
+  (root / "c.txt").write_text("\n\n".join(" ".join(rng.choice(WORDS, 12)) for _ in range(80)))
+  cfg = apply_overrides(preset("tiny"), [
+      "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.num_prototypes=16",
+      "model.k=4", "model.vocab_size=258", "model.max_len=32", "data.tokenizer=byte",
+      "data.seq_len=32", "data.val_fraction=0.1", "train.batch_size=8", "train.steps=4",
+      "train.warmup_steps=1", "train.proto_init_step=0", "train.eval_every=4",
+      "train.eval_batches=1", f"data.sources={root / 'c.txt'}"])
+  train(cfg, str(root / "run"))
+  return str(root / "run")
+
+
+def test_decompose_matches_float64_numpy_with_trust(run_dir):
+  run = prism_jax.load(run_dir)
+  assert "K=16, k=4" in repr(run)
+  seed = secrets.randbits(32)
+  text = " ".join(np.random.default_rng(seed).choice(WORDS, 4))
+  dec = run.decompose(text)
+  ids = run.tokenizer.encode(text)
+  assert len(dec.tokens) == len(ids) - 1
+  # float64 reference from the backbone's z and the bank
+  m = run.model
+  z = np.asarray(m.backbone(np.asarray(ids[:-1])[None])[0][0], np.float64)
+  w = np.asarray(m.backbone.wte[...], np.float64)[:run.config.model.num_token_ids]
+  p = np.asarray(m.bank.protos[...], np.float64)
+  cos = (z / np.linalg.norm(z, axis=-1, keepdims=True)) @ (
+      p / np.linalg.norm(p, axis=-1, keepdims=True)).T
+  idx = np.argsort(-cos, -1, kind="stable")[:, :4]
+  act = np.maximum(np.take_along_axis(cos, idx, -1), 0)
+  act = act / act.sum(-1, keepdims=True)  # the tiny preset's normalised mixture
+  z_hat = np.einsum("tk,tkd->td", act, p[idx])
+  full, proto = z @ w.T, z_hat @ w.T
+  for j, t in enumerate(dec.tokens):
+    msg = f"seed {seed} position {t.position}"
+    assert t.token == ids[j + 1]
+    assert abs(sum(c for _, _, c in t.prototypes) + t.residual - t.logit) < 1e-4, msg
+    assert abs(t.logit - full[j, ids[j + 1]]) < 1e-3 * max(1, abs(t.logit)), msg
+    assert sorted(i for i, _, _ in t.prototypes) == sorted(idx[j].tolist()), msg
+    mags = [abs(c) for _, _, c in t.prototypes]
+    assert mags == sorted(mags, reverse=True), msg
+    top2 = np.sort(full[j])[-2:]
+    ptop2 = np.sort(proto[j])[-2:]
+    if top2[1] - top2[0] > 1e-3 and ptop2[1] - ptop2[0] > 1e-3:  # rounding cannot flip it
+      assert t.prediction == int(full[j].argmax()), msg
+      assert t.agrees == (int(proto[j].argmax()) == int(full[j].argmax())), msg
+  text_view = str(dec)
+  assert len(text_view.splitlines()) == len(dec.tokens) + 2
+  assert text_view.count("RESIDUAL") == len(dec.residual_decided) + 1  # + the closing line
+  page = dec._repr_html_()
+  assert page.startswith("<table>") and "<script" not in page
+  assert page.count("<tr>") == len(dec.tokens) + 1
+
+
+def test_generate_and_bad_input(run_dir):
+  run = prism_jax.load(run_dir)
+  greedy = run.generate("the token", max_new_tokens=5, greedy=True)
+  ids = run.tokenizer.encode("the token")
+  ref = generate(run.model, [ids], max_new_tokens=5, eos_id=run.tokenizer.eos_id)
+  n = int(ref.lengths_B[0])
+  assert greedy.text == run.tokenizer.decode(ref.tokens_BxL[0, :n].tolist())
+  assert greedy.how == "greedy" and "trust:" in str(greedy)
+  sampled = run.generate("the token", max_new_tokens=5)
+  assert sampled.how == "temperature 0.8, top-k 40, seed 0"
+  assert sampled.text == run.generate("the token", max_new_tokens=5).text  # seeded
+  with pytest.raises(ValueError, match="at least two tokens"):
+    run.decompose("a")
+  with pytest.raises(ValueError, match="no tokens"):
+    run.decompose("")
