@@ -98,3 +98,25 @@ def alive_markdown(data: dict) -> str:
                  f"{100 * r['agreement_decisive']:.1f}% | {r['r1_bar']:.3f} / "
                  f"{r['r2_bar']:.3f} | {r['common_direction_cos']:.3f} |")
   return "\n".join(lines)
+
+
+def defaults_markdown(data: dict) -> str:
+  """Old and new tiny defaults on the test half, two seeds each, beside the targets."""
+  lines = [f"`{data['command']}` (commit `{data['commit'][:12]}`); backbone "
+           f"{data['backbone']}, {data['steps']} steps from scratch beside the dense twin; "
+           f"measured once on the **{data['half']}** half.", "",
+           "| default | bank | seed | val CE vs dense | agreement | decisive (share) | proto CE "
+           "ratio | R̄1 / R̄2 | step s (dense) |", "|" + "---|" * 9]
+  for label, per_seed in data["rows"].items():
+    for seed, r in per_seed.items():
+      lines.append(f"| {label} | {data['settings'][label]} | {seed} | {100 * r['ce_gap']:+.1f}% | "
+                   f"{100 * r['agreement']:.1f}% | {100 * r['agreement_decisive']:.1f}% "
+                   f"({100 * r['decisive_share']:.1f}%) | {r['proto_ce_ratio']:.3f} | "
+                   f"{r['r1_bar']:.3f} / {r['r2_bar']:.3f} | {r['step_s']:.3f} "
+                   f"({r['dense_step_s']:.3f}) |")
+  lines += [f"| target | | | ≤ +{100 * TARGETS['ce_gap']:.0f}% | ≥ {100 * TARGETS['agreement']:.0f}% | "
+            f"≥ {100 * TARGETS['agreement_decisive']:.0f}% | ≤ 1.05 | ≥ 0.9 | |", "",
+            f"Steady training step time, new / old default (seed means, this run): "
+            f"{data['step_time_ratio']:.3f}."]
+  return "\n".join(lines)
+

@@ -10,7 +10,8 @@ from __future__ import annotations
 from typing import Callable
 
 from benchmarks.scale_render import scale_table_markdown
-from experiments.prototype_path_md import alive_markdown, capacity_markdown, size_markdown
+from experiments.prototype_path_md import (alive_markdown, capacity_markdown,
+                                           defaults_markdown, size_markdown)
 
 
 def _pct(x: float) -> str:
@@ -297,7 +298,7 @@ SECTIONS: dict[str, tuple[Callable[[dict], str], str]] = {
     "scale_table": (scale_table_markdown, "scale_table"),
     "rehearsal": (rehearsal_markdown, "rehearsal"),
     "bank_capacity": (capacity_markdown, "prototype_path_capacity"),
-    "bank_capacity_test": (capacity_markdown, "prototype_path_test"),
+    "prototype_defaults": (defaults_markdown, "prototype_path_test"),
     "size_trend": (size_markdown, "prototype_path_size"),
     "bank_alive": (alive_markdown, "prototype_path_alive"),
 }
