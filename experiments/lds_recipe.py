@@ -33,6 +33,7 @@ RECIPE = {
     "train.min_lr_ratio": 0.1, "train.weight_decay": 0.1, "train.b1": 0.9, "train.b2": 0.95,
     "train.grad_clip": 1.0, "train.seed": 0, "train.proto_init_step": 30,
     "train.init_from": "", "train.trainable": "all", "train.revive_every": 0,
+    "train.grad_accum": 1,
 }
 # What a retrain does not read (evaluation, checkpoints, logging, the data cache's path,
 # the mesh: a retrain runs on one device).

@@ -214,6 +214,9 @@ class TrainConfig:
   # training tokens selects are set anew from hidden states (prism_jax/train/revive.py);
   # 0 = never
   revive_every: int = 0
+  # microbatches per step: their gradients are summed before the one update, which equals
+  # the whole batch's (prism_jax/train/accumulate.py); batch_size / grad_accum rows at a time
+  grad_accum: int = 1
   eval_every: int = 200
   eval_batches: int = 8  # val batches per eval; 0 = the whole val split
   eval_at_start: bool = True  # also evaluate the untrained model (step 0) of a new run
@@ -236,6 +239,10 @@ class TrainConfig:
     _check(self.lr > 0, "train.lr must be positive")
     _check(0 <= self.warmup_steps, "train.warmup_steps must be >= 0")
     _check(int(self.revive_every) >= 0, "train.revive_every must be >= 0 (0: never)")
+    _check(int(self.grad_accum) >= 1, "train.grad_accum must be >= 1")
+    _check(self.batch_size % self.grad_accum == 0,
+           f"train.batch_size={self.batch_size} must be divisible by train.grad_accum="
+           f"{self.grad_accum}")
     _check_choice("train.trainable", self.trainable, ("all", "prototypes"))
 
 

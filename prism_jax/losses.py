@@ -108,13 +108,19 @@ def rec_weight(cfg: LossConfig, step: jax.Array | int | None) -> jax.Array | flo
 
 def total_loss(out: LMOutput, targets_BxT: jax.Array, mask_BxT: jax.Array,
                cfg: LossConfig, *, step: jax.Array | int | None = None,
-               proto_logits_BxTxV: jax.Array | None = None
+               proto_logits_BxTxV: jax.Array | None = None,
+               share: dict[str, jax.Array] | None = None
                ) -> tuple[jax.Array, dict[str, jax.Array]]:
   """Weighted objective and a metrics dict (all scalars, fp32). Dense models get CE only.
 
   `step` sets λ_rec when it is ramped; `proto_logits_BxTxV` (W z_hat, from
   `PrismLM.proto_path_logits`) is needed when `cfg.needs_proto_logits` (λ_proto,
   λ_rlogit or λ_proto_kl > 0).
+  `share` (gradient accumulation, prism_jax/train/accumulate.py): this microbatch's share
+  of a batch, {"weight": its fraction of the batch's valid tokens, "r1_owner_K": the
+  prototypes whose nearest token of the whole batch is in it, "r1_count": the prototypes
+  with any valid token in the batch}; the loss and metrics returned are then the
+  microbatch's shares, which sum over the microbatches to the whole batch's values.
   """
   batch, seq, vocab = out.logits_BxTxV.shape
   mask_N, targets_N = mask_BxT.reshape(batch * seq), targets_BxT.reshape(-1)
@@ -152,4 +158,18 @@ def total_loss(out: LMOutput, targets_BxT: jax.Array, mask_BxT: jax.Array,
                    mean_active=_masked_mean(jnp.sum(p.act_Nxk > 0, -1).astype(jnp.float32),
                                             mask_N))
   metrics["loss"] = loss
-  return loss, metrics
+  if share is None:
+    return loss, metrics
+  # every term is a mean over valid tokens, except R1: a mean over prototypes of a
+  # minimum over the whole batch's tokens, each prototype's owned by one microbatch
+  weight = share["weight"]
+  out_metrics = {k: weight * v for k, v in metrics.items()}
+  loss = weight * loss
+  if out.protos is not None:
+    col = out.protos.col_min_dist_K
+    r1_share = (jnp.sum(jnp.where(share["r1_owner_K"], jnp.where(jnp.isfinite(col), col, 0.0),
+                                  0.0)) / jnp.maximum(share["r1_count"], 1.0))
+    loss = loss + cfg.lambda_r1 * (r1_share - weight * metrics["r1"])
+    out_metrics["r1"] = r1_share
+  out_metrics["loss"] = loss
+  return loss, out_metrics

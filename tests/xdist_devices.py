@@ -12,7 +12,8 @@ from xdist.scheduler import LoadFileScheduling
 
 ALL_DEVICES = 8
 MULTI_DEVICE_FILES = frozenset({
-    "test_checkpoint_bad_inputs.py", "test_faithfulness.py", "test_kernels.py",
+    "test_checkpoint_bad_inputs.py", "test_faithfulness.py", "test_grad_accum.py",
+    "test_kernels.py",
     "test_kernels_sharded_model.py", "test_multihost.py", "test_scale_table.py",
     "test_sharding.py", "test_sharding_prototypes.py", "test_throughput.py",
     "test_train_eval.py", "test_train_golden.py"})

@@ -157,9 +157,11 @@ def train(cfg: Config, workdir: str, *, mesh: jax.sharding.Mesh | None = None,
   mesh = default_mesh(cfg) if mesh is None else mesh
   tc = cfg.train
   dp = mesh.shape["data"] * mesh.shape["fsdp"]
-  if tc.batch_size % dp:
+  if tc.batch_size % (dp * tc.grad_accum):
     raise ValueError(f"train.batch_size={tc.batch_size} must be divisible by the data-"
-                     f"parallel size data*fsdp={dp} of the mesh {dict(mesh.shape)}")
+                     f"parallel size data*fsdp={dp} of the mesh {dict(mesh.shape)}"
+                     + (f" times train.grad_accum={tc.grad_accum} (each microbatch spreads "
+                        "over every device)" if tc.grad_accum > 1 else ""))
   unknown = sorted(set(allow_config_change) - set(ckpt_lib.CHANGES_ON_REQUEST)
                    - set(ckpt_lib.RESUMABLE_CHANGES))
   if unknown:

@@ -50,12 +50,15 @@ def _dropout_key(cfg: Config, step) -> jax.Array | None:
   return None if cfg.model.dropout == 0.0 or step is None else step_key(cfg, step, 0)
 
 
-def _dense_loss(model, batch, dropout_key=None) -> tuple[jax.Array, dict[str, jax.Array]]:
+def _dense_loss(model, batch, dropout_key=None, share=None
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
   z_BxTxD, _ = model.backbone(batch["inputs"], dropout_key=dropout_key)
   logits = model.backbone.lm_head(z_BxTxD)
   vocab = logits.shape[-1]
   ce = losses.cross_entropy(logits.reshape(-1, vocab), batch["targets"].reshape(-1),
                             batch["mask"].reshape(-1))
+  if share is not None:  # a microbatch's share of the batch's mean (gradient accumulation)
+    ce = share["weight"] * ce
   return ce, {"ce": ce, "loss": ce}
 
 
@@ -67,8 +70,12 @@ def _residual_keep(cfg: Config, step: jax.Array, shape) -> jax.Array | None:
   return jax.random.bernoulli(step_key(cfg, step, 1), 1.0 - rate, shape)
 
 
-def _model_loss(model, batch, cfg: Config, step=None) -> tuple[jax.Array, dict[str, jax.Array]]:
-  keep = None if step is None else _residual_keep(cfg, step, batch["inputs"].shape)
+def _model_loss(model, batch, cfg: Config, step=None, share=None
+                ) -> tuple[jax.Array, dict[str, jax.Array]]:
+  keep = None
+  if step is not None:
+    keep = (_residual_keep(cfg, step, batch["inputs"].shape) if share is None
+            else share.get("residual_keep_BxT"))
   extra = {} if keep is None else {"residual_keep_BxT": keep}  # DenseLM takes no keep mask
   out = model(batch["inputs"], mask_BxT=batch["mask"], dropout_key=_dropout_key(cfg, step),
               **extra)
@@ -76,7 +83,9 @@ def _model_loss(model, batch, cfg: Config, step=None) -> tuple[jax.Array, dict[s
   if out.protos is not None and cfg.loss.needs_proto_logits:
     proto_logits = model.proto_path_logits(out.protos, *batch["inputs"].shape)
   return losses.total_loss(out, batch["targets"], batch["mask"], cfg.loss, step=step,
-                           proto_logits_BxTxV=proto_logits)
+                           proto_logits_BxTxV=proto_logits,
+                           share=None if share is None else
+                           {k: v for k, v in share.items() if k != "residual_keep_BxT"})
 
 
 def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation,
@@ -88,17 +97,58 @@ def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation,
   `dense_phase=True` builds the warm-up variant (dense CE through W z; see module doc).
   """
 
-  def loss_fn(params, batch, step):
+  def loss_fn(params, batch, step, share=None):
     if cfg.train.trainable == "prototypes":  # no backward pass through the frozen backbone
       params = {**params, "backbone": jax.lax.stop_gradient(params["backbone"])}
     model = nnx.merge(graphdef, params)
     if dense_phase:
-      return _dense_loss(model, batch, _dropout_key(cfg, step))
-    return _model_loss(model, batch, cfg, step)
+      return _dense_loss(model, batch, _dropout_key(cfg, step), share)
+    return _model_loss(model, batch, cfg, step, share)
 
   batch_sh = {k: shard_lib.batch_sharding(mesh) for k in BATCH_KEYS}
+  accum = cfg.train.grad_accum
   return trainer.make_step(loss_fn, tx, state_shardings=shardings, batch_shardings=batch_sh,
-                           schedule=lr_schedule(cfg.train), pass_step=True)
+                           schedule=lr_schedule(cfg.train), pass_step=True, grad_accum=accum,
+                           prepass=None if accum == 1 else _shares(graphdef, cfg, dense_phase))
+
+
+def _shares(graphdef, cfg: Config, dense_phase: bool) -> Callable:
+  """The prepass of an accumulated step (prism_jax/train/accumulate.py): each microbatch's
+  share of the batch. Token-mean terms weigh a microbatch by its valid tokens; R1 (a mean
+  over prototypes of the nearest token of the *whole* batch) needs every microbatch's
+  nearest distances first: one forward per microbatch, no gradient, then each prototype is
+  owned by the microbatch holding its nearest token (the first on a tie). Residual dropout's
+  mask is drawn for the whole batch and split like the rows, so it equals the unsplit
+  step's. (model.dropout > 0 draws its masks per microbatch: the same distribution, not the
+  same bits.)"""
+
+  def prepass(params, micro, step):
+    num = micro["mask"].shape[0]
+    tokens_M = jnp.sum(micro["mask"], axis=(1, 2)).astype(jnp.float32)
+    share = {"weight": tokens_M / jnp.maximum(jnp.sum(tokens_M), 1.0)}
+    if dense_phase or cfg.model.kind != "prism":
+      return share
+    model_of = lambda p: nnx.merge(graphdef, p)
+
+    def nearest(_, mb):
+      out = model_of(params)(mb["inputs"], mask_BxT=mb["mask"])
+      return None, out.protos.col_min_dist_K
+
+    _, col_MxK = jax.lax.scan(nearest, None, micro)
+    col_MxK = jax.lax.stop_gradient(col_MxK)
+    best_K = jnp.min(col_MxK, axis=0)
+    owner_K = jnp.argmin(col_MxK, axis=0)
+    finite_K = jnp.isfinite(best_K)
+    share["r1_owner_K"] = (jnp.arange(num)[:, None] == owner_K[None]) & finite_K[None]
+    share["r1_count"] = jnp.broadcast_to(jnp.sum(finite_K).astype(jnp.float32), (num,))
+    batch_shape = (micro["inputs"].shape[0] * micro["inputs"].shape[1],) + micro["inputs"].shape[2:]
+    keep = _residual_keep(cfg, step, batch_shape)
+    if keep is not None:
+      share["residual_keep_BxT"] = jnp.swapaxes(
+          keep.reshape((batch_shape[0] // num, num) + batch_shape[1:]), 0, 1)
+    return share
+
+  return prepass
 
 
 def eval_stats_init(cfg: Config) -> dict[str, Any]:

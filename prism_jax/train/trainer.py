@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 
+from prism_jax.train import accumulate
 from prism_jax.train import checkpoint as ckpt_lib
 from prism_jax.train import metrics as metrics_lib
 from prism_jax.train.progress import Progress
@@ -86,11 +87,14 @@ def _all_finite(tree) -> jax.Array:
 def make_step(loss_fn: LossFn, tx: optax.GradientTransformation, *,
               trainable: Trainable | None = None, state_shardings: Any = None,
               batch_shardings: Any = None, schedule: optax.Schedule | None = None,
-              pass_step: bool = False) -> StepFn:
+              pass_step: bool = False, grad_accum: int = 1,
+              prepass: Callable | None = None) -> StepFn:
   """Jitted `step(state, batch) -> (state, metrics)` with the state donated.
 
   `pass_step`: the loss is `loss_fn(params, batch, step)` (step: the int32 step being
   taken), e.g. to derive dropout keys that a resume reproduces.
+  `grad_accum` > 1: the batch is taken as that many microbatches whose gradients are summed
+  before the one update (prism_jax/train/accumulate.py; `prepass` and the loss's share).
 
   Metrics are `loss_fn`'s (plus `loss` if it has none), `grad_norm`, `lr` when a
   `schedule` is given, and `params_finite` (1.0 when the updated parameters are finite:
@@ -100,17 +104,23 @@ def make_step(loss_fn: LossFn, tx: optax.GradientTransformation, *,
   train/host_memory.py is the command-line launcher's opt-in).
   """
 
+  def grads_of(fn, params, batch, extra, pre=prepass):
+    if grad_accum == 1:
+      return jax.value_and_grad(fn, has_aux=True)(params, batch, *extra)
+    return accumulate.value_and_grad(fn, params, batch, extra, grad_accum, pre)
+
   def step(state: TrainState, batch):
     extra = (state.step,) if pass_step else ()
     if trainable is None:
-      (loss, metrics), grads = jax.value_and_grad(loss_fn, has_aux=True)(state.params, batch,
-                                                                         *extra)
+      (loss, metrics), grads = grads_of(loss_fn, state.params, batch, extra)
       updates, opt_state = tx.update(grads, state.opt_state, state.params)
       params = checked = optax.apply_updates(state.params, updates)
     else:
       sub = select(state.params, trainable)
-      loss_of_sub = lambda s, b: loss_fn(merge(state.params, s), b, *extra)
-      (loss, metrics), grads = jax.value_and_grad(loss_of_sub, has_aux=True)(sub, batch)
+      loss_of_sub = lambda s, b, *rest: loss_fn(merge(state.params, s), b, *rest)
+      pre = None if prepass is None else (
+          lambda s, *rest: prepass(merge(state.params, s), *rest))  # it reads every param
+      (loss, metrics), grads = grads_of(loss_of_sub, sub, batch, extra, pre)
       updates, opt_state = tx.update(grads, state.opt_state, sub)
       checked = optax.apply_updates(sub, updates)
       params = merge(state.params, checked)
