@@ -4,6 +4,9 @@
   out = run.generate("The for statement")            # the library's sampling defaults
   dec = run.decompose("def f(x): return x")          # per token: prototypes + residual
   dec                                                # a table in a notebook, text in a terminal
+  quiet = run.suppress([12, 40])                     # a steered view: g = 0 on those
+  quiet.generate("The for statement")                # same seed, the edit applied
+  run.steer({7: 2.0})                                # gains: 0 removes, > 1 amplifies
 
 `Run` holds `.model`, `.config`, `.tokenizer` and `.workdir`. Text goes in and comes out;
 token ids are accepted too. Every explanation carries its trust mark
@@ -22,7 +25,8 @@ import numpy as np
 
 from prism_jax.generate import SAMPLING, generate as generate_ids, sampling_label
 from prism_jax.model.lm import decompose as decompose_logits
-from prism_jax.model.trust import output_trust, trust_label
+from prism_jax.model.logit_edit import controlled_logits
+from prism_jax.model.trust import output_trust, token_trust, trust_label
 
 TOP_SHOWN = 3  # prototypes a token's line shows (all k are in the records)
 
@@ -113,16 +117,50 @@ class Generation:
 
 
 class Run:
-  """A trained run: its model, config and tokenizer, and what PRISM does with them."""
+  """A trained run: its model, config and tokenizer, and what PRISM does with them.
+  `gains_K` (a steered view, `steer` / `suppress`): prototype i's share of the logits is
+  scaled by gains_K[i] in generate and decompose (PRISM.md §6; r_t kept from the unedited
+  pass)."""
 
-  def __init__(self, workdir: str, model, config, tokenizer):
+  def __init__(self, workdir: str, model, config, tokenizer, gains_K=None):
     self.workdir, self.model, self.config, self.tokenizer = workdir, model, config, tokenizer
+    self.gains_K = gains_K
 
   def __repr__(self) -> str:
     m = self.config.model
     bank = f", K={m.num_prototypes}, k={m.k}" if m.kind == "prism" else ""
+    steered = ""
+    if self.gains_K is not None:
+      changed = np.flatnonzero(np.asarray(self.gains_K) != 1.0)
+      steered = f", steered: {len(changed)} prototype gains != 1"
     return (f"Run({self.workdir!r}: {m.kind}, d={m.d_model}, layers={m.n_layers}{bank}, "
-            f"vocab={m.vocab_size})")
+            f"vocab={m.vocab_size}{steered})")
+
+  def steer(self, gains) -> "Run":
+    """A view of this run with prototype gains: {id: gain} or a (K,) array; 0 removes a
+    prototype's share of the logits, > 1 amplifies it. Composes with this view's gains."""
+    if self.config.model.kind != "prism":
+      raise ValueError(f"{self.workdir} is a dense run: it has no prototypes to steer")
+    big_k = self.config.model.num_prototypes
+    g = np.ones(big_k, np.float32) if self.gains_K is None else np.array(self.gains_K)
+    if isinstance(gains, dict):
+      bad = [i for i in gains if not 0 <= int(i) < big_k]
+      if bad:
+        raise ValueError(f"prototype ids must be in [0, {big_k}), got {bad}")
+      for i, v in gains.items():
+        g[int(i)] *= float(v)
+    else:
+      arr = np.asarray(gains, np.float32)
+      if arr.shape != (big_k,):
+        raise ValueError(f"gains must be a dict or shape ({big_k},), got {arr.shape}")
+      g = g * arr
+    if not np.all(np.isfinite(g)) or (g < 0).any():
+      raise ValueError("gains must be finite and >= 0")
+    return Run(self.workdir, self.model, self.config, self.tokenizer, g)
+
+  def suppress(self, proto_ids) -> "Run":
+    """A view with the given prototypes removed (gain 0)."""
+    return self.steer({int(i): 0.0 for i in proto_ids})
 
   def _ids(self, text_or_ids) -> np.ndarray:
     if isinstance(text_or_ids, str):
@@ -148,7 +186,8 @@ class Run:
     temperature = 0.0 if greedy else temperature
     out = generate_ids(self.model, ids[None], max_new_tokens=min(max_new_tokens, room),
                        temperature=temperature, top_k=top_k, seed=seed,
-                       eos_id=self.tokenizer.eos_id)
+                       eos_id=self.tokenizer.eos_id,
+                       proto_gain_K=None if self.gains_K is None else jnp.asarray(self.gains_K))
     n = int(out.lengths_B[0])
     prompt = text if isinstance(text, str) else self.tokenizer.decode(ids.tolist())
     return Generation(prompt, self.tokenizer.decode(out.tokens_BxL[0, :n].tolist()),
@@ -165,16 +204,27 @@ class Run:
       raise ValueError("decompose needs at least two tokens (the first has no prediction)")
     out = self.model(jnp.asarray(ids[None, :-1]))
     parts = decompose_logits(self.model, out.protos, jnp.asarray(ids[1:]))
-    trust = output_trust(self.model, out)
     idx, act = np.asarray(parts.idx_Nxk), np.asarray(out.protos.act_Nxk, np.float64)
     contrib = np.asarray(parts.contrib_Nxk, np.float64)
+    logit = np.asarray(parts.logit_N, np.float64)
+    if self.gains_K is None:
+      trust = output_trust(self.model, out)
+    else:  # the edited logits and their prototype path W z_hat_g (gains applied)
+      g = jnp.asarray(self.gains_K)
+      g_Nxk = np.asarray(g[out.protos.idx_Nxk], np.float64)
+      logit = logit - ((1.0 - g_Nxk) * contrib).sum(-1)
+      contrib = contrib * g_Nxk
+      z_hat = jnp.einsum("nk,nkd->nd", out.protos.act_Nxk * g[out.protos.idx_Nxk],
+                         self.model.bank.protos[...][out.protos.idx_Nxk])
+      edited = controlled_logits(self.model, out, g)[0]
+      trust = token_trust(edited, self.model.backbone.lm_head(z_hat[None])[0])
     decode = lambda i: self.tokenizer.decode([int(i)])
     rows = []
     for j in range(len(ids) - 1):
       order = np.argsort(-np.abs(contrib[j]), kind="stable")
       rows.append(TokenExplanation(
           position=j + 1, token=int(ids[j + 1]), text=decode(ids[j + 1]),
-          logit=float(parts.logit_N[j]),
+          logit=float(logit[j]),
           prototypes=tuple((int(idx[j, o]), float(act[j, o]), float(contrib[j, o]))
                            for o in order),
           residual=float(parts.residual_N[j]), prediction=int(trust.top1_N[j]),

@@ -85,3 +85,30 @@ def test_generate_and_bad_input(run_dir):
     run.decompose("a")
   with pytest.raises(ValueError, match="no tokens"):
     run.decompose("")
+
+
+def test_a_steered_view_edits_generation_and_decomposition(run_dir):
+  """suppress / steer against the edit computed here: l' = l - sum (1 - g_i) a_i W p_i."""
+  run = prism_jax.load(run_dir)
+  text = "the prototype of mesh"
+  plain = run.decompose(text)
+  top = plain.tokens[0].prototypes[0][0]
+  quiet = run.suppress([top])
+  assert "steered: 1 prototype gains != 1" in repr(quiet) and run.gains_K is None
+  edited = quiet.decompose(text)
+  for a, b in zip(plain.tokens, edited.tokens):
+    removed = sum(c for i, _, c in a.prototypes if i == top)
+    assert abs(b.logit - (a.logit - removed)) < 1e-4
+    assert all(c == 0.0 for i, _, c in b.prototypes if i == top)
+    assert abs(sum(c for _, _, c in b.prototypes) + b.residual - b.logit) < 1e-4
+  doubled = run.steer({top: 2.0}).decompose(text)
+  for a, b in zip(plain.tokens, doubled.tokens):
+    added = sum(c for i, _, c in a.prototypes if i == top)
+    assert abs(b.logit - (a.logit + added)) < 1e-4
+  g = quiet.generate("the token", max_new_tokens=6, greedy=True)
+  assert top not in set(g.output.trace.idx_BxLxk[0][g.output.trace.contrib_BxLxk[0] != 0])
+  with pytest.raises(ValueError, match="prototype ids must be in"):
+    run.suppress([10_000])
+  with pytest.raises(ValueError, match="finite and >= 0"):
+    run.steer({0: -1.0})
+
