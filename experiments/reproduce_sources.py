@@ -297,7 +297,8 @@ DETAIL_PREFIXES = ("suppression_", "lds_")
 SECTIONS: dict[str, tuple[Callable[[dict], str], str]] = {
     "scale_table": (scale_table_markdown, "scale_table"),
     "rehearsal": (rehearsal_markdown, "rehearsal"),
-    "bank_capacity": (capacity_markdown, "prototype_path_capacity"),
+    "bank_capacity_128x4": (capacity_markdown, "prototype_path_capacity_128x4"),
+    "bank_capacity_256x6": (capacity_markdown, "prototype_path_capacity_256x6"),
     "prototype_defaults": (defaults_markdown, "prototype_path_test"),
     "size_trend": (size_markdown, "prototype_path_size"),
     "bank_alive": (alive_markdown, "prototype_path_alive"),
