@@ -12,6 +12,7 @@ first pass-2 chunk write.
 import dataclasses
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -44,10 +45,22 @@ def _config(workdir):
   return dataclasses.replace(cfg, data=dataclasses.replace(cfg.data, packed_dir=PACKED))
 
 
-def worker(pid: int, port: int, workdir: str, out: str, die: bool) -> None:
+def worker(pid: int, port: int, workdir: str, out: str, die: bool | str) -> None:
+  """`die`: True = process 1 SIGKILLs itself mid pass 2; "raise" = it raises there (the
+  build then runs under the `prism` launcher, whose failure exit is under test)."""
+  if die == "raise":
+    from prism_jax.cli import launcher  # pylint: disable=import-outside-toplevel
+    launcher.run(lambda argv: _build(pid, port, workdir, out, die, heartbeat_timeout_s=5),
+                 [sys.argv[0]])
+    return
+  _build(pid, port, workdir, out, die)
+
+
+def _build(pid, port, workdir, out, die, heartbeat_timeout_s=distributed.HEARTBEAT_TIMEOUT_S):
   jax.config.update("jax_num_cpu_devices", LOCAL_DEVICES)
   assert distributed.initialize(f"127.0.0.1:{port}", NUM_PROCESSES, pid,
-                                initialization_timeout=120)
+                                initialization_timeout=120,
+                                heartbeat_timeout_s=heartbeat_timeout_s)
   assert (jax.process_count(), jax.local_device_count()) == (NUM_PROCESSES, LOCAL_DEVICES)
   cfg = _config(workdir)
 
@@ -56,6 +69,8 @@ def worker(pid: int, port: int, workdir: str, out: str, die: bool) -> None:
 
   def on_batch(pass_index, rows):  # dies mid pass 2, once its first chunks are written
     if die and pid == 1 and pass_index == 2 and cache_format.read_json(prog)["pass"] == 2:
+      if die == "raise":
+        raise RuntimeError("injected failure in pass 2")
       os.kill(os.getpid(), signal.SIGKILL)
     if pass_index == 3:  # this process wrote its share of the inverted index
       index_writes.append(rows)
@@ -77,8 +92,9 @@ def _read_all(path):
 
 def _launch(tmp_path, env, port, workdir, out, die, tag):
   logs = [tmp_path / f"{tag}_{pid}.log" for pid in range(NUM_PROCESSES)]
+  flag = {True: ["die"], "raise": ["raise"]}.get(die, [])
   procs = [subprocess.Popen([sys.executable, __file__, "worker", str(pid), str(port), workdir,
-                             out] + (["die"] if die else []), env=env,
+                             out] + flag, env=env,
                             stdout=open(logs[pid], "w"), stderr=subprocess.STDOUT)
            for pid in range(NUM_PROCESSES)]
   return procs, logs
@@ -168,6 +184,38 @@ def test_two_process_build_equals_one_process_and_resumes_after_a_kill(reference
     cache_lib.AttributionCache(out, build_model(cfg.model, 1), cfg)
 
 
+def test_an_exception_in_one_process_ends_the_build_on_every_process(reference, gcs,
+                                                                       tmp_path):
+  """Process 1 raises mid pass 2 (under the `prism` launcher): it exits 1 with its
+  traceback, and process 0, waiting for it at the pass's barrier, exits non-zero within a
+  bound with a line naming process 1 (its posted failure, or the runtime's heartbeat
+  verdict), not after jax's 300 s shutdown barrier."""
+  workdir = reference[0]
+  env = multiprocess_env(JAX_PLATFORMS="cpu", **gcs,
+                         PYTHONPATH=os.pathsep.join([REPO, os.path.dirname(__file__)]))
+  procs, logs = _launch(tmp_path, env, free_port(), workdir, "gs://bucket/mh/cache3",
+                        "raise", "raised")
+  try:
+    assert procs[1].wait(timeout=TIMEOUT_S) == 1, _tails(logs)
+    t0 = time.time()
+    code0 = procs[0].wait(timeout=90)
+    elapsed = time.time() - t0
+  finally:
+    for p in procs:
+      if p.poll() is None:
+        p.kill()
+      p.wait()
+  err0, err1 = logs[0].read_text(), logs[1].read_text()
+  assert "RuntimeError: injected failure in pass 2" in err1, err1[-3000:]
+  assert code0 != 0 and elapsed < 60, (code0, elapsed, err0[-3000:])
+  assert "Shutdown barrier" not in err0 + err1, (err0 + err1)[-3000:]
+  assert ("error: process 1 failed: RuntimeError: injected failure in pass 2" in err0
+          or re.search(r"tasks are unhealthy \(stopped sending heartbeats\):\s*1\b", err0)
+          or re.search(r"task[^\n]*\b1\b[^\n]*(heartbeat|unhealthy|died|crash)", err0,
+                       re.I)), err0[-3000:]
+  print(f"\nprocess 0 exited {code0} {elapsed:.1f} s after process 1 raised")
+
+
 def test_shares_are_chunk_aligned_and_cover_every_token():
   for n, chunk, count in ((0, 4, 2), (10, 4, 2), (1000, 96, 3), (95, 96, 2), (97, 96, 4)):
     shares = [cache_shards.token_share(n, chunk, p, count) for p in range(count)]
@@ -191,6 +239,7 @@ def test_attribute_cli_needs_a_prompt_unless_build_only(tmp_path):
 
 if __name__ == "__main__":
   if len(sys.argv) in (6, 7) and sys.argv[1] == "worker":
-    worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5], len(sys.argv) == 7)
+    worker(int(sys.argv[2]), int(sys.argv[3]), sys.argv[4], sys.argv[5],
+           {6: False, 7: "raise" if sys.argv[-1] == "raise" else True}[len(sys.argv)])
   else:
-    sys.exit(f"usage: {sys.argv[0]} worker PID PORT WORKDIR CACHE [die]")
+    sys.exit(f"usage: {sys.argv[0]} worker PID PORT WORKDIR CACHE [die|raise]")
