@@ -4,6 +4,8 @@
   out = run.generate("The for statement")            # the library's sampling defaults
   dec = run.decompose("def f(x): return x")          # per token: prototypes + residual
   dec                                                # a table in a notebook, text in a terminal
+  att = run.attribute("The for statement", position=3)  # training text behind a token
+  page = run.report("The for statement")             # the HTML report (inline in a notebook)
   quiet = run.suppress([12, 40])                     # a steered view: g = 0 on those
   quiet.generate("The for statement")                # same seed, the edit applied
   run.steer({7: 2.0})                                # gains: 0 removes, > 1 amplifies
@@ -116,6 +118,56 @@ class Generation:
             f"<i>({html.escape(self.how)})</i></p><pre>{html.escape(self.report)}</pre>")
 
 
+@dataclasses.dataclass(frozen=True)
+class TokenAttribution:
+  """The training sequences that most helped the model predict tokens[position]."""
+
+  text: str
+  position: int
+  token_text: str
+  sequences: tuple[tuple[int, float, str], ...]  # (example id, score, snippet), best first
+  query_prototypes: tuple[int, ...]
+  agrees: bool  # the prototypes pick the model's prediction here (else the residual did)
+  note: str  # "" or the trust line: the residual decided, use a whole-model method
+
+  def __str__(self) -> str:
+    lines = [f"{self.text!r}, token {self.position} {self.token_text!r} (prototypes "
+             f"{list(self.query_prototypes)})"]
+    if self.note:
+      lines.append(f"note: {self.note}")
+    lines += [f"  {r + 1}. score {s:+.4g}  doc {e}  {snip!r}"
+              for r, (e, s, snip) in enumerate(self.sequences)]
+    return "\n".join(lines)
+
+  __repr__ = __str__
+
+  def _repr_html_(self) -> str:
+    rows = "".join(f"<tr><td>{r + 1}</td><td>{s:+.4g}</td><td>{e}</td><td><code>"
+                   f"{html.escape(snip)}</code></td></tr>"
+                   for r, (e, s, snip) in enumerate(self.sequences))
+    note = f"<p style='color:#c62828'>{html.escape(self.note)}</p>" if self.note else ""
+    return (f"<p>token {self.position} <code>{html.escape(repr(self.token_text))}</code> of "
+            f"<code>{html.escape(repr(self.text))}</code></p>{note}<table><thead><tr><th>#"
+            "</th><th>score</th><th>document</th><th>snippet</th></tr></thead><tbody>"
+            f"{rows}</tbody></table>")
+
+
+@dataclasses.dataclass(frozen=True)
+class Report:
+  """The self-contained HTML report page; in a notebook, an iframe of it (no request)."""
+
+  html: str
+
+  def save(self, path: str) -> str:
+    from prism_jax import paths  # pylint: disable=g-import-not-at-top
+    paths.write_text_atomic(path, self.html)
+    return path
+
+  def _repr_html_(self) -> str:
+    return (f"<iframe srcdoc=\"{html.escape(self.html, quote=True)}\" style=\"width:100%;"
+            "height:720px;border:1px solid #ddd\"></iframe>")
+
+
 class Run:
   """A trained run: its model, config and tokenizer, and what PRISM does with them.
   `gains_K` (a steered view, `steer` / `suppress`): prototype i's share of the logits is
@@ -161,6 +213,21 @@ class Run:
   def suppress(self, proto_ids) -> "Run":
     """A view with the given prototypes removed (gain 0)."""
     return self.steer({int(i): 0.0 for i in proto_ids})
+
+  def attribute(self, text, position: int | None = None, *, top: int = 5,
+                build: bool = True) -> TokenAttribution:
+    """The `top` training sequences that most helped predict the token at `position` of
+    `text` (default: its last token), by cached PRISM attribution; the cache is opened from
+    <workdir>/attribution_cache or built there (with progress) unless `build=False`. When the
+    residual decided that prediction, the result says so (its prototypes do not explain it)."""
+    return attribute(self, text, position, top=top, build=build)
+
+  def report(self, text, max_new_tokens: int = 32, *, attribution: bool = False,
+             **sampling) -> Report:
+    """The interactive HTML report of `text` and its continuation (cards built once under
+    <workdir>/cards; `attribution=True` adds attributed training sequences, building the
+    cache if needed); `sampling`: temperature / top_k / seed (the library's defaults)."""
+    return report(self, text, max_new_tokens, attribution=attribution, **sampling)
 
   def _ids(self, text_or_ids) -> np.ndarray:
     if isinstance(text_or_ids, str):
@@ -231,6 +298,71 @@ class Run:
           prediction_text=decode(trust.top1_N[j]), agrees=bool(trust.agrees_N[j]),
           proto_share=float(trust.proto_share_N[j])))
     return Decomposition(self.tokenizer.decode(ids.tolist()), decode(ids[0]), tuple(rows))
+
+
+def _packed(run: "Run"):
+  from prism_jax.data import prepare_data  # pylint: disable=g-import-not-at-top
+  return prepare_data(run.config.data, run.config.model.vocab_size, run.workdir)
+
+
+def _cache(run: "Run", packed, build: bool):
+  from prism_jax import paths  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution import cache as cache_lib  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution import cache_format  # pylint: disable=g-import-not-at-top
+  cache_dir = paths.join(run.workdir, "attribution_cache")
+  if not build and not cache_format.is_cache_dir(cache_dir):
+    raise ValueError(f"no attribution cache in {cache_dir}; pass build=True (or run `prism "
+                     f"attribute --workdir={run.workdir} --build_only`)")
+  return cache_lib.open_or_build(run.model, run.config, packed, cache_dir)
+
+
+def attribute(run: "Run", text, position: int | None = None, *, top: int = 5,
+              build: bool = True) -> TokenAttribution:
+  """Run.attribute: see its docstring."""
+  from prism_jax.attribution import influence  # pylint: disable=g-import-not-at-top
+  from prism_jax.model.trust import RESIDUAL_DECIDED, prediction_trust  # pylint: disable=g-import-not-at-top
+  if run.config.model.kind != "prism":
+    raise ValueError(f"{run.workdir} is a dense run: cached attribution needs prototypes")
+  ids = run._ids(text)  # pylint: disable=protected-access
+  position = len(ids) - 1 if position is None else int(position)
+  if not 1 <= position < len(ids):
+    raise ValueError(f"position must be in [1, {len(ids) - 1}] (a token with one before it), "
+                     f"got {position}")
+  packed = _packed(run)
+  cache = _cache(run, packed, build)
+  att = influence.attribute(run.model, cache, ids[:position + 1], [position],
+                            cfg=influence.InfluenceConfig(top=top), packed=packed)
+  agrees = bool(prediction_trust(run.model, ids, [position]).agrees_N[0])
+  return TokenAttribution(
+      run.tokenizer.decode(ids.tolist()), position, run.tokenizer.decode([int(ids[position])]),
+      tuple((int(e), float(sc), snip) for e, sc, snip in zip(att.example_ids, att.scores,
+                                                               att.snippets)),
+      tuple(int(i) for i in att.query_protos), agrees, "" if agrees else RESIDUAL_DECIDED)
+
+
+def report(run: "Run", text, max_new_tokens: int = 32, *, attribution: bool = False,
+           **sampling) -> Report:
+  """Run.report: see its docstring."""
+  from prism_jax import paths  # pylint: disable=g-import-not-at-top
+  from prism_jax.analysis import cards as cards_lib  # pylint: disable=g-import-not-at-top
+  from prism_jax.analysis import report as report_lib  # pylint: disable=g-import-not-at-top
+  from prism_jax.analysis import report_page  # pylint: disable=g-import-not-at-top
+  if run.config.model.kind != "prism":
+    raise ValueError(f"{run.workdir} is a dense run: a report needs prototypes")
+  packed = _packed(run)
+  cache = _cache(run, packed, True) if attribution else None
+  cards_dir = paths.join(run.workdir, "cards")
+  if paths.path(paths.join(cards_dir, cards_lib.CARDS_FILE)).is_file():
+    cards = cards_lib.CardSet.load(cards_dir, model=run.model)
+  else:
+    cards = cards_lib.build_cards(run.model, run.config, packed, cache=cache,
+                                  decode=run.tokenizer.decode, out_dir=cards_dir)
+  data = report_lib.report_data(run.model, run.config, run.tokenizer.decode,
+                                run._ids(text), cards, cache=cache, packed=packed,  # pylint: disable=protected-access
+                                max_new_tokens=max_new_tokens, eos_id=run.tokenizer.eos_id,
+                                metrics_path=paths.join(run.workdir, "metrics.jsonl"),
+                                **sampling)
+  return Report(report_page.render(data))
 
 
 def load(workdir: str, *, step: int | None = None) -> Run:

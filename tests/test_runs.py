@@ -112,3 +112,31 @@ def test_a_steered_view_edits_generation_and_decomposition(run_dir):
   with pytest.raises(ValueError, match="finite and >= 0"):
     run.steer({0: -1.0})
 
+
+
+def test_attribute_and_report_from_the_run(run_dir):
+  from prism_jax.attribution import influence  # pylint: disable=import-outside-toplevel
+  from prism_jax.model.trust import prediction_trust  # pylint: disable=import-outside-toplevel
+  run = prism_jax.load(run_dir)
+  text = "the prototype of mesh"
+  att = run.attribute(text, position=5, top=4)  # builds <run>/attribution_cache once
+  ids = run.tokenizer.encode(text)
+  scores = [s for _, s, _ in att.sequences]
+  assert 0 < len(att.sequences) <= 4 and scores == sorted(scores, reverse=True)
+  agrees = bool(prediction_trust(run.model, ids, [5]).agrees_N[0])
+  assert att.agrees == agrees and bool(att.note) == (not agrees)
+  # the same ranking as the cache's own query function
+  from prism_jax.attribution import cache as cache_lib  # pylint: disable=import-outside-toplevel
+  from prism_jax.data import prepare_data  # pylint: disable=import-outside-toplevel
+  packed = prepare_data(run.config.data, run.config.model.vocab_size, run_dir)
+  cache = cache_lib.AttributionCache(f"{run_dir}/attribution_cache", run.model, run.config)
+  want = influence.attribute(run.model, cache, ids[:6], [5],
+                             cfg=influence.InfluenceConfig(top=4), packed=packed)
+  assert [e for e, _, _ in att.sequences] == [int(e) for e in want.example_ids]
+  assert "score" in str(att) and "<table>" in att._repr_html_()
+  with pytest.raises(ValueError, match="position must be in"):
+    run.attribute(text, position=0)
+  page = run.report("the token", max_new_tokens=4)
+  assert page.html.startswith("<!DOCTYPE html>") and "only tokens the residual decided" in page.html
+  frame = page._repr_html_()
+  assert frame.startswith("<iframe srcdoc=") and "src=\"http" not in frame
