@@ -11,7 +11,7 @@ UV := $(VENV)/bin/uv pip install --quiet --python $(PY) --compile-bytecode \
 export JAX_PLATFORMS ?= cpu
 PYTEST_ARGS ?=
 
-.PHONY: venv browser demo test test-tpu-aot rehearsal rehearsal-tiny model-card clean
+.PHONY: venv browser demo test test-long test-tpu-aot rehearsal rehearsal-tiny model-card clean
 
 $(STAMP): setup.cfg pyproject.toml
 	@PYBIN="$$(tools/find_python.sh)" || exit 1; \
@@ -62,7 +62,17 @@ test: $(STAMP) browser
 	@# Python processes would compile the modules it imports again (~0.3 CPU-s each).
 	$(PY) -m compileall -q -j 0 prism_jax pallas_kernels benchmarks experiments tests
 	@cache="$$(mktemp -d -t prism_jax_jit.XXXXXX)"; \
-	  PRISM_JAX_TEST_JIT_CACHE="$$cache" $(PY) -m pytest -q -n 3 --dist loadfile $(PYTEST_ARGS); \
+	  PRISM_JAX_TEST_JIT_CACHE="$$cache" $(PY) -m pytest -q -n 3 --dist loadfile -m "not long" \
+	    $(PYTEST_ARGS); \
+	  rc=$$?; rm -rf "$$cache"; exit $$rc
+
+# The checks that take a minute or more each (`@pytest.mark.long`: 2-process runs, the
+# `small` TPU compile, end-to-end load/attribute/report, accumulation on 8 devices), kept out
+# of `make test`'s 12 minutes; .ci/run runs this target after `make test`.
+test-long: $(STAMP) browser
+	@cache="$$(mktemp -d -t prism_jax_jit.XXXXXX)"; \
+	  PRISM_JAX_TEST_JIT_CACHE="$$cache" $(PY) -m pytest -q -n 2 --dist loadfile -m long \
+	    $(PYTEST_ARGS); \
 	  rc=$$?; rm -rf "$$cache"; exit $$rc
 
 # The TPU compile checks alone.

@@ -184,6 +184,7 @@ def test_two_process_build_equals_one_process_and_resumes_after_a_kill(reference
     cache_lib.AttributionCache(out, build_model(cfg.model, 1), cfg)
 
 
+@pytest.mark.long
 def test_an_exception_in_one_process_ends_the_build_on_every_process(reference, gcs,
                                                                        tmp_path):
   """Process 1 raises mid pass 2 (under the `prism` launcher): it exits 1 with its

@@ -119,6 +119,7 @@ def _free_port() -> int:
     return s.getsockname()[1]
 
 
+@pytest.mark.long
 def test_two_processes_train_like_one(tmp_path):
   port, env = _free_port(), multiprocess_env(JAX_PLATFORMS="cpu")
   logs = [open(tmp_path / f"log_{pid}.txt", "w") for pid in range(NUM_PROCESSES)]

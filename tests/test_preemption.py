@@ -157,6 +157,7 @@ def test_one_process_saves_the_step_after_the_signal(tmp_path):
   assert sorted(_losses(str(tmp_path / "run"))) == [1, 2, 3, 4]
 
 
+@pytest.mark.long
 def test_sigterm_to_one_of_two_processes_saves_one_step_and_resumes_exactly(tmp_path,
                                                                            jit_cache):
   data = _corpus(tmp_path / "corpus.txt")

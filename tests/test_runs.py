@@ -114,6 +114,7 @@ def test_a_steered_view_edits_generation_and_decomposition(run_dir):
 
 
 
+@pytest.mark.long
 def test_attribute_and_report_from_the_run(run_dir):
   from prism_jax.attribution import influence  # pylint: disable=import-outside-toplevel
   from prism_jax.model.trust import prediction_trust  # pylint: disable=import-outside-toplevel

@@ -15,6 +15,7 @@ pytestmark = [
 ]
 
 
+@pytest.mark.long
 def test_small_compiles_for_v5e_4x4_and_fits():
   """`small`'s widths and bank with 1 of its 12 blocks and 256 of its 1024 positions: the
   same layers, at a fraction of the compile time (`python -m benchmarks.compile_check
