@@ -130,12 +130,12 @@ function filterTokens() {  // only the tokens the residual decided, when asked
 }
 function trustLine(t) {
   const r = t.trust, share = r.share === null ? 'a tie' : `${(100 * r.share).toFixed(0)}%`;
-  return r.agrees ? `trust: the prototypes alone pick the model's prediction ` +
+  return r.agrees ? `trust: the prototypes alone pick the model's top prediction here ` +
       `<code>${vis(r.top1_text)}</code>; their share of its lead over the runner-up: ${share}` :
-      `trust: the residual decided this prediction (<code>${vis(r.top1_text)}</code>; the ` +
-      `prototypes alone would pick <code>${vis(r.proto_top1_text)}</code>): the prototypes ` +
-      `below do not explain it. Explain it with a method over the whole model (EK-FAC or ` +
-      `gradient dot-products).`;
+      `trust: the residual decided the model's top prediction here ` +
+      `(<code>${vis(r.top1_text)}</code>; the prototypes alone would pick ` +
+      `<code>${vis(r.proto_top1_text)}</code>): the prototypes below do not explain it. ` +
+      `Explain it with a method over the whole model (EK-FAC or gradient dot-products).`;
 }
 
 // --- one token: the stacked bar of its logit, the prototypes, the attributed sequences ---
