@@ -46,6 +46,9 @@ RESUMABLE_CHANGES = (
     "train.steps", "train.eval_every", "train.eval_batches", "train.eval_at_start",
     "train.ckpt_every", "train.keep_checkpoints", "train.log_every", "mesh.data", "mesh.fsdp",
     "mesh.model", "data.packed_dir", "model.implementation", "model.remat",
+    # the same update in other microbatches (train/accumulate.py): fit a resumed run to a
+    # smaller slice
+    "train.grad_accum",
 )
 # May differ on a resume only when asked for (`train(allow_config_change=...)`, the CLI's
 # --allow_change), e.g. a lower train.lr after a divergence.
