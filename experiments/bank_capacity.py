@@ -78,8 +78,11 @@ def base_sets(backbone: str, seed: int, root: str) -> list[str]:
 def twin_config(backbone: str, seed: int, root: str, steps: int):
   from prism_jax.config import preset  # pylint: disable=g-import-not-at-top
   from prism_jax.train import apply_overrides  # pylint: disable=g-import-not-at-top
+  # The twin has no bank: K is pinned so that its config (and a finished twin's resume
+  # check) does not move when the tiny preset's K does.
   return apply_overrides(preset("tiny"), base_sets(backbone, seed, root)
-                         + ["model.kind=dense", f"train.steps={steps}"])
+                         + ["model.kind=dense", f"train.steps={steps}",
+                            "model.num_prototypes=512", "model.k=8"])
 
 
 def bank_config(backbone: str, seed: int, root: str, steps: int, setting: str):

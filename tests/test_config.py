@@ -88,9 +88,9 @@ def test_configs_are_frozen_and_presets_match_the_spec():
   assert C.model_preset("tiny", k=4).k == 4
   with pytest.raises(ValueError, match="unknown preset 'huge'"):
     C.model_preset("huge")
-  with pytest.raises(ValueError, match="model.k=999 exceeds"):
-    C.model_preset("tiny", k=999)
-  assert json.loads(C.to_json(cfg))["model"]["num_prototypes"] == 512
+  with pytest.raises(ValueError, match="model.k=4096 exceeds"):
+    C.model_preset("tiny", k=4096)
+  assert json.loads(C.to_json(cfg))["model"]["num_prototypes"] == 2048
 
 
 def test_gpt2_recipes_budget_batch_lr_and_placement():
