@@ -120,3 +120,59 @@ def defaults_markdown(data: dict) -> str:
             f"{data['step_time_ratio']:.3f}."]
   return "\n".join(lines)
 
+
+# experiments.reproduce's rows (the paper-vs-ours table) from the same JSONs.
+TARGET_TEXT = ("targets (issue 44): agreement >= 90%, decisive >= 97%, CE(W z_hat)/CE(W z) "
+               "<= 1.05, full CE <= +2% vs dense")
+
+
+def capacity_rows(data: dict) -> list[dict]:
+  out = []
+  for backbone, per_setting in data["results"].items():
+    mean = lambda per_seed, key: float(np.mean([r[key] for r in per_seed.values()]))
+    best = max(per_setting, key=lambda s: mean(per_setting[s], "agreement"))
+    ps = per_setting[best]
+    out.append({"metric": f"prototype path, bank alone on a frozen d {backbone} dense twin: "
+                          "best agreement all / decisive, CE(W z_hat)/CE(W z)",
+                "paper": "not reported",
+                "ours": f"K:k {best}: {100 * mean(ps, 'agreement'):.1f}% / "
+                        f"{100 * mean(ps, 'agreement_decisive'):.1f}%, "
+                        f"{mean(ps, 'proto_ce_ratio'):.3f}",
+                "note": f"{data['half']} half; {len(per_setting)} settings; {TARGET_TEXT}",
+                "command": data["command"]})
+  return out
+
+
+def size_rows(data: dict) -> list[dict]:
+  return [{"metric": "PRISM from scratch against backbone size: agreement all / decisive, "
+                     "full-CE gap to the dense twin",
+           "paper": "not reported",
+           "ours": "; ".join(f"{r['backbone']}: {100 * r['agreement']:.1f}% / "
+                             f"{100 * r['agreement_decisive']:.1f}%, {100 * r['ce_gap']:+.1f}%"
+                             for r in data["rows"]),
+           "note": f"bank {data['setting']}, {data['half']} half; {TARGET_TEXT}",
+           "command": data["command"]}]
+
+
+def defaults_rows(data: dict) -> list[dict]:
+  out = []
+  for label, per_seed in data["rows"].items():
+    out.append({"metric": f"tiny PRISM, {label} default bank {data['settings'][label]}: "
+                          "agreement all / decisive, full-CE gap to dense",
+                "paper": "not reported",
+                "ours": "; ".join(f"seed {s}: {100 * r['agreement']:.1f}% / "
+                                  f"{100 * r['agreement_decisive']:.1f}%, "
+                                  f"{100 * r['ce_gap']:+.1f}%" for s, r in per_seed.items()),
+                "note": f"test half, measured once; {TARGET_TEXT}",
+                "command": data["command"]})
+  return out
+
+
+def alive_rows(data: dict) -> list[dict]:
+  return [{"metric": "`small`-shape bank alive (selected on >= 8,192 val tokens)",
+           "paper": "not reported",
+           "ours": ", ".join(f"{name} {100 * r['alive_frac']:.1f}%"
+                             for name, r in data["runs"].items()),
+           "note": "target >= 95%; cut run, see RESULTS 'Prototype path'",
+           "command": data["command"]}]
+

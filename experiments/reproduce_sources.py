@@ -10,8 +10,9 @@ from __future__ import annotations
 from typing import Callable
 
 from benchmarks.scale_render import scale_table_markdown
-from experiments.prototype_path_md import (alive_markdown, capacity_markdown,
-                                           defaults_markdown, size_markdown)
+from experiments.prototype_path_md import (alive_markdown, alive_rows, capacity_markdown,
+                                           capacity_rows, defaults_markdown, defaults_rows,
+                                           size_markdown, size_rows)
 
 
 def _pct(x: float) -> str:
@@ -288,6 +289,11 @@ READERS: dict[str, Callable[[dict], list[dict]]] = {
     "scale_table": scale_table,
     "rehearsal": rehearsal,
     "hessian_block": hessian_block,
+    "bank_capacity_128x4": capacity_rows,
+    "bank_capacity_256x6": capacity_rows,
+    "size_trend": size_rows,
+    "prototype_defaults": defaults_rows,
+    "bank_alive": alive_rows,
 }
 # Variants recorded beside a headline file (other selections, the dense twin): detail in
 # RESULTS.md's sections, not rows of the table.
