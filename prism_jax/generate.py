@@ -45,7 +45,7 @@ import numpy as np
 from flax import nnx
 
 from prism_jax.model.lm import DenseLM, LMOutput, PrismLM, decompose
-from prism_jax.model.logit_edit import controlled_logits
+from prism_jax.model.logit_edit import code_logits, controlled_logits
 from prism_jax.model.prototypes import PrototypeOutput
 from prism_jax.model.token_ids import check_token_ids
 from prism_jax.model.trust import token_trust
@@ -163,9 +163,8 @@ def _pick(model, logits_BxV, protos, key, knobs, spec: _Spec):
     contrib_Bxk = contrib_Bxk * knobs["gains_K"][protos.idx_Nxk]
     act_Bxk = act_Bxk * knobs["gains_K"][protos.idx_Nxk]
   # W z_hat with the gains: the prototype path of the logits that were sampled from
-  z_hat_BxD = jnp.einsum("bk,bkd->bd", act_Bxk, model.bank.protos[...][protos.idx_Nxk],
-                         precision=jax.lax.Precision.HIGHEST)
-  trust = token_trust(logits_BxV, model.backbone.lm_head(z_hat_BxD[:, None])[:, 0])
+  proto_BxV = code_logits(model, model.bank.protos[...], protos.idx_Nxk, act_Bxk)
+  trust = token_trust(logits_BxV, proto_BxV)
   return tok_B, logit_B, (dec.idx_Nxk, protos.act_Nxk, contrib_Bxk, dec.residual_N,
                           trust.proto_top1_N, trust.agrees_N, trust.proto_share_N)
 

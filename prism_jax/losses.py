@@ -119,8 +119,9 @@ def total_loss(out: LMOutput, targets_BxT: jax.Array, mask_BxT: jax.Array,
   `share` (gradient accumulation, prism_jax/train/accumulate.py): this microbatch's share
   of a batch, {"weight": its fraction of the batch's valid tokens, "r1_owner_K": the
   prototypes whose nearest token of the whole batch is in it, "r1_count": the prototypes
-  with any valid token in the batch}; the loss and metrics returned are then the
-  microbatch's shares, which sum over the microbatches to the whole batch's values.
+  with any valid token in the batch; other keys are the caller's}; the loss and metrics
+  returned are then the microbatch's shares, which sum over the microbatches to the whole
+  batch's values.
   """
   batch, seq, vocab = out.logits_BxTxV.shape
   mask_N, targets_N = mask_BxT.reshape(batch * seq), targets_BxT.reshape(-1)

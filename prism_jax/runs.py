@@ -27,7 +27,7 @@ import numpy as np
 
 from prism_jax.generate import SAMPLING, generate as generate_ids, sampling_label
 from prism_jax.model.lm import decompose as decompose_logits
-from prism_jax.model.logit_edit import controlled_logits
+from prism_jax.model.logit_edit import code_logits, controlled_logits
 from prism_jax.model.trust import output_trust, token_trust, trust_label
 
 TOP_SHOWN = 3  # prototypes a token's line shows (all k are in the records)
@@ -281,10 +281,9 @@ class Run:
       g_Nxk = np.asarray(g[out.protos.idx_Nxk], np.float64)
       logit = logit - ((1.0 - g_Nxk) * contrib).sum(-1)
       contrib = contrib * g_Nxk
-      z_hat = jnp.einsum("nk,nkd->nd", out.protos.act_Nxk * g[out.protos.idx_Nxk],
-                         self.model.bank.protos[...][out.protos.idx_Nxk])
-      edited = controlled_logits(self.model, out, g)[0]
-      trust = token_trust(edited, self.model.backbone.lm_head(z_hat[None])[0])
+      proto = code_logits(self.model, self.model.bank.protos[...], out.protos.idx_Nxk,
+                          out.protos.act_Nxk * g[out.protos.idx_Nxk])
+      trust = token_trust(controlled_logits(self.model, out, g)[0], proto)
     decode = lambda i: self.tokenizer.decode([int(i)])
     rows = []
     for j in range(len(ids) - 1):

@@ -21,6 +21,7 @@ from prism_jax import grounding
 from prism_jax import losses
 from prism_jax import sharding as shard_lib
 from prism_jax.config import Config
+from prism_jax.train import accumulate
 from prism_jax.train import trainer
 from prism_jax.train.optimizer import lr_schedule
 from prism_jax.train.state import TrainState
@@ -83,9 +84,7 @@ def _model_loss(model, batch, cfg: Config, step=None, share=None
   if out.protos is not None and cfg.loss.needs_proto_logits:
     proto_logits = model.proto_path_logits(out.protos, *batch["inputs"].shape)
   return losses.total_loss(out, batch["targets"], batch["mask"], cfg.loss, step=step,
-                           proto_logits_BxTxV=proto_logits,
-                           share=None if share is None else
-                           {k: v for k, v in share.items() if k != "residual_keep_BxT"})
+                           proto_logits_BxTxV=proto_logits, share=share)
 
 
 def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation,
@@ -141,11 +140,10 @@ def _shares(graphdef, cfg: Config, dense_phase: bool) -> Callable:
     finite_K = jnp.isfinite(best_K)
     share["r1_owner_K"] = (jnp.arange(num)[:, None] == owner_K[None]) & finite_K[None]
     share["r1_count"] = jnp.broadcast_to(jnp.sum(finite_K).astype(jnp.float32), (num,))
-    batch_shape = (micro["inputs"].shape[0] * micro["inputs"].shape[1],) + micro["inputs"].shape[2:]
-    keep = _residual_keep(cfg, step, batch_shape)
-    if keep is not None:
-      share["residual_keep_BxT"] = jnp.swapaxes(
-          keep.reshape((batch_shape[0] // num, num) + batch_shape[1:]), 0, 1)
+    rows = micro["inputs"].shape[0] * micro["inputs"].shape[1]
+    keep = _residual_keep(cfg, step, (rows,) + micro["inputs"].shape[2:])
+    if keep is not None:  # split like the rows (accumulate.split)
+      share["residual_keep_BxT"] = accumulate.split(keep, num)
     return share
 
   return prepass
