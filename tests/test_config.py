@@ -54,6 +54,13 @@ def test_loss_data_train_errors():
     C.TrainConfig(batch_size=0)
   with pytest.raises(ValueError, match="train.lr must be positive"):
     C.TrainConfig(lr=0.0)
+  with pytest.raises(ValueError, match=r"train.grad_accum must be >= 1"):
+    C.TrainConfig(grad_accum=0)
+  with pytest.raises(ValueError, match="train.batch_size=16 must be divisible by "
+                                       "train.grad_accum=3"):
+    C.TrainConfig(batch_size=16, grad_accum=3)
+  with pytest.raises(ValueError, match=r"train.revive_every must be >= 0 \(0: never\)"):
+    C.TrainConfig(revive_every=-1)
 
 
 def test_mesh_minus_one_rules():

@@ -69,3 +69,25 @@ def test_the_choice_measurement_never_reads_the_test_half(run, monkeypatch):
   assert not seen & set(halves["test"].tolist()), "a choose-half measurement read the test half"
   assert seen <= set(halves["choose"].tolist())
   assert row["documents"] == len(halves["choose"]) and 0 <= row["agreement"] <= 1
+
+
+@pytest.mark.parametrize("argv,fragment", [
+    (["experiments.bank_capacity", "--root=/tmp/x", "--backbones=12x4"],
+     "d_model must be a positive multiple of 32"),
+    (["experiments.bank_capacity", "--root=/tmp/x", "--grid=64"], "write K:k"),
+    (["experiments.bank_capacity", "--root=/tmp/x", "--grid=8:16"], "need 0 < k <= K"),
+    (["experiments.size_trend", "--root=/tmp/x", "--setting=2048:4:train.lr=1"],
+     "model.*/loss.* overrides"),
+    (["experiments.default_choice", "--root=/tmp/x", "--steps=40"], "give > 50"),
+    (["experiments.bank_alive", "--root=/tmp/x", "--runs=scratch"], "unknown ['scratch']")])
+def test_the_experiments_refuse_bad_flags_in_one_line_before_any_work(argv, fragment):
+  import os  # pylint: disable=import-outside-toplevel
+  import subprocess  # pylint: disable=import-outside-toplevel
+  import sys  # pylint: disable=import-outside-toplevel
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  r = subprocess.run([sys.executable, "-m", *argv], cwd=repo, capture_output=True, text=True,
+                     env=dict(os.environ, JAX_PLATFORMS="cpu"), timeout=120)
+  errors = [l for l in r.stderr.splitlines() if l.startswith("error: ")]
+  assert r.returncode == 2 and len(errors) == 1 and fragment in errors[0], r.stderr[-2000:]
+  assert not os.path.exists("/tmp/x/128x4")  # nothing trained
+
