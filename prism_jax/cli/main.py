@@ -32,6 +32,8 @@ COMMANDS = {
     "export-hf": ("export_hf", "export a run's backbone as a Hugging Face GPT-2 directory"),
     "config": ("config", "print the resolved config of a preset or a config file with --set "
                "overrides (what `prism train` would train)"),
+    "serve": ("serve", "the live explorer in the browser: generate, see why, steer (the "
+              "serve extra)"),
     "demo": ("demo", "train the tiny PRISM on the embedded corpus, then show a sample"),
 }
 

@@ -1,0 +1,182 @@
+"""The explorer's model side: one loaded run, a few compiled programs, one worker thread.
+
+Every request's model work goes through `Engine.submit`, a single-thread executor: requests
+queue onto the one model in arrival order and a stream's tokens interleave fairly with other
+requests (one token per turn). Programs are compiled per length bucket (BUCKETS up to the
+model's context), never per prompt: a prompt of n tokens runs in the smallest bucket ≥ n,
+right-padded (the model is causal, so the padding cannot reach the positions read).
+
+`next_token` reproduces `prism_jax.generate`'s sampling exactly (temperature, then the top-k
+filter, `jax.random.categorical` with key fold_in(key(seed), step)); temperature, top-k,
+greedy and the gains are traced values, so one program serves every setting. Gains are always
+applied (ones when unsteered): ℓ' = ℓ − Σ_{i∈S_t} (1 − g_i) a_{t,i} W p_i (PRISM.md §6).
+"""
+
+from __future__ import annotations
+
+import concurrent.futures
+import threading
+from typing import NamedTuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from prism_jax.model.lm import LMOutput, decompose
+from prism_jax.model.logit_edit import code_logits, controlled_logits
+from prism_jax.model.trust import token_trust
+
+MIN_BUCKET = 32
+
+
+def buckets(max_len: int) -> tuple[int, ...]:
+  """Padded lengths programs are compiled for: 32, 64, … (doubling), and the context."""
+  out, b = [], MIN_BUCKET
+  while b < max_len:
+    out.append(b)
+    b *= 2
+  return tuple(out) + (max_len,)
+
+
+class Step(NamedTuple):
+  """One generated token and its explanation (gains applied to contributions)."""
+
+  token: int
+  logit: float  # of the sampled token, edited logits
+  protos: list[int]
+  acts: list[float]  # before gains
+  contribs: list[float]  # g_i a_i <W_y, p_i>
+  residual: float
+  prediction: int  # argmax of the edited logits
+  agrees: bool  # argmax W z_hat (gains applied) = prediction
+  proto_share: float
+
+
+def _top_k_filter(logits_V, top_k):
+  """generate.filter_logits' top-k with a traced k (ties at the cut all kept)."""
+  kth = jnp.sort(logits_V)[::-1][jnp.clip(top_k, 1, logits_V.shape[0]) - 1]
+  return jnp.where(logits_V < kth, jnp.finfo(logits_V.dtype).min, logits_V)
+
+
+def _explained(model, out: LMOutput, edited_NxV, targets_N, gains_K):
+  """Per position of a (1, S) forward: slices of the target's edited logit and the trust."""
+  parts = decompose(model, out.protos, targets_N)
+  g_Nxk = gains_K[parts.idx_Nxk]
+  proto_NxV = code_logits(model, model.bank.protos[...], out.protos.idx_Nxk,
+                          out.protos.act_Nxk * g_Nxk)
+  trust = token_trust(edited_NxV, proto_NxV)
+  contrib = parts.contrib_Nxk * g_Nxk
+  return dict(idx=parts.idx_Nxk, act=out.protos.act_Nxk, contrib=contrib,
+              residual=parts.residual_N, logit=parts.residual_N + contrib.sum(-1),
+              logit_unedited=parts.logit_N, prediction=trust.top1_N, agrees=trust.agrees_N,
+              share=trust.proto_share_N)
+
+
+@jax.jit(static_argnames=("graphdef",))
+def _next_token(graphdef, state, buf_1xS, last, step, knobs):
+  model = nnx.merge(graphdef, state)
+  out = model(buf_1xS)
+  edited_NxV = controlled_logits(model, out, knobs["gains_K"])[0]
+  logits_V = edited_NxV[last]
+  scaled = _top_k_filter(logits_V / jnp.maximum(knobs["temperature"], 1e-6), knobs["top_k"])
+  key = jax.random.fold_in(jax.random.key(knobs["seed"]), step)
+  sampled = jax.random.categorical(key, scaled).astype(jnp.int32)
+  tok = jnp.where(knobs["greedy"], jnp.argmax(logits_V).astype(jnp.int32), sampled)
+  targets = jnp.roll(buf_1xS[0], -1).at[last].set(tok)
+  ex = _explained(model, out, edited_NxV, targets, knobs["gains_K"])
+  return tok, jax.tree.map(lambda x: x[last], ex)
+
+
+@jax.jit(static_argnames=("graphdef",))
+def _explain_all(graphdef, state, buf_1xS, gains_K):
+  model = nnx.merge(graphdef, state)
+  out = model(buf_1xS)
+  targets = jnp.roll(buf_1xS[0], -1)  # position j explains token j + 1
+  return _explained(model, out, controlled_logits(model, out, gains_K)[0], targets, gains_K)
+
+
+@jax.jit(static_argnames=("graphdef",))
+def _usage_counts(graphdef, state, rows_BxT):
+  model = nnx.merge(graphdef, state)
+  idx = model(rows_BxT).protos.idx_Nxk
+  return jnp.zeros(model.cfg.num_prototypes, jnp.int32).at[idx.reshape(-1)].add(1)
+
+
+class Engine:
+  """The run's model behind one worker thread, with compile accounting."""
+
+  def __init__(self, run):
+    self.run, self.cfg = run, run.config.model
+    self.graphdef, self.state = nnx.split(run.model)
+    self.buckets = buckets(self.cfg.max_len)
+    self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prism-model")
+    self._lock = threading.Lock()
+    protos = np.asarray(run.model.bank.protos[...], np.float64)
+    self.unit_protos = protos / np.maximum(np.linalg.norm(protos, axis=1, keepdims=True), 1e-12)
+
+  def submit(self, fn, *args):
+    """Runs fn(*args) on the model thread; returns a concurrent future."""
+    return self._pool.submit(fn, *args)
+
+  def close(self):
+    self._pool.shutdown(wait=False, cancel_futures=True)
+
+  @staticmethod
+  def compiles() -> int:
+    """Programs compiled so far by the explorer's jitted functions (all buckets)."""
+    return sum(f._cache_size() for f in (_next_token, _explain_all))  # pylint: disable=protected-access
+
+  def bucket(self, n: int) -> int:
+    for b in self.buckets:
+      if b >= n:
+        return b
+    raise ValueError(f"{n} tokens exceed the model's context ({self.cfg.max_len})")
+
+  def _padded(self, ids) -> jax.Array:
+    buf = np.zeros((1, self.bucket(len(ids))), np.int32)
+    buf[0, :len(ids)] = ids
+    return jnp.asarray(buf)
+
+  def gains(self, gains: dict[int, float] | None) -> jax.Array:
+    g = np.ones(self.cfg.num_prototypes, np.float32)
+    for i, v in (gains or {}).items():
+      g[int(i)] = float(v)
+    return jnp.asarray(g)
+
+  def next_token(self, ids, step: int, *, temperature: float, top_k: int, seed: int,
+                 greedy: bool, gains_K) -> Step:
+    """Token number `step` of a generation continuing `ids` (prompt + tokens so far)."""
+    knobs = dict(temperature=jnp.float32(temperature), top_k=jnp.int32(top_k),
+                 seed=jnp.uint32(seed), greedy=jnp.bool_(greedy), gains_K=gains_K)
+    tok, ex = _next_token(self.graphdef, self.state, self._padded(ids), jnp.int32(len(ids) - 1),
+                          jnp.int32(step), knobs)
+    ex = jax.device_get(ex)
+    return Step(int(tok), float(ex["logit"]), ex["idx"].tolist(), ex["act"].tolist(),
+                ex["contrib"].tolist(), float(ex["residual"]), int(ex["prediction"]),
+                bool(ex["agrees"]), float(ex["share"]))
+
+  def explain(self, ids, gains_K) -> dict[str, np.ndarray]:
+    """Every token after the first: slices of its (edited) logit, unedited logit, trust."""
+    ex = jax.device_get(_explain_all(self.graphdef, self.state, self._padded(ids), gains_K))
+    n = len(ids) - 1
+    return {k: np.asarray(v)[:n] for k, v in ex.items()}
+
+  def nearest(self, proto_id: int, num: int = 8) -> list[tuple[int, float]]:
+    cos = self.unit_protos @ self.unit_protos[proto_id]
+    cos[proto_id] = -np.inf
+    order = np.argsort(-cos, kind="stable")[:num]
+    return [(int(i), float(cos[i])) for i in order]
+
+  def usage(self, rows_NxT: np.ndarray, batch: int = 16) -> np.ndarray:
+    """(K,) share of the rows' tokens where each prototype is among the k active."""
+    counts = np.zeros(self.cfg.num_prototypes, np.int64)
+    rows = np.asarray(rows_NxT, np.int32)
+    for s in range(0, len(rows), batch):
+      chunk = rows[s:s + batch]
+      if len(chunk) < batch:  # one program: pad the last chunk with copies, then discount
+        pad = np.repeat(chunk[:1], batch - len(chunk), 0)
+        counts -= np.asarray(_usage_counts(self.graphdef, self.state, jnp.asarray(pad)))
+        chunk = np.concatenate([chunk, pad])
+      counts += np.asarray(_usage_counts(self.graphdef, self.state, jnp.asarray(chunk)))
+    return counts / max(rows.size, 1)

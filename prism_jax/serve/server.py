@@ -1,0 +1,100 @@
+"""Starting the explorer: load the run, warm its programs, serve on uvicorn.
+
+Loopback (127.0.0.1, ::1, localhost) is the default and needs no token. Any other host is
+served only with an access token (given, or generated and printed), checked on every request,
+after a warning: the explorer runs the model for whoever can reach it.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ipaddress
+import secrets
+import sys
+import threading
+import time
+
+LOOPBACK_NAMES = ("localhost",)
+
+
+def is_loopback(host: str) -> bool:
+  if host in LOOPBACK_NAMES:
+    return True
+  try:
+    return ipaddress.ip_address(host).is_loopback
+  except ValueError:
+    return False
+
+
+def access_token(host: str, token: str | None) -> str | None:
+  """None on loopback unless one is given; elsewhere the given token or a fresh one."""
+  if is_loopback(host):
+    return token or None
+  if token is not None and len(token) < 16:
+    raise ValueError("--token must be at least 16 characters")
+  return token or secrets.token_urlsafe(24)
+
+
+def warm(explorer) -> float:
+  """Compiles every length bucket's programs once (seconds spent); requests never compile."""
+  t0 = time.perf_counter()
+  eng = explorer.engine
+  g = eng.gains({})
+  for b in eng.buckets:
+    ids = [1] * b  # fills bucket b exactly
+    eng.next_token(ids, 0, temperature=1.0, top_k=1, seed=0, greedy=False, gains_K=g)
+    eng.explain(ids, g)
+  return time.perf_counter() - t0
+
+
+def build(workdir: str, *, build_cache: bool = True, build_cards: bool = True,
+          token: str | None = None, step: int | None = None, do_warm: bool = True):
+  """(app, explorer): the loaded run behind a ready ASGI application."""
+  from prism_jax.runs import load  # pylint: disable=g-import-not-at-top
+  from prism_jax.serve.app import create_app  # pylint: disable=g-import-not-at-top
+  from prism_jax.serve.state import Explorer  # pylint: disable=g-import-not-at-top
+  explorer = Explorer(load(workdir, step=step), build_cache=build_cache,
+                      build_cards=build_cards)
+  if do_warm:
+    warm(explorer)
+  return create_app(explorer, token=token), explorer
+
+
+def serve(workdir: str, *, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
+          build_cache: bool = True, build_cards: bool = True, step: int | None = None) -> None:
+  import uvicorn  # pylint: disable=g-import-not-at-top
+  token = access_token(host, token)
+  if not is_loopback(host):
+    print(f"warning: serving on {host}, reachable from other machines; every request must "
+          f"carry the access token (Authorization: Bearer … or ?token=…)", file=sys.stderr)
+  print(f"loading {workdir} (cards and programs are prepared before serving)…",
+        file=sys.stderr)
+  app, explorer = build(workdir, build_cache=build_cache, build_cards=build_cards,
+                        token=token, step=step)
+  shown = f"[{host}]" if ":" in host else host
+  query = f"/?token={token}" if token else "/"
+  print(f"PRISM explorer: http://{shown}:{port}{query}  ({explorer.engine.compiles()} programs "
+        f"compiled for buckets {list(explorer.engine.buckets)}; Ctrl-C stops)", file=sys.stderr)
+  uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2)
+
+
+@contextlib.contextmanager
+def running(app, host: str = "127.0.0.1", port: int = 0):
+  """Serves `app` on uvicorn in a background thread (port 0: a free one); yields its URL.
+  For notebooks and tests: `with running(app) as url: ...`; stopped on exit."""
+  import uvicorn  # pylint: disable=g-import-not-at-top
+  srv = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
+                                      timeout_graceful_shutdown=1))
+  thread = threading.Thread(target=srv.run, daemon=True, name="prism-serve")
+  thread.start()
+  deadline = time.monotonic() + 30
+  while not srv.started:
+    if not thread.is_alive() or time.monotonic() > deadline:
+      raise RuntimeError(f"the explorer did not start on {host}:{port}")
+    time.sleep(0.02)
+  bound = srv.servers[0].sockets[0].getsockname()[1]
+  try:
+    yield f"http://{host}:{bound}"
+  finally:
+    srv.should_exit = True
+    thread.join(10)
