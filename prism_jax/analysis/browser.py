@@ -48,22 +48,39 @@ class PageView:
 @contextlib.contextmanager
 def open_page(html_path: str, *, width: int = 1400, height: int = 1000):
   """Opens html_path from disk in headless Chromium; yields a PageView."""
+  if not os.path.isfile(html_path):
+    raise FileNotFoundError(f"no report at {html_path}")
+  with _browse("file://" + os.path.abspath(html_path), "file://", width, height) as view:
+    yield view
+
+
+@contextlib.contextmanager
+def open_url(url: str, *, width: int = 1400, height: int = 1000):
+  """Opens a page served at `url` (e.g. `prism serve`); requests to other origins are
+  aborted and recorded in view.requests. The page's Content-Security-Policy is bypassed
+  (playwright evaluates its waits as strings, which a strict policy forbids)."""
+  origin = "/".join(url.split("/")[:3]) + "/"
+  with _browse(url, origin, width, height, bypass_csp=True) as view:
+    yield view
+
+
+@contextlib.contextmanager
+def _browse(url: str, allowed_prefix: str, width: int, height: int, bypass_csp: bool = False):
   try:
     from playwright.sync_api import sync_playwright  # pylint: disable=import-outside-toplevel
   except ImportError:
     raise ImportError("the browser needs playwright: pip install -e '.[test]'") from None
-  if not os.path.isfile(html_path):
-    raise FileNotFoundError(f"no report at {html_path}")
   exe = chromium_path()
   with sync_playwright() as pw:
     browser = pw.chromium.launch(executable_path=exe, args=["--no-sandbox"])
     try:
-      ctx = browser.new_context(viewport={"width": width, "height": height})
+      ctx = browser.new_context(viewport={"width": width, "height": height},
+                                bypass_csp=bypass_csp)
       page = ctx.new_page()
       view = PageView(page, [], [])
 
       def route(r):
-        if r.request.url.startswith("file://"):
+        if r.request.url.startswith(allowed_prefix):
           r.continue_()
         else:
           view.requests.append(r.request.url)
@@ -72,7 +89,7 @@ def open_page(html_path: str, *, width: int = 1400, height: int = 1000):
       ctx.route("**/*", route)
       page.on("console", lambda m: view.errors.append(m.text) if m.type == "error" else None)
       page.on("pageerror", lambda e: view.errors.append(str(e)))
-      page.goto("file://" + os.path.abspath(html_path), wait_until="load")
+      page.goto(url, wait_until="load")
       yield view
     finally:
       browser.close()
