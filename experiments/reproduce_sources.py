@@ -10,6 +10,7 @@ from __future__ import annotations
 from typing import Callable
 
 from benchmarks.scale_render import scale_table_markdown
+from benchmarks.serve_render import serve_load_markdown, serve_load_rows
 from experiments.prototype_path_md import (alive_markdown, alive_rows, capacity_markdown,
                                            capacity_rows, defaults_markdown, defaults_rows,
                                            size_markdown, size_rows)
@@ -294,6 +295,7 @@ READERS: dict[str, Callable[[dict], list[dict]]] = {
     "size_trend": size_rows,
     "prototype_defaults": defaults_rows,
     "bank_alive": alive_rows,
+    "serve_load": serve_load_rows,
 }
 # Variants recorded beside a headline file (other selections, the dense twin): detail in
 # RESULTS.md's sections, not rows of the table.
@@ -308,4 +310,5 @@ SECTIONS: dict[str, tuple[Callable[[dict], str], str]] = {
     "prototype_defaults": (defaults_markdown, "prototype_path_test"),
     "size_trend": (size_markdown, "prototype_path_size"),
     "bank_alive": (alive_markdown, "prototype_path_alive"),
+    "serve_load": (serve_load_markdown, "serve_load"),
 }
