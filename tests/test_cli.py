@@ -48,6 +48,10 @@ CASES = {
                   (["--hf_dir={w}/none", "--workdir={w}/imp"], "none")],
     "export-hf": [(["--workdir={w}/run", "--out={w}/exp", "--step=last"], "--step"),
                   (["--workdir={w}/none", "--out={w}/exp"], "none")],
+    # serve: a bad port, a run that is not there (one line, nothing served)
+    "serve": [(["--workdir={w}/run", "--port=http"], "--port"),
+              (["--workdir={w}/run", "--port=70000"], "--port"),
+              (["--workdir={w}/run"], "run")],
     "demo": [(["--workdir={w}/demo", "--temperature=warm"], "--temperature"),
              (["--workdir={w}/demo", "--set=data.sources={w}/missing.txt"], "missing.txt")],
 }
@@ -91,7 +95,8 @@ def test_help_lists_every_subcommand_and_an_unknown_one_is_one_line():
   listed = [line.split()[0] for line in res.stdout.split("commands:")[1].splitlines()
             if line.strip()]
   assert listed == ["train", "generate", "attribute", "report", "cards", "suppress",
-                    "evaluate", "model-card", "import-hf", "export-hf", "config", "demo"]
+                    "evaluate", "model-card", "import-hf", "export-hf", "config", "serve",
+                    "demo"]
   res = prism("evalute")
   assert_one_line_error(res.returncode, res.stderr, "'evalute'")
   res = prism()
