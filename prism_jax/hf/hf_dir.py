@@ -42,10 +42,21 @@ def read_config(hf_dir: str) -> dict[str, Any]:
   return cfg
 
 
+def _safetensors():
+  """The safetensors package, or one clear error naming the `hf` extra."""
+  try:
+    import safetensors  # pylint: disable=g-import-not-at-top
+    import safetensors.numpy  # pylint: disable=g-import-not-at-top,unused-import  # noqa: F401
+  except ImportError:
+    raise ModuleNotFoundError("Hugging Face directories need the hf extra: pip install "
+                      "'prism_jax[hf]'") from None
+  return safetensors
+
+
 def read_weights(hf_dir: str) -> dict[str, np.ndarray]:
   """Every tensor of `model.safetensors` as a NumPy array."""
-  from safetensors import SafetensorError  # pylint: disable=g-import-not-at-top
-  from safetensors.numpy import load_file  # pylint: disable=g-import-not-at-top
+  st = _safetensors()
+  SafetensorError, load_file = st.SafetensorError, st.numpy.load_file  # pylint: disable=invalid-name
   path = os.path.join(hf_dir, WEIGHTS_FILE)
   if not os.path.isfile(path):
     others = [n for n in ("pytorch_model.bin", "model.safetensors.index.json", "tf_model.h5")
@@ -87,7 +98,7 @@ def write_dir(out: str, config: dict[str, Any], tensors: dict[str, np.ndarray], 
               readme: str) -> None:
   """Writes config.json, model.safetensors, README.md and the tokenizer files (a BPE's;
   none for tokenizer=None) into `out`."""
-  from safetensors.numpy import save_file  # pylint: disable=g-import-not-at-top
+  save_file = _safetensors().numpy.save_file
   with open(os.path.join(out, CONFIG_FILE), "w", encoding="utf-8") as f:
     json.dump(config, f, indent=2, sort_keys=True)
   save_file(tensors, os.path.join(out, WEIGHTS_FILE), metadata={"format": "pt"})
