@@ -158,6 +158,9 @@ class Report:
 
   html: str
 
+  def __repr__(self) -> str:
+    return f"Report({len(self.html) / 1e6:.1f} MB of self-contained HTML; .save(path) writes it)"
+
   def save(self, path: str) -> str:
     from prism_jax import paths  # pylint: disable=g-import-not-at-top
     paths.write_text_atomic(path, self.html)
@@ -228,6 +231,21 @@ class Run:
     <workdir>/cards; `attribution=True` adds attributed training sequences, building the
     cache if needed); `sampling`: temperature / top_k / seed (the library's defaults)."""
     return report(self, text, max_new_tokens, attribution=attribution, **sampling)
+
+  @property
+  def cards(self):
+    """The prototype cards (prism_jax.analysis.cards.CardSet: `.card(i)`, `.search(text)`),
+    read from <workdir>/cards or built there once (a pass over the training split)."""
+    if getattr(self, "_cards", None) is None:
+      self._cards = run_cards(self)  # pylint: disable=attribute-defined-outside-init
+    return self._cards
+
+  def hessian_block(self, i: int, j: int, *, rows: int = 4, path: str = "full",
+                    loss_cfg=None) -> np.ndarray:
+    """Exact ∂²L/∂p_i∂p_j, (D, D) float64, of the run's own training loss (its config's
+    `loss`, or `loss_cfg`) averaged over the first `rows` validation rows. A loss term the
+    bank's Hessian does not model (e.g. λ_proto_kl) is refused in one line naming it."""
+    return hessian_block(self, i, j, rows=rows, path=path, loss_cfg=loss_cfg)
 
   def _ids(self, text_or_ids) -> np.ndarray:
     if isinstance(text_or_ids, str):
@@ -339,23 +357,50 @@ def attribute(run: "Run", text, position: int | None = None, *, top: int = 5,
       tuple(int(i) for i in att.query_protos), agrees, "" if agrees else RESIDUAL_DECIDED)
 
 
+def run_cards(run: "Run", cache=None):
+  """Run.cards: <workdir>/cards read, or built there (with `cache`'s index when given)."""
+  from prism_jax import paths  # pylint: disable=g-import-not-at-top
+  from prism_jax.analysis import cards as cards_lib  # pylint: disable=g-import-not-at-top
+  if run.config.model.kind != "prism":
+    raise ValueError(f"{run.workdir} is a dense run: it has no prototype cards")
+  cards_dir = paths.join(run.workdir, "cards")
+  if paths.path(paths.join(cards_dir, cards_lib.CARDS_FILE)).is_file():
+    return cards_lib.CardSet.load(cards_dir, model=run.model)
+  return cards_lib.build_cards(run.model, run.config, _packed(run), cache=cache,
+                               decode=run.tokenizer.decode, out_dir=cards_dir)
+
+
+def hessian_block(run: "Run", i: int, j: int, *, rows: int = 4, path: str = "full",
+                  loss_cfg=None) -> np.ndarray:
+  """Run.hessian_block: see its docstring."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution import curvature  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.hessian_block import hessian_block as block  # pylint: disable=g-import-not-at-top
+  from prism_jax.data import batch as batch_lib  # pylint: disable=g-import-not-at-top
+  loss_cfg = run.config.loss if loss_cfg is None else loss_cfg
+  curvature.check_loss(loss_cfg)  # before reading any data: one line naming the term
+  if rows < 1:
+    raise ValueError(f"rows must be >= 1, got {rows}")
+  val = _packed(run).rows("val")
+  take = slice(0, min(rows, len(val["tokens"])))
+  b = batch_lib.from_rows(np.asarray(val["tokens"][take]), np.asarray(val["example_id"][take]),
+                          np.asarray(val["offset"][take]), None)
+  batch = {k: b[k] for k in ("inputs", "targets", "mask")}
+  with jax.enable_x64(True):
+    return block(run.model, [batch], int(i), int(j), loss_cfg=loss_cfg, path=path)
+
+
 def report(run: "Run", text, max_new_tokens: int = 32, *, attribution: bool = False,
            **sampling) -> Report:
   """Run.report: see its docstring."""
   from prism_jax import paths  # pylint: disable=g-import-not-at-top
-  from prism_jax.analysis import cards as cards_lib  # pylint: disable=g-import-not-at-top
   from prism_jax.analysis import report as report_lib  # pylint: disable=g-import-not-at-top
   from prism_jax.analysis import report_page  # pylint: disable=g-import-not-at-top
   if run.config.model.kind != "prism":
     raise ValueError(f"{run.workdir} is a dense run: a report needs prototypes")
   packed = _packed(run)
   cache = _cache(run, packed, True) if attribution else None
-  cards_dir = paths.join(run.workdir, "cards")
-  if paths.path(paths.join(cards_dir, cards_lib.CARDS_FILE)).is_file():
-    cards = cards_lib.CardSet.load(cards_dir, model=run.model)
-  else:
-    cards = cards_lib.build_cards(run.model, run.config, packed, cache=cache,
-                                  decode=run.tokenizer.decode, out_dir=cards_dir)
+  cards = run_cards(run, cache)
   data = report_lib.report_data(run.model, run.config, run.tokenizer.decode,
                                 run._ids(text), cards, cache=cache, packed=packed,  # pylint: disable=protected-access
                                 max_new_tokens=max_new_tokens, eos_id=run.tokenizer.eos_id,

@@ -50,3 +50,27 @@ def test_hessian_blocks_notebook_runs(kernel_name, tmp_path, tmp_path_factory, m
   for name in ("hessian_block_norms.png", "hessian_spectrum.png",
                "hessian_block_exact_vs_kfac.png"):
     assert os.path.getsize(out_dir / name) > 1000, name
+
+
+QUICKSTART = REPO / "experiments" / "notebooks" / "quickstart.ipynb"
+
+
+def test_quickstart_notebook_runs_and_displays_each_result_inline(kernel_name, tmp_path,
+                                                                  tmp_path_factory, monkeypatch):
+  """load, decompose, attribute, suppress, report: each cell runs and the results display
+  as HTML (the report as a self-contained iframe)."""
+  monkeypatch.setenv("PRISM_NB_RUN", tiny_run.tiny_run(tmp_path_factory)["run"])
+  nb = nbformat.read(QUICKSTART, as_version=4)
+  client = NotebookClient(nb, kernel_name=kernel_name, timeout=240,
+                          resources={"metadata": {"path": str(tmp_path)}})
+  client.execute()
+  code = [c for c in nb.cells if c.cell_type == "code"]
+  outputs = [o for c in code for o in c.get("outputs", [])]
+  assert not [o for o in outputs if o.output_type == "error"]
+  html = [o["data"]["text/html"] for o in outputs if "text/html" in o.get("data", {})]
+  assert any("<table>" in h and "residual" in h for h in html)  # the decomposition
+  assert any("score" in h and "snippet" in h for h in html)  # the attribution
+  assert any(h.startswith("<iframe srcdoc=") for h in html)  # the report
+  text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+  assert "suppressed prototypes:" in text and "the residual decided" in text
+  assert "MB of self-contained HTML" in text

@@ -141,3 +141,45 @@ def test_attribute_and_report_from_the_run(run_dir):
   assert page.html.startswith("<!DOCTYPE html>") and "only tokens the residual decided" in page.html
   frame = page._repr_html_()
   assert frame.startswith("<iframe srcdoc=") and "src=\"http" not in frame
+
+
+def test_hessian_block_uses_the_runs_loss_or_refuses_its_term_in_one_line(run_dir):
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.hessian_block import hessian_block  # pylint: disable=g-import-not-at-top
+  from prism_jax.data import batch as batch_lib  # pylint: disable=g-import-not-at-top
+  from prism_jax.runs import _packed  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  run = prism_jax.load(run_dir)
+  assert run.config.loss.lambda_proto_kl > 0  # the tiny preset's loss has a W z_hat term
+  with pytest.raises(ValueError, match=r"^loss\.lambda_proto_kl=.* is not modelled"):
+    run.hessian_block(0, 1)
+  loss = dataclasses.replace(run.config.loss, lambda_proto_kl=0.0, lambda_proto=0.0,
+                             lambda_rlogit=0.0)
+  val = _packed(run).rows("val")
+  b = batch_lib.from_rows(np.asarray(val["tokens"][:2]), np.asarray(val["example_id"][:2]),
+                          np.asarray(val["offset"][:2]), None)
+  batch = {k: b[k] for k in ("inputs", "targets", "mask")}
+  used = np.bincount(np.asarray(run.model(batch["inputs"]).protos.idx_Nxk).ravel(),
+                     minlength=16)
+  i = int(np.argmax(used))  # a prototype active on these rows: its diagonal block is not 0
+  j = int(np.random.default_rng(secrets.randbits(32)).choice(np.delete(np.arange(16), i)))
+  for a, c in ((i, i), (i, j)):
+    got = run.hessian_block(a, c, rows=2, loss_cfg=loss)
+    with jax.enable_x64(True):
+      want = hessian_block(run.model, [batch], a, c, loss_cfg=loss)
+    assert got.shape == (32, 32)
+    np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12)
+    if a == c:
+      assert np.abs(got).max() > 0
+      np.testing.assert_allclose(got, got.T, rtol=1e-6, atol=1e-9)
+
+
+def test_cards_are_built_once_and_searchable(run_dir):
+  run = prism_jax.load(run_dir)
+  cards = run.cards
+  assert len(cards) == 16 and run.cards is cards
+  c = cards.card(3)
+  assert c.proto_id == 3 and c.contexts
+  word = c.contexts[0].trigger.strip() or c.contexts[0].trigger
+  assert 3 in [p for p, _ in cards.search(word, where="trigger")]
+  assert prism_jax.load(run_dir).cards.card(3) == c  # read back from <workdir>/cards
