@@ -61,6 +61,9 @@ flags.DEFINE_bool("dry_run", False, "resolve the recipe, data, queries and conte
 FLAGS = flags.FLAGS
 
 
+RETENTION_M = 100  # the retention of the top-m rows (the cache's projection vs none)
+
+
 def _queries(packed, num, targets, seed):
   from prism_jax.evaluation.retrain import Queries  # pylint: disable=g-import-not-at-top
   rows = packed.rows("val")
@@ -237,6 +240,19 @@ def main(argv):
     rows_json.append({"metric": "LDS noise ceiling √ρ(seed A, seed B)", "paper": "not reported",
                       "ours": round(float(np.sqrt(max(ceiling[0], 0))), 4), "section": "§5",
                       "note": f"two-seed Spearman ρ {ceiling[0]:.3f}"})
+  if "prism" in scores and "full" in scores:  # the cache's projection against no projection
+    from prism_jax.attribution.influence import top_overlap  # pylint: disable=g-import-not-at-top
+    ids = np.arange(E)
+    ret = [top_overlap(ids, scores["prism"][q], ids, scores["full"][q], RETENTION_M)
+           for q in range(len(scores["prism"]))]
+    mean, lo, hi = lds.bootstrap_ci(np.asarray(ret))
+    lines += ["", f"Top-{RETENTION_M} retention of cached PRISM (rank {FLAGS.rank}) against full "
+                  f"prototype space, over {len(ret)} queries × {E} rows: {100 * mean:.1f}% "
+                  f"[{100 * lo:.1f}, {100 * hi:.1f}]"]
+    rows_json.append({"metric": f"top-{RETENTION_M} retention, cached PRISM vs full prototype "
+                                "space", "paper": "not reported", "ours": round(mean, 4),
+                      "ci": [round(lo, 4), round(hi, 4)], "section": "§5",
+                      "note": f"{len(ret)} queries × {E} rows, rank {FLAGS.rank}"})
   removal_lines, removal_ci = removal_section(deltas, ms, np.abs(full1 - full0))
   lines += removal_lines
   table = "\n".join(lines)

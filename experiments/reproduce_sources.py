@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from benchmarks.demo_time_render import demo_time_markdown, demo_time_rows
 from benchmarks.scale_render import scale_table_markdown
 from benchmarks.serve_render import serve_load_markdown, serve_load_rows
 from experiments.prototype_path_md import (alive_markdown, alive_rows, capacity_markdown,
@@ -296,6 +297,7 @@ READERS: dict[str, Callable[[dict], list[dict]]] = {
     "prototype_defaults": defaults_rows,
     "bank_alive": alive_rows,
     "serve_load": serve_load_rows,
+    "demo_time": demo_time_rows,
 }
 # Variants recorded beside a headline file (other selections, the dense twin): detail in
 # RESULTS.md's sections, not rows of the table.
@@ -311,4 +313,5 @@ SECTIONS: dict[str, tuple[Callable[[dict], str], str]] = {
     "size_trend": (size_markdown, "prototype_path_size"),
     "bank_alive": (alive_markdown, "prototype_path_alive"),
     "serve_load": (serve_load_markdown, "serve_load"),
+    "demo_time": (demo_time_markdown, "demo_time"),
 }
