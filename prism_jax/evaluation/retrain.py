@@ -1,9 +1,9 @@
 """Retrain the model on a subset of the packed training rows (LDS and removal curves).
 
-`retrain(cfg, packed, rows, seed)` runs the model's own recipe (PRISM.md §3; the steps of
-`train.loop.train`): the born-sharded init from `seed`, the dense warm-up, the bank set by
-k-means++ at `train.proto_init_step`, the same optimiser and schedule, through the shared
-step builder and loop (`train/step.make_train_step`, `train/trainer.Loop`). Only the data
+`retrain(cfg, packed, rows, seed)` runs the model's own recipe (PRISM.md §3), the one
+`train()` runs (prism_jax/train/recipe.py: the born-sharded init from `seed`, the dense
+warm-up, the bank set by k-means++ at `train.proto_init_step`, revival, the same optimiser
+and schedule), through the shared loop (`train/trainer.Loop`). Only the data
 differs: batch s is drawn from `rows` alone, a pure function of (seed, s) (each epoch a
 fresh permutation of the kept rows; a short last batch is dropped), so a retrain is
 reproducible and two seeds differ in both the init and the order.
@@ -21,6 +21,7 @@ refused with one line naming what differs (`claim_key`), so stale retrains never
 from __future__ import annotations
 
 import dataclasses
+import functools
 import hashlib
 import json
 import io
@@ -33,18 +34,21 @@ from flax import nnx
 from prism_jax import losses, paths
 from prism_jax.config import Config
 from prism_jax.data import batch as batch_lib
-from prism_jax.train import loop as loop_lib
 from prism_jax.train import step as step_lib
 from prism_jax.train import trainer
-from prism_jax.train.optimizer import make_optimizer
-from prism_jax.train.state import create_train_state, default_mesh
+from prism_jax.train.recipe import Recipe
+from prism_jax.train.state import default_mesh
 
 
-# A sweep of retrains of one config compiles once: (config, dense phase) -> jitted step.
-# Neither depends on anything else (graphdef, shardings and the one-device mesh follow
-# from the config; the seed is in it).
-_STEPS: dict = {}
-_INIT: dict = {}  # config -> (graphdef, initial state, shardings)
+# A sweep of retrains of one config compiles once: its Recipe (template, shardings, the
+# phases' jitted steps) and initial state are kept for the most recent configs (a sweep
+# retrains one config hundreds of times; a few configs at most alternate).
+@functools.lru_cache(maxsize=2)
+def _recipe(cfg: Config):
+  """(recipe, initial state) of `cfg` on one device (the seed is in cfg)."""
+  recipe = Recipe(cfg, default_mesh(cfg, jax.devices()[:1]))  # retrains are small
+  with jax.set_mesh(recipe.mesh):
+    return recipe, recipe.init_state()
 
 
 class SubsetBatches:
@@ -79,38 +83,23 @@ def retrain(cfg: Config, packed, rows, seed: int, *, progress: bool = False):
   """(model, final train metrics): `cfg`'s recipe trained from `seed` on training `rows`."""
   cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=int(seed)))
   tc = cfg.train
-  mesh = default_mesh(cfg, jax.devices()[:1])  # retrains are small: one device each
-  tx = make_optimizer(tc)
+  recipe, init = _recipe(cfg)
   source = SubsetBatches(packed, rows, tc.batch_size, seed)
-  with jax.set_mesh(mesh):
-    if cfg not in _INIT:  # the init compiles once per config (the seed is in it)
-      _INIT[cfg] = create_train_state(cfg, mesh, tx)
-    graphdef, state, shardings = _INIT[cfg]
-    state = jax.tree.map(jnp.copy, state)  # the step donates its state: keep the cached one
-    warm_dense = step_lib.uses_dense_warmup(cfg)
-
-    def step_for(s: int):
-      dense = warm_dense and s < tc.proto_init_step
-      if (cfg, dense) not in _STEPS:  # one compile per config and phase, not per retrain
-        _STEPS[cfg, dense] = step_lib.make_train_step(graphdef, cfg, tx, shardings, mesh,
-                                                      dense_phase=dense)
-      return _STEPS[cfg, dense]
-
+  with jax.set_mesh(recipe.mesh):
+    state = jax.tree.map(jnp.copy, init)  # the step donates its state: keep the cached one
     loop = trainer.Loop(start=0, steps=tc.steps, log_every=tc.log_every if progress
                         else tc.steps)
 
-    def before_step(s, state):
-      if not loop_lib.proto_init_due(cfg, s):
+    def before_step(s, state):  # THE recipe's bank init and revival (train/recipe.py)
+      if not recipe.due(s):
         return state
       loop.flush()
-      # THE recipe's init: >= 2K hidden states from the next batches (train/loop.py).
-      toks, mask = loop_lib.proto_init_tokens(source, cfg, s)
-      return loop_lib.init_prototypes(graphdef, state, shardings, cfg, toks, mask)
+      return recipe.before_step(s, state, source)[0]
 
-    batches = (step_lib.device_batch(source.global_batch_at(s), mesh, tc.batch_size)
+    batches = (step_lib.device_batch(source.global_batch_at(s), recipe.mesh, tc.batch_size)
                for s in range(tc.steps))
-    out = loop.run(state, batches, step_for, before_step=before_step)
-  return nnx.merge(graphdef, out.state.params), dict(out.train)
+    out = loop.run(state, batches, recipe.step_for, before_step=before_step)
+  return nnx.merge(recipe.graphdef, out.state.params), dict(out.train)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -3,6 +3,7 @@
   cfg = apply_overrides(preset("tiny"), ["model.k=8", "train.steps=100"])
   result = train(cfg, "runs/x")                   # resumes from runs/x if present
   result.final_step, result.eval, result.state    # a TrainResult; .summary() is JSON
+  Recipe(cfg, mesh)                               # PRISM's recipe: phases, bank init, revival
   Trainer(loss_fn, tx, trainable=pred).fit(params, batches, steps=100)  # any loss
   model, cfg, tokenizer = load_for_inference("runs/x")
 """
@@ -12,9 +13,10 @@ from prism_jax.train.checkpoint import (Checkpointer, ConfigMismatchError,
 from prism_jax.train.integrity import CheckpointCorruptError
 from prism_jax.train.evaluation import Evaluator, evaluate
 from prism_jax.train.inference import load_config, load_for_inference, load_params
-from prism_jax.train.loop import TrainResult, init_prototypes, prepare, train
+from prism_jax.train.loop import TrainResult, prepare, train
 from prism_jax.train.metrics import read_metrics
 from prism_jax.train.optimizer import decay_mask, lr_schedule, make_optimizer, reset_moments
+from prism_jax.train.recipe import Recipe, init_prototypes
 from prism_jax.train.overrides import (apply_overrides, config_diff, config_from_dict,
                                        valid_keys)
 from prism_jax.train.state import (TrainState, abstract_state, create_train_state,
@@ -25,7 +27,7 @@ from prism_jax.train.trainer import (Loop, LoopResult, Trainer, TrainingDiverged
 
 __all__ = [
     "CheckpointCorruptError", "Checkpointer", "ConfigMismatchError", "Evaluator", "Loop",
-    "LoopResult", "NoReadableCheckpointError", "TrainResult", "TrainState", "Trainer",
+    "LoopResult", "NoReadableCheckpointError", "Recipe", "TrainResult", "TrainState", "Trainer",
     "TrainingDivergedError", "abstract_state", "apply_overrides", "config_diff",
     "config_from_dict", "create_train_state", "decay_mask", "default_mesh", "evaluate",
     "init_prototypes", "load_config", "load_for_inference", "load_params", "lr_schedule",

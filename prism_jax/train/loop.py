@@ -9,32 +9,27 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 import jax
-import numpy as np
 from absl import logging
-from flax import nnx
 
 from prism_jax import paths
 from prism_jax import sharding as shard_lib
 from prism_jax.config import Config, bank_init_problem
 from prism_jax.io_guard import resolve_config_paths
-from prism_jax.model.lm import init_prototypes_from_hidden
 from prism_jax.train import checkpoint as ckpt_lib
 from prism_jax.train import evaluation
 from prism_jax.train import init_from as init_from_lib
 from prism_jax.train import metrics as metrics_lib
 from prism_jax.train import overrides
-from prism_jax.train import revive
 from prism_jax.train import step as step_lib
 from prism_jax.train import trainer
-from prism_jax.train.optimizer import PROTO_PATH, make_optimizer, reset_moments
 from prism_jax.train.preemption import Preemption
 from prism_jax.train.progress import format_metrics
-from prism_jax.train.state import (TrainState, abstract_state, create_train_state,
-                                   default_mesh, model_template, state_shardings)
+from prism_jax.train.recipe import Recipe
+from prism_jax.train.state import TrainState, default_mesh
 from prism_jax.train.trainer import Callback
 
 
@@ -56,53 +51,6 @@ def prepare(cfg: Config, workdir: str, mesh) -> tuple[Any, Any, Any]:
     val_loader = data_lib.make_loader(packed, "val", cfg.train.batch_size, cfg.data.seed,
                                       index, count)
   return packed, train_loader, val_loader
-
-
-def proto_init_due(cfg: Config, step: int) -> bool:
-  return (cfg.model.kind == "prism" and cfg.model.proto_init == "data"
-          and step == cfg.train.proto_init_step)
-
-
-def init_prototypes(graphdef, state: TrainState, shardings: TrainState, cfg: Config,
-                    tokens_BxT: np.ndarray, mask_BxT: np.ndarray) -> TrainState:
-  """Bank <- hidden states of the given tokens (k-means++), Adam moments of the bank reset.
-
-  Deterministic in (train.seed, state.step) and the parameters, so a resume reproduces it.
-  """
-  step = int(jax.device_get(state.step))
-  seed = int(np.random.SeedSequence([cfg.train.seed, step]).generate_state(1)[0])
-  module = nnx.merge(graphdef, state.params)
-  # The forward jitted with a replicated result: on several processes the parameters span
-  # devices this process cannot read, and every process must pick the same prototypes.
-  replicated = jax.sharding.NamedSharding(shardings.step.mesh,
-                                          jax.sharding.PartitionSpec())
-  hidden = jax.jit(lambda params, tokens: nnx.merge(graphdef, params).backbone(tokens)[0],
-                   out_shardings=replicated)
-  z_BxTxD = np.asarray(hidden(state.params, tokens_BxT))
-  chosen = init_prototypes_from_hidden(module, tokens_BxT, seed=seed, mask_BxT=mask_BxT,
-                                       kmeans_pp=True, z_BxTxD=z_BxTxD)
-  # the bank's value from the host copy (the same float32 values the module got): under
-  # FSDP over several processes the module's bank spans devices this process cannot read
-  protos = np.asarray(z_BxTxD, np.float64).reshape(-1, z_BxTxD.shape[-1])[chosen]
-  protos = protos.astype(np.float32)
-  params = jax.tree.map(lambda x: x, state.params)
-  params[PROTO_PATH[0]][PROTO_PATH[1]] = jax.device_put(
-      protos, shardings.params[PROTO_PATH[0]][PROTO_PATH[1]])
-  opt_state = jax.device_put(reset_moments(state.opt_state), shardings.opt_state)
-  return TrainState(state.step, params, opt_state)
-
-
-def proto_init_tokens(loader, cfg: Config, step: int) -> tuple[np.ndarray, np.ndarray]:
-  """Global batches step, step+1, ... until there are >= 2K valid tokens (every process
-  reads the same global rows so all processes pick the same prototypes)."""
-  need = 2 * cfg.model.num_prototypes
-  toks, masks, s = [], [], step
-  while sum(int(m.sum()) for m in masks) < need and len(toks) < 64:
-    b = loader.global_batch_at(s)
-    toks.append(b["inputs"])
-    masks.append(b["mask"])
-    s += 1
-  return np.concatenate(toks), np.concatenate(masks)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -203,30 +151,19 @@ def _train_sample_loader(packed, cfg: Config, mesh):
 def _run(cfg, workdir, mesh, ckpt, packed, train_loader, val_loader, callbacks, allow,
          t_start, start_over=False, preemption=None) -> TrainResult:
   tc = cfg.train
-  tx = make_optimizer(tc)
   with jax.set_mesh(mesh):
-    graphdef, _ = model_template(cfg.model)
-    restored = ckpt.restore_latest(abstract_state(cfg, mesh, tx), cfg, allow, start_over)
+    recipe = Recipe(cfg, mesh)  # optimiser, template, shardings, phases: built once
+    graphdef, shardings = recipe.graphdef, recipe.shardings
+    restored = ckpt.restore_latest(recipe.abstract_state(), cfg, allow, start_over)
     if restored is not None:
       state, data_state, start = restored
-      shardings = state_shardings(cfg, mesh, tx)
       logging.info("resumed from checkpoint %d in %s", start, ckpt.directory)
     else:
-      graphdef, state, shardings = create_train_state(cfg, mesh, tx)
+      state = recipe.init_state()
       data_state, start = train_loader.state(0), 0
       if tc.init_from:
         state = init_from_lib.with_pretrained_backbone(state, shardings, cfg)
     ckpt_lib.write_config(workdir, cfg)
-
-    fns: dict[bool, Callable] = {}
-    warm_dense = step_lib.uses_dense_warmup(cfg)
-
-    def step_for(s: int) -> Callable:
-      dense = warm_dense and s < tc.proto_init_step
-      if dense not in fns:
-        fns[dense] = step_lib.make_train_step(graphdef, cfg, tx, shardings, mesh,
-                                              dense_phase=dense)
-      return fns[dense]
 
     eval_fn = evaluation.Evaluator(graphdef, cfg, shardings.params, mesh, val_loader)
     train_eval_fn = None
@@ -245,21 +182,13 @@ def _run(cfg, workdir, mesh, ckpt, packed, train_loader, val_loader, callbacks, 
     last_eval: dict[str, float] = {}
 
     def before_step(s: int, state: TrainState) -> TrainState:
-      if revive.revive_due(cfg, s):
-        loop.flush()
-        with loop.paused():
-          toks, mask = revive.window_tokens(train_loader, cfg, s)
-          state, n, seen = revive.revive_dead(graphdef, state, shardings, cfg, toks, mask)
-        if n:
-          loop.note(f"step {s}: revived {n} prototypes no token of {seen} selected")
-        return state
-      if not proto_init_due(cfg, s):
+      if not recipe.due(s):
         return state
       loop.flush()
-      with loop.paused():
-        toks, mask = proto_init_tokens(train_loader, cfg, s)
-        state = init_prototypes(graphdef, state, shardings, cfg, toks, mask)
-      loop.note(f"step {s}: prototypes set from {int(mask.sum())} hidden states (k-means++)")
+      with loop.paused():  # the bank's init / revival is not training time
+        state, note = recipe.before_step(s, state, train_loader)
+      if note:
+        loop.note(note)
       return state
 
     def run_eval(done: int, state: TrainState) -> None:
@@ -285,7 +214,8 @@ def _run(cfg, workdir, mesh, ckpt, packed, train_loader, val_loader, callbacks, 
     if start < tc.steps:
       batches = (step_lib.device_batch(b, mesh, tc.batch_size)
                  for b in train_loader.resume(data_state))
-    out = loop.run(state, batches, step_for, before_step=before_step, after_step=after_step,
+    out = loop.run(state, batches, recipe.step_for, before_step=before_step,
+                   after_step=after_step,
                    callbacks=callbacks, restored=restored is not None)
   if not last_eval and val_loader is not None:  # e.g. a finished run re-opened: last record
     vals = [r for r in metrics_lib.read_metrics(workdir, "val")

@@ -40,14 +40,16 @@ def model_template(model_cfg: ModelConfig):
 
 
 def state_shardings(cfg: Config, mesh: jax.sharding.Mesh,
-                    tx: optax.GradientTransformation | None = None) -> TrainState:
+                    tx: optax.GradientTransformation | None = None,
+                    template=None) -> TrainState:
   """NamedShardings for every leaf of the TrainState on `mesh` (from the rules table).
 
   Optimiser leaves that mirror a parameter (Adam mu/nu) take the parameter's sharding;
-  scalars (counts) are replicated.
+  scalars (counts) are replicated. `template`: model_template(cfg.model) when the caller
+  has it already.
   """
   tx = make_optimizer(cfg.train) if tx is None else tx
-  _, abstract_state = model_template(cfg.model)
+  _, abstract_state = model_template(cfg.model) if template is None else template
   param_sh = nnx.to_pure_dict(shard_lib.param_shardings(abstract_state, mesh))
   abstract_params = nnx.to_pure_dict(abstract_state)
   replicated = NamedSharding(mesh, P())
@@ -63,12 +65,13 @@ def abstract_state(cfg: Config, mesh: jax.sharding.Mesh,
   """ShapeDtypeStructs carrying this mesh's shardings: the orbax restore target."""
   tx = make_optimizer(cfg.train) if tx is None else tx
   shardings = state_shardings(cfg, mesh, tx)
-  shapes = jax.eval_shape(lambda: _init_fn(cfg, tx)())
+  shapes = jax.eval_shape(lambda: init_fn(cfg, tx)())
   return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
                       shapes, shardings)
 
 
-def _init_fn(cfg: Config, tx: optax.GradientTransformation):
+def init_fn(cfg: Config, tx: optax.GradientTransformation):
+  """The state's init as a function of nothing (jit it with out_shardings to place it)."""
   def init() -> TrainState:
     with shard_lib.no_mesh():  # out_shardings place the leaves; no eager constraints
       model = build_model(cfg.model, cfg.train.seed)
@@ -88,6 +91,6 @@ def create_train_state(cfg: Config, mesh: jax.sharding.Mesh | None = None,
   tx = make_optimizer(cfg.train) if tx is None else tx
   graphdef, _ = model_template(cfg.model)
   shardings = state_shardings(cfg, mesh, tx)
-  state = jax.jit(_init_fn(cfg, tx), out_shardings=shardings)()
+  state = jax.jit(init_fn(cfg, tx), out_shardings=shardings)()
   return graphdef, state, shardings
 

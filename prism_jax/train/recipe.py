@@ -1,0 +1,131 @@
+"""PRISM's training recipe in one place: `Recipe(cfg, mesh)`.
+
+What a PRISM run does besides taking optimiser steps, built once per (config, mesh):
+  - the optimiser, the model template (graphdef) and the state's shardings;
+  - the initial state (born sharded) and the abstract state (the restore target);
+  - the jitted step of each phase: the dense warm-up (CE through W z) until
+    `train.proto_init_step`, then PRISM's loss; gradient accumulation (`train.grad_accum`)
+    lives inside the step (prism_jax/train/accumulate.py);
+  - what runs before a step: at `train.proto_init_step` the bank is set from hidden states
+    by k-means++ (PRISM.md §3) with the bank's Adam moments reset; every
+    `train.revive_every` steps the prototypes no token selected are set anew
+    (prism_jax/train/revive.py).
+`train()` (train/loop.py: data, checkpoints, evaluation, the loop) and the LDS retrains
+(evaluation/retrain.py: the same recipe on a subset of rows) both run it: a change to the
+recipe made here changes both.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+import jax
+import numpy as np
+from flax import nnx
+
+from prism_jax.config import Config
+from prism_jax.model.lm import init_prototypes_from_hidden
+from prism_jax.train import revive
+from prism_jax.train import step as step_lib
+from prism_jax.train.optimizer import PROTO_PATH, make_optimizer, reset_moments
+from prism_jax.train.state import TrainState, init_fn, model_template, state_shardings
+
+
+class Recipe:
+  """The recipe of `cfg` on `mesh` (module docstring). `source` arguments are batch
+  sources with `global_batch_at(step)` (the training loader, or a retrain's subset)."""
+
+  def __init__(self, cfg: Config, mesh: jax.sharding.Mesh):
+    self.cfg, self.mesh = cfg, mesh
+    self.tx = make_optimizer(cfg.train)
+    template = model_template(cfg.model)
+    self.graphdef = template[0]
+    self.shardings = state_shardings(cfg, mesh, self.tx, template)
+    self._warm_dense = step_lib.uses_dense_warmup(cfg)
+    self._steps: dict[bool, Callable] = {}
+
+  def init_state(self) -> TrainState:
+    """The initial state, a pure function of train.seed, born sharded."""
+    return jax.jit(init_fn(self.cfg, self.tx), out_shardings=self.shardings)()
+
+  def abstract_state(self) -> TrainState:
+    """ShapeDtypeStructs carrying the shardings: what a checkpoint is restored into."""
+    shapes = jax.eval_shape(init_fn(self.cfg, self.tx))
+    return jax.tree.map(lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+                        shapes, self.shardings)
+
+  def step_for(self, step: int) -> Callable:
+    """The jitted step for `step` (compiled once per phase)."""
+    dense = self._warm_dense and step < self.cfg.train.proto_init_step
+    if dense not in self._steps:
+      self._steps[dense] = step_lib.make_train_step(self.graphdef, self.cfg, self.tx,
+                                                    self.shardings, self.mesh,
+                                                    dense_phase=dense)
+    return self._steps[dense]
+
+  def due(self, step: int) -> bool:
+    """Whether `before_step(step, ...)` changes anything (the loop pauses its clock)."""
+    return revive.revive_due(self.cfg, step) or proto_init_due(self.cfg, step)
+
+  def before_step(self, step: int, state: TrainState, source) -> tuple[TrainState, str]:
+    """(state, note): revival or the bank's init when due at `step` ('' note: nothing)."""
+    cfg = self.cfg
+    if revive.revive_due(cfg, step):
+      toks, mask = revive.window_tokens(source, cfg, step)
+      state, n, seen = revive.revive_dead(self.graphdef, state, self.shardings, cfg, toks,
+                                          mask)
+      return state, (f"step {step}: revived {n} prototypes no token of {seen} selected"
+                     if n else "")
+    if not proto_init_due(cfg, step):
+      return state, ""
+    toks, mask = proto_init_tokens(source, cfg, step)
+    state = init_prototypes(self.graphdef, state, self.shardings, cfg, toks, mask)
+    return state, (f"step {step}: prototypes set from {int(mask.sum())} hidden states "
+                   "(k-means++)")
+
+
+def proto_init_due(cfg: Config, step: int) -> bool:
+  return (cfg.model.kind == "prism" and cfg.model.proto_init == "data"
+          and step == cfg.train.proto_init_step)
+
+
+def init_prototypes(graphdef, state: TrainState, shardings: TrainState, cfg: Config,
+                    tokens_BxT: np.ndarray, mask_BxT: np.ndarray) -> TrainState:
+  """Bank <- hidden states of the given tokens (k-means++), Adam moments of the bank reset.
+
+  Deterministic in (train.seed, state.step) and the parameters, so a resume reproduces it.
+  """
+  step = int(jax.device_get(state.step))
+  seed = int(np.random.SeedSequence([cfg.train.seed, step]).generate_state(1)[0])
+  module = nnx.merge(graphdef, state.params)
+  # The forward jitted with a replicated result: on several processes the parameters span
+  # devices this process cannot read, and every process must pick the same prototypes.
+  replicated = jax.sharding.NamedSharding(shardings.step.mesh,
+                                          jax.sharding.PartitionSpec())
+  hidden = jax.jit(lambda params, tokens: nnx.merge(graphdef, params).backbone(tokens)[0],
+                   out_shardings=replicated)
+  z_BxTxD = np.asarray(hidden(state.params, tokens_BxT))
+  chosen = init_prototypes_from_hidden(module, tokens_BxT, seed=seed, mask_BxT=mask_BxT,
+                                       kmeans_pp=True, z_BxTxD=z_BxTxD)
+  # the bank's value from the host copy (the same float32 values the module got): under
+  # FSDP over several processes the module's bank spans devices this process cannot read
+  protos = np.asarray(z_BxTxD, np.float64).reshape(-1, z_BxTxD.shape[-1])[chosen]
+  protos = protos.astype(np.float32)
+  params = jax.tree.map(lambda x: x, state.params)
+  params[PROTO_PATH[0]][PROTO_PATH[1]] = jax.device_put(
+      protos, shardings.params[PROTO_PATH[0]][PROTO_PATH[1]])
+  opt_state = jax.device_put(reset_moments(state.opt_state), shardings.opt_state)
+  return TrainState(state.step, params, opt_state)
+
+
+def proto_init_tokens(loader, cfg: Config, step: int) -> tuple[np.ndarray, np.ndarray]:
+  """Global batches step, step+1, ... until there are >= 2K valid tokens (every process
+  reads the same global rows so all processes pick the same prototypes)."""
+  need = 2 * cfg.model.num_prototypes
+  toks, masks, s = [], [], step
+  while sum(int(m.sum()) for m in masks) < need and len(toks) < 64:
+    b = loader.global_batch_at(s)
+    toks.append(b["inputs"])
+    masks.append(b["mask"])
+    s += 1
+  return np.concatenate(toks), np.concatenate(masks)
