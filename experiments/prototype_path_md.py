@@ -176,3 +176,10 @@ def alive_rows(data: dict) -> list[dict]:
            "note": "target >= 95%; cut run, see RESULTS 'Prototype path'",
            "command": data["command"]}]
 
+
+
+def lds_markdown(data: dict) -> str:
+  """One pinned-recipe LDS run (experiments/lds.py's JSON): its command and its table, the
+  top-100 retention line included."""
+  return (f"`{data['command']}` (commit `{data['commit'][:12]}`)\n\n"
+          + data["table"].replace("\n\nremoval curves: off (--removal_queries=0)", ""))

@@ -14,7 +14,7 @@ from benchmarks.scale_render import scale_table_markdown
 from benchmarks.serve_render import serve_load_markdown, serve_load_rows
 from experiments.prototype_path_md import (alive_markdown, alive_rows, capacity_markdown,
                                            capacity_rows, defaults_markdown, defaults_rows,
-                                           size_markdown, size_rows)
+                                           lds_markdown, size_markdown, size_rows)
 
 
 def _pct(x: float) -> str:
@@ -314,4 +314,6 @@ SECTIONS: dict[str, tuple[Callable[[dict], str], str]] = {
     "bank_alive": (alive_markdown, "prototype_path_alive"),
     "serve_load": (serve_load_markdown, "serve_load"),
     "demo_time": (demo_time_markdown, "demo_time"),
+    "lds_default_k128": (lds_markdown, "prototype_path_lds_k128"),
+    "lds_default_k512": (lds_markdown, "prototype_path_lds_k512"),
 }
