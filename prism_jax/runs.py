@@ -192,8 +192,15 @@ class Run:
             f"vocab={m.vocab_size}{steered})")
 
   def steer(self, gains) -> "Run":
-    """A view of this run with prototype gains: {id: gain} or a (K,) array; 0 removes a
-    prototype's share of the logits, > 1 amplifies it. Composes with this view's gains."""
+    """A view of this run with prototype gains (composes with this view's gains).
+
+    Args:
+      gains: {prototype id: gain} or a (K,) array of gains; 0 removes a prototype's share
+        of the logits, 1 leaves it, > 1 amplifies it.
+
+    Returns:
+      A new Run sharing the model, whose generate and decompose apply the gains.
+    """
     if self.config.model.kind != "prism":
       raise ValueError(f"{self.workdir} is a dense run: it has no prototypes to steer")
     big_k = self.config.model.num_prototypes
@@ -214,22 +221,49 @@ class Run:
     return Run(self.workdir, self.model, self.config, self.tokenizer, g)
 
   def suppress(self, proto_ids) -> "Run":
-    """A view with the given prototypes removed (gain 0)."""
+    """A view with the given prototypes removed (gain 0).
+
+    Args:
+      proto_ids: prototype ids to remove.
+
+    Returns:
+      A new Run (see `steer`).
+    """
     return self.steer({int(i): 0.0 for i in proto_ids})
 
   def attribute(self, text, position: int | None = None, *, top: int = 5,
                 build: bool = True) -> TokenAttribution:
-    """The `top` training sequences that most helped predict the token at `position` of
-    `text` (default: its last token), by cached PRISM attribution; the cache is opened from
-    <workdir>/attribution_cache or built there (with progress) unless `build=False`. When the
-    residual decided that prediction, the result says so (its prototypes do not explain it)."""
+    """The training sequences that most helped predict one token, by cached PRISM
+    attribution. When the residual decided that prediction, the result says so (its
+    prototypes do not explain it).
+
+    Args:
+      text: the text (or token ids) holding the token.
+      position: index of the token in the text's tokens (default: the last one; >= 1).
+      top: how many training sequences to return.
+      build: build <workdir>/attribution_cache (with progress) when it is missing; with
+        False a missing cache is a ValueError.
+
+    Returns:
+      A TokenAttribution: ranked (document id, score, snippet) and the trust note.
+    """
     return attribute(self, text, position, top=top, build=build)
 
   def report(self, text, max_new_tokens: int = 32, *, attribution: bool = False,
              **sampling) -> Report:
     """The interactive HTML report of `text` and its continuation (cards built once under
-    <workdir>/cards; `attribution=True` adds attributed training sequences, building the
-    cache if needed); `sampling`: temperature / top_k / seed (the library's defaults)."""
+    <workdir>/cards).
+
+    Args:
+      text: the prompt (text or token ids).
+      max_new_tokens: tokens to generate after it.
+      attribution: add each token's attributed training sequences (builds the cache if
+        needed).
+      **sampling: temperature / top_k / seed (default: the library's sampling defaults).
+
+    Returns:
+      A Report: `.html`, `.save(path)`, shown inline in a notebook.
+    """
     return report(self, text, max_new_tokens, attribution=attribution, **sampling)
 
   @property
@@ -242,9 +276,19 @@ class Run:
 
   def hessian_block(self, i: int, j: int, *, rows: int = 4, path: str = "full",
                     loss_cfg=None) -> np.ndarray:
-    """Exact ∂²L/∂p_i∂p_j, (D, D) float64, of the run's own training loss (its config's
-    `loss`, or `loss_cfg`) averaged over the first `rows` validation rows. A loss term the
-    bank's Hessian does not model (e.g. λ_proto_kl) is refused in one line naming it."""
+    """Exact ∂²L/∂p_i∂p_j of the run's own training loss over validation rows. A loss term
+    the bank's Hessian does not model (e.g. λ_proto_kl) is refused in one line naming it.
+
+    Args:
+      i: the first prototype id.
+      j: the second prototype id.
+      rows: how many validation rows the loss is averaged over (the first ones).
+      path: "full" (through the similarities too) or "linear" (activations fixed).
+      loss_cfg: the loss (default: the run's config's `loss`).
+
+    Returns:
+      The (D, D) float64 block.
+    """
     return hessian_block(self, i, j, rows=rows, path=path, loss_cfg=loss_cfg)
 
   def _ids(self, text_or_ids) -> np.ndarray:
@@ -262,7 +306,20 @@ class Run:
   def generate(self, text, max_new_tokens: int = 32, *, greedy: bool = False,
                temperature: float = SAMPLING["temperature"], top_k: int | None = SAMPLING["top_k"],
                seed: int = SAMPLING["seed"], top: int = TOP_SHOWN) -> Generation:
-    """Continue `text` (the library's sampling defaults; `greedy=True` for argmax)."""
+    """Continue `text`, with each token's prototypes and trust mark.
+
+    Args:
+      text: the prompt (text or token ids).
+      max_new_tokens: tokens to generate (fewer if the context fills).
+      greedy: argmax decoding instead of sampling.
+      temperature: sampling temperature (the library's default 0.8).
+      top_k: sample among the k most likely tokens (None: all).
+      seed: the sampling seed (the same seed gives the same text).
+      top: prototypes listed per token in the report.
+
+    Returns:
+      A Generation: `.text` (the continuation), `.output` (ids and trace), `.report`.
+    """
     from prism_jax.analysis.token_report import token_report  # pylint: disable=g-import-not-at-top
     ids = self._ids(text)
     room = self.config.model.max_len - len(ids)
@@ -281,7 +338,15 @@ class Run:
 
   def decompose(self, text) -> Decomposition:
     """Every token after the first, explained: its logit split into the k prototype slices
-    and the residual, and the trust of the model's prediction at its position."""
+    and the residual, and the trust of the model's prediction at its position.
+
+    Args:
+      text: the text (or token ids), at least two tokens.
+
+    Returns:
+      A Decomposition: one TokenExplanation per token after the first (a table in a
+      notebook, text in a terminal).
+    """
     if self.config.model.kind != "prism":
       raise ValueError(f"{self.workdir} is a dense run: it has no prototypes to decompose by")
     ids = self._ids(text)
@@ -410,7 +475,17 @@ def report(run: "Run", text, max_new_tokens: int = 32, *, attribution: bool = Fa
 
 
 def load(workdir: str, *, step: int | None = None) -> Run:
-  """The run in `workdir` (local or gs://; the newest checkpoint, or `step`)."""
+  """A trained run in one line.
+
+  Args:
+    workdir: the run directory (local or gs://), as `prism train` or `prism import-hf`
+      wrote it.
+    step: the checkpoint step (default: the newest).
+
+  Returns:
+    A Run: `.model`, `.config`, `.tokenizer`, and generate / decompose / attribute /
+    report / steer / suppress / cards / hessian_block.
+  """
   from prism_jax.train.inference import load_for_inference  # pylint: disable=g-import-not-at-top
   model, cfg, tokenizer = load_for_inference(workdir, step=step)
   return Run(workdir, model, cfg, tokenizer)

@@ -1,5 +1,5 @@
-"""The README's Python snippets run, in order, in one namespace (later snippets use what
-earlier ones built), on a tiny trained run standing in for the README's `runs/x`. A snippet
+"""The README's Python snippets, then the user guide's (apidocs/guide.md, `make docs`), run
+in order in one namespace (later snippets use what earlier ones built), on a tiny trained run standing in for the README's `runs/x`. A snippet
 whose first line is `# not run: <reason>` is skipped (the Hugging Face one: it needs a GPT-2 directory)."""
 
 import os
@@ -16,9 +16,13 @@ def python_blocks(text: str) -> list[str]:
 
 
 def test_readme_python_snippets_run(tmp_path_factory, monkeypatch, capsys):
-  with open(os.path.join(REPO, "README.md"), encoding="utf-8") as f:
-    blocks = python_blocks(f.read())
-  assert len(blocks) >= 3, "the README lost its Python snippets"
+  blocks = []
+  for doc in ("README.md", os.path.join("apidocs", "guide.md")):
+    with open(os.path.join(REPO, doc), encoding="utf-8") as f:
+      found = python_blocks(f.read())
+    assert found, f"{doc} lost its Python snippets"
+    blocks += found
+  assert len(blocks) >= 3
   # a copy: the snippets write a cache and cards into the run, which other tests share
   here = tmp_path_factory.mktemp("readme")
   run = shutil.copytree(tiny_run.tiny_run(tmp_path_factory)["run"], str(here / "run"))
@@ -29,7 +33,8 @@ def test_readme_python_snippets_run(tmp_path_factory, monkeypatch, capsys):
     if block.startswith("# not run:"):
       skipped += 1
       continue
-    code = compile(block.replace('"runs/x', f'"{run}'), f"README.md python block {i}", "exec")
+    code = compile(block.replace('"runs/x', f'"{run}'), f"README/guide python block {i}",
+                   "exec")
     exec(code, namespace)  # pylint: disable=exec-used
     ran += 1
   assert ran == len(blocks) - skipped and skipped <= 1  # only the Hugging Face one
