@@ -362,11 +362,21 @@ def preset_names() -> list[str]:
 def preset(name: str, steps: int | None = None) -> Config:
   """A full run config: the model preset with data/train settings that suit its size.
 
-  small/medium/large/xl: the GPT-2 recipe (`recipe_train`; `steps` rescales it). The
-  GPT-2 presets tokenize with GPT-2's own BPE (installed by `make venv`; packing says
+  The GPT-2 presets tokenize with GPT-2's own BPE (installed by `make venv`; packing says
   what to install when it is missing; `--set data.tokenizer=bpe` trains one instead).
-  "<gpt2 name>_smoke": that model with 10 steps at batch 8 (bank set at step 5), for tests
-  and smoke runs. tiny: the CPU preset (`steps` sets train.steps only).
+
+  Args:
+    name: one of `preset_names()`. "tiny": the CPU preset (its own BPE, the default
+      TrainConfig). "small"/"medium"/"large"/"xl": the GPT-2 model with its GPT-2
+      training recipe (`recipe_train`). "<gpt2 name>_smoke" (e.g. "small_smoke"): that
+      model with 10 steps at batch 8 (bank set at step 5), for tests and smoke runs.
+      A ValueError for any other name.
+    steps: train.steps; None (default) keeps the preset's own. For a GPT-2 recipe it
+      rescales the recipe (warm-up, bank init, evaluation, checkpoints placed as fractions
+      of the run); for tiny and the smoke runs it sets train.steps only.
+
+  Returns:
+    A `Config` (model, loss, data with seq_len = the model's max_len, train).
   """
   smoke = name.endswith(SMOKE) and name[:-len(SMOKE)] in RECIPES
   if not smoke and name not in MODEL_PRESETS:

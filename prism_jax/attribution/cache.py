@@ -31,7 +31,26 @@ def build_cache(model, cfg: Config, packed, out_dir: str,
                 progress: bool = True, on_batch=None) -> "AttributionCache":
   """Builds (or resumes building) the cache of `model` over `packed`'s split into out_dir.
 
-  `on_batch(pass_index, rows_done)` is called after every batch (tests, monitoring).
+  Args:
+    model (PrismLM): the trained model (model.kind "prism") whose curvature statistics and
+      per-token records are cached; its parameter fingerprint is stored with the cache.
+    cfg: the run's Config; its model, loss and data parts are stored with the cache.
+    packed (PackedData): the packed dataset (`prepare_data`'s handle) whose
+      `cache_cfg.split` rows are cached.
+    out_dir: the cache directory, a local path or a gs:// URI. A finished cache of the
+      same model/config is kept as it is, an unfinished one resumed; one of another
+      model/config is refused (CacheMismatchError) unless `overwrite`.
+    cache_cfg: how to build: the rank of g, the split, rows per batch, the Fisher kind,
+      max_rows, the store driver, ... Default: `CacheConfig()`.
+    overwrite: True clears whatever cache out_dir holds and builds afresh (default False).
+    progress: True (default) shows a progress bar per pass (log lines off a terminal).
+    on_batch (Callable[[int, int], None] | None): called as `on_batch(pass_index,
+      rows_done)` after every batch (tests, monitoring); in pass 3 after every index
+      write, with the entries written. None (default): no callback.
+
+  Returns:
+    The finished cache in out_dir, opened as an `AttributionCache` (checked against
+    `model` and `cfg`).
   """
   cache_build.write_cache(model, cfg, packed, out_dir, cache_cfg, overwrite=overwrite,
                           progress=progress, on_batch=on_batch)

@@ -42,9 +42,30 @@ def _block_rows(head: cv.HeadInputs, i, j, tangents_CxD, *, model_cfg: ModelConf
 def hessian_block(model: Any, batches: Iterable[dict[str, Any]], i: int, j: int, *,
                   loss_cfg: LossConfig = LossConfig(), path: str = "full",
                   terms: str = "all", dtype: Any = None, chunk: int = 32) -> np.ndarray:
-  """Exact ∂²L/∂p_i∂p_j, (D, D) float64 numpy, of the mean batch loss over `batches`
-  (dicts of inputs/targets/mask, B×T). path/terms: see curvature.bank_loss; dtype: the
-  head's (float64 under jax.enable_x64 by default); `chunk`: products run at once."""
+  """Exact ∂²L/∂p_i∂p_j, (D, D) float64 numpy, of the mean batch loss over `batches`.
+
+  Args:
+    model: the PrismLM (model.kind "prism") whose bank P the Hessian is taken in.
+    batches: an iterable of at least one batch, each a dict of "inputs", "targets" and
+      "mask" arrays of one (B, T) shape; L is the mean of the batches' losses, each batch
+      weighing as one training step's loss.
+    i: the row prototype id, an int in [0, K).
+    j: the column prototype id, an int in [0, K).
+    loss_cfg: the loss weights of L (curvature.bank_loss: CE + λ_rec REC + λ_1 R1 + λ_2 R2;
+      the terms that read W z_hat must be 0). Default: `LossConfig()`.
+    path: "full" (default: the activations move with P) or "linear" (activations fixed),
+      as in curvature.bank_loss.
+    terms: which loss terms enter L: "all" (default), "output" (CE + λ_rec REC) or
+      "clustering" (λ_1 R1 + λ_2 R2), as in curvature.bank_loss.
+    dtype: the dtype the head is evaluated in; None (default) is float64 under
+      jax.enable_x64, float32 otherwise.
+    chunk: Hessian-vector products run at once (memory grows with it), positive; 32 by
+      default.
+
+  Returns:
+    The block ∂²L/∂p_i∂p_j as a float64 numpy array of shape (D, D): entry [a, b] is
+    ∂²L/∂p_{i,a}∂p_{j,b}.
+  """
   model_cfg = cv.check_model(model)
   num_k, d = model_cfg.num_prototypes, model_cfg.d_model
   for name, v in (("i", i), ("j", j)):

@@ -295,7 +295,33 @@ def attribute_batch(model, cache: cache_lib.AttributionCache,
                     batch_size: int = 16) -> list[Attribution]:
   """Cached PRISM attribution of many queries (tokens, target_positions): their forward
   passes run `batch_size` at a time in one padded batch (see query_sides), then each query
-  is scored. Equal to calling `attribute` on each query."""
+  is scored. Equal to calling `attribute` on each query.
+
+  Args:
+    model (PrismLM): the model the cache was built from.
+    cache: the finished `AttributionCache` of the training data (curvature, records and
+      the inverted index).
+    queries: (tokens, target_positions) pairs. tokens: a query's token ids, at most
+      model.max_len + 1 of them; target_positions: one or more positions p in
+      [1, len(tokens) - 1], each the prediction of tokens[p] from tokens[:p]. A query's
+      loss is the sum of those positions' token losses.
+    loss_cfg: the loss whose gradients are attributed; None (default) takes the loss
+      config the cache was built with.
+    cfg: the scoring options (coupling, damping_ratio, max_per_proto, top, snippet_width,
+      unit). Default: `InfluenceConfig()`.
+    packed (PackedData | None): the packed data the cache was built over, for the text
+      snippets; None (default) leaves the snippets empty.
+    precond: a `Preconditioner` of `cache` built with the same `cfg`, to reuse across
+      calls (built with `model`, it also reuses that model's split); None (default)
+      builds one here.
+    batch_size: queries per compiled forward call (positive; 16 by default).
+
+  Returns:
+    One `Attribution` per query, in the order of `queries`: the `cfg.top` training
+    sequences (documents, or packed rows with unit="row") ranked by decreasing score with
+    their scores (positive: the sequence helps the query), snippets, per-prototype
+    breakdowns, the query's active prototypes, and every scored sequence with its score.
+  """
   pre = Preconditioner(cache, cfg) if precond is None else precond
   sides = query_sides(model, queries, cache_loss_config(cache, loss_cfg),
                       pre.split if pre.model is model else None, batch_size)

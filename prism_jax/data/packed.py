@@ -128,7 +128,22 @@ def prepare_data(data_cfg, vocab_size: int, workdir: str, *, workers: int | None
 
   The trainer's single entry point, called by every process of a job: they pack
   together (packing.pack), reuse a finished pack of the same config, refuse one of
-  another config, and return the handle (tokenizer, metadata, rows, snippets).
+  another config, and return the handle.
+
+  Args:
+    data_cfg (DataConfig): the sources, tokenizer, seq_len, validation split and
+      packed_dir ("" packs into <workdir>/data; a relative one is tried against the cwd,
+      then the workdir).
+    vocab_size: the model's vocabulary size: the size of a byte/char/BPE tokenizer built
+      here, an upper bound on a pretrained (gpt2/neox) one's.
+    workdir: the run directory (a local path or a gs:// URI) that holds the default
+      <workdir>/data.
+    workers: worker processes per process for the packing; None (default) uses the CPU
+      count, 0 or 1 packs in this process.
+
+  Returns:
+    A `PackedData`: the read-only handle on the finished pack (tokenizer, metadata,
+    train/val rows, document snippets).
   """
   out_dir = io_guard.find_packed_dir(workdir, data_cfg.packed_dir, must_exist=False)
   return PackedData(packing.pack(data_cfg, vocab_size, out_dir, workers=workers))

@@ -121,7 +121,21 @@ class Decomposition(NamedTuple):
 
 
 def decompose(model: PrismLM, protos: PrototypeOutput, target_N: jax.Array) -> Decomposition:
-  """Per-prototype logit contributions and the residual slice for target tokens, in fp32."""
+  """Per-prototype logit contributions and the residual slice for target tokens, in fp32.
+
+  Args:
+    model: the PrismLM whose bank and tied embedding (W) produced `protos`.
+    protos: the model's `PrototypeOutput` for N tokens (`LMOutput.protos`, the B*T tokens
+      flattened row-major).
+    target_N: the token id y whose logit is decomposed at each of the N tokens, (N,)
+      integers in [0, vocab_size) (checked on the host; a ValueError otherwise).
+
+  Returns:
+    A `Decomposition`: `idx_Nxk` (the active prototype ids of `protos`, (N, k)) and, in
+    float32, `contrib_Nxk` (a_{t,i} <W_y, p_i>, (N, k)), `residual_N` (<W_y, r_t>, (N,))
+    and `logit_N` (<W_y, r_t + z_hat_t>, the model's logit of y, (N,)), so that
+    logit_N = contrib_Nxk.sum(-1) + residual_N (up to rounding).
+  """
   target_N = check_token_ids(target_N, model.cfg.vocab_size, "decompose target ids")
   hi = jax.lax.Precision.HIGHEST
   w_NxD = model.backbone.wte[...][target_N].astype(jnp.float32)

@@ -24,7 +24,16 @@ from prism_jax.model.prototypes import sparse_mixture
 
 
 def suppression_gains(num_prototypes: int, proto_ids: Sequence[int]) -> jax.Array:
-  """Gain vector (K,) that is 0 on `proto_ids` and 1 elsewhere: suppression of a set G."""
+  """Gain vector (K,) that is 0 on `proto_ids` and 1 elsewhere: suppression of a set G.
+
+  Args:
+    num_prototypes: K, the size of the bank.
+    proto_ids: the prototype ids of G, integers in [0, K) (repeats allowed; empty gives
+      all ones). A TypeError for non-integers, a ValueError for ids out of range.
+
+  Returns:
+    A float32 jax array of shape (K,): 0.0 at `proto_ids`, 1.0 elsewhere.
+  """
   ids = np.asarray(list(proto_ids)).reshape(-1)
   if ids.size and not np.issubdtype(ids.dtype, np.integer):
     raise TypeError(f"prototype ids must be integers, got {ids.tolist()}")
@@ -40,8 +49,17 @@ def suppression_gains(num_prototypes: int, proto_ids: Sequence[int]) -> jax.Arra
 def controlled_logits(model: PrismLM, out: LMOutput, gains_K: jax.Array) -> jax.Array:
   """`out.logits_BxTxV` after the gains edit; `out` is the unedited pass of `model`.
 
-  `out.protos` holds the B·T tokens flattened row-major (as PrismLM returns them), so a
-  sampler passes its decoded rows as a (B, 1, V) output.
+  Args:
+    model: the PrismLM (a DenseLM has no prototypes: ValueError) whose bank and LM head
+      give each prototype's logit share W p_i.
+    out: the unedited `LMOutput` of one forward pass of `model`: its `logits_BxTxV` and
+      `protos`, which holds the B·T tokens flattened row-major (as PrismLM returns them),
+      so a sampler passes its decoded rows as a (B, 1, V) output.
+    gains_K: one gain g_i per prototype, shape (K,) (cast to float32): 1 leaves a
+      prototype's share unchanged, 0 removes it (`suppression_gains`), 1 + w_i scales it.
+
+  Returns:
+    The edited logits ℓ' = ℓ − Σ_{i∈S_t} (1 − g_i) a_{t,i} W p_i, float32 (B, T, V).
   """
   if not isinstance(model, PrismLM) or out.protos is None:
     raise ValueError("controlled_logits needs a PrismLM and its output: the dense model "

@@ -84,8 +84,29 @@ def prototype_layer(z_NxD: jax.Array, protos_KxD: jax.Array, k: int, *,
                     mask_N: jax.Array | None = None) -> PrototypeOutput:
   """Sparse non-negative prototype mixture of PRISM.md §1 (see module docstring).
 
-  `mask_N` marks valid tokens (padding/EOS excluded): only they enter the per-prototype
-  (column) statistics used by R1. Outputs are float32 whatever the input dtype.
+  Outputs are float32 whatever the input dtype.
+
+  Args:
+    z_NxD: hidden states of N tokens, (N, D), any floating dtype.
+    protos_KxD: the prototype bank P, (K, D), floating, same D as `z_NxD`.
+    k: active prototypes per token, an int in [1, K].
+    residual_routing: "straight_through" (default: r = z - stop_gradient(z_hat), so the
+      CE reaches the bank only through z_hat) or "plain" (r = z - z_hat).
+    mixture: "raw" (default: act = ReLU(cos) of the k active prototypes) or "normalized"
+      (those activations divided by their sum, so each row sums to 1).
+    distance: the distance of the `*_min_dist` outputs: "cosine" (default: 1 - cos) or
+      "sqeuclidean" (squared Euclidean distance).
+    implementation: the op's kernel, one of `IMPLEMENTATIONS`: None (default) picks the
+      best for the platform the program is compiled for; "xla" is the reference.
+    mask_N: bool (N,) marking valid tokens (padding/EOS excluded): only they enter the
+      per-prototype (column) statistics used by R1. None (default): every token is valid.
+
+  Returns:
+    A `PrototypeOutput`: the active ids `idx_Nxk` (int32, by decreasing similarity, ties to
+    the lower id), their activations `act_Nxk` and cosines `sim_Nxk`, all (N, k); the
+    reconstruction `z_hat_NxD` and the routed residual `residual_NxD`, (N, D); the
+    per-token `row_max_cos_N` and `row_min_dist_N`, (N,); the per-prototype
+    `col_max_cos_K` (-inf with no valid token) and `col_min_dist_K` (+inf with none), (K,).
   """
   validate_inputs(z_NxD, protos_KxD, k, residual_routing=residual_routing, mixture=mixture,
                   distance=distance, implementation=implementation, mask_N=mask_N)

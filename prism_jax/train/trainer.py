@@ -295,7 +295,22 @@ def _batches_from(batches: Iterable | Callable[[int], Iterator], start: int) -> 
 
 
 class Trainer:
-  """`loss_fn` + optimiser over a parameter subset: the jitted step and its loop."""
+  """`loss_fn` + optimiser over a parameter subset: the jitted step and its loop.
+
+  Args:
+    loss_fn: `loss_fn(params, batch) -> (loss, metrics)`: a scalar loss and a dict of
+      scalar metrics, from the whole parameter tree (a nested dict) and one batch.
+    tx: the optax optimiser; its state covers the trainable leaves only.
+    trainable: `trainable(path) -> bool` on each leaf's key path (the tuple of dict keys
+      down to it): the leaves that get gradients and optimiser state; the others pass
+      through the step unchanged. None (default) trains every leaf.
+    schedule: the learning-rate schedule, only to log `lr` with the step's metrics (the
+      schedule itself goes into `tx`); None (default) logs no `lr`.
+    state_shardings: the shardings (a pytree matching TrainState) of the state the jitted
+      step takes and returns; None (default) leaves its placement to jit.
+    batch_shardings: the shardings of a batch given to the step; None (default) leaves
+      its placement to jit.
+  """
 
   def __init__(self, loss_fn: LossFn, tx: optax.GradientTransformation, *,
                trainable: Trainable | None = None, schedule: optax.Schedule | None = None,
@@ -305,6 +320,16 @@ class Trainer:
                           state_shardings=state_shardings, batch_shardings=batch_shardings)
 
   def init(self, params: Mapping) -> TrainState:
+    """The step-0 training state of `params`.
+
+    Args:
+      params: the whole parameter tree, a nested dict of arrays; copied (the step donates
+        its state), so the caller's arrays stay valid.
+
+    Returns:
+      A `TrainState`: step 0 (int32 scalar), the copied params and the optimiser state of
+      the trainable leaves. A ValueError if `trainable` selects no leaf.
+    """
     return init_state(params, self.tx, self.trainable)
 
   def fit(self, params: Mapping, batches: Iterable | Callable[[int], Iterator], *,
@@ -314,10 +339,33 @@ class Trainer:
           callbacks: Sequence[Callback] = ()) -> LoopResult:
     """Trains `params` for `steps` steps (resuming from `workdir`'s newest checkpoint).
 
-    `batches` is an iterable of batches (a resume skips the ones already used) or a
-    function `start_step -> iterator`. Checkpoints (with `config`, a JSON dict that a
-    resume must match) are written to `workdir` every `ckpt_every` steps and at the end.
-    `tokens_per_step` adds tokens/s (and steps/s) to the logged metrics.
+    Args:
+      params: the whole parameter tree at step 0 (a nested dict of arrays); a resume
+        replaces it with the checkpoint's.
+      batches: an iterable of batches (a resume skips the ones already used) or a
+        function `start_step -> iterator` of the batches from that step on. Running out
+        before `steps` raises a ValueError.
+      steps: the total number of steps the run ends at (counting those of a resumed
+        checkpoint).
+      workdir: the run directory for checkpoints and metrics (JSONL + TensorBoard); None
+        (default) trains in memory: no checkpoint, no resume, no metrics files.
+      ckpt_every: save a checkpoint every this many steps (and after the last one); None
+        (default) saves after the last step only. Ignored without `workdir`.
+      log_every: print progress (and the throughput rates) every this many steps, >= 1;
+        10 by default.
+      keep: the newest checkpoints kept in `workdir` (3 by default).
+      config: a JSON-able dict saved with every checkpoint; a resume must find the same
+        one (a ConfigMismatchError otherwise). None (default) is {}.
+      tokens_per_step: tokens in one step's batch; given, tokens/s (and steps/s) join the
+        logged metrics. None (default): no rates.
+      callbacks: functions `callback(done, state)` called after every step with the
+        number of steps completed and the TrainState (after any checkpoint save).
+
+    Returns:
+      A `LoopResult`: the final TrainState, the start step (0, or the resumed
+      checkpoint's), the final step, the newest checkpoint step (None if none), the last
+      step's metrics (a dict of floats) and the steady tokens/s (None without
+      `tokens_per_step`).
     """
     state = self.init(params)
     thr = None
