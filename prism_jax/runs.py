@@ -18,157 +18,16 @@ and the prototypes' share of the prediction's lead over the runner-up.
 
 from __future__ import annotations
 
-import dataclasses
-import html
-from typing import Any
-
 import jax.numpy as jnp
 import numpy as np
 
 from prism_jax.generate import SAMPLING, generate as generate_ids, sampling_label
 from prism_jax.model.lm import decompose as decompose_logits
 from prism_jax.model.logit_edit import code_logits, controlled_logits
-from prism_jax.model.trust import output_trust, token_trust, trust_label
+from prism_jax.model.trust import output_trust, token_trust
 
-TOP_SHOWN = 3  # prototypes a token's line shows (all k are in the records)
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenExplanation:
-  """The model's logit of `token` at its position, split into prototype slices and the
-  residual (they sum to `logit`), with the trust of the model's prediction there."""
-
-  position: int  # index of `token` in the text's tokens (its prediction read at position-1)
-  token: int
-  text: str
-  logit: float
-  prototypes: tuple[tuple[int, float, float], ...]  # (id, activation, contribution), by |c|
-  residual: float
-  prediction: int  # argmax W z at this position
-  prediction_text: str
-  agrees: bool  # argmax W z_hat = the prediction: the prototypes pick it
-  proto_share: float  # the prototypes' share of the prediction's lead (nan: a tie)
-
-  @property
-  def trust(self) -> str:
-    return trust_label(self.agrees, self.proto_share)
-
-
-@dataclasses.dataclass(frozen=True)
-class Decomposition:
-  """Per token of a text (after the first): see TokenExplanation. Displays itself."""
-
-  text: str
-  first: str
-  tokens: tuple[TokenExplanation, ...]
-
-  @property
-  def residual_decided(self) -> list[TokenExplanation]:
-    return [t for t in self.tokens if not t.agrees]
-
-  def __str__(self) -> str:
-    lines = [f"{'pos':>4} {'token':<14} {'logit':>8} = {'protos':>8} + {'residual':>8} | "
-             f"{'prediction':<12} {'trust':<10} | top prototypes (#id c=contribution)"]
-    for t in self.tokens:
-      protos = "  ".join(f"#{i} c={c:+.3f}" for i, _, c in t.prototypes[:TOP_SHOWN])
-      mark = "RESIDUAL" if not t.agrees else t.trust
-      total = sum(c for _, _, c in t.prototypes)
-      lines.append(f"{t.position:>4} {repr(t.text)[:14]:<14} {t.logit:>8.3f} = {total:>+8.3f} + "
-                   f"{t.residual:>+8.3f} | {repr(t.prediction_text)[:12]:<12} {mark:<10} | "
-                   f"{protos}")
-    lines.append(f"the residual decided {len(self.residual_decided)} of {len(self.tokens)} "
-                 "predictions (RESIDUAL: their prototypes do not explain them)")
-    return "\n".join(lines)
-
-  __repr__ = __str__
-
-  def _repr_html_(self) -> str:
-    rows = []
-    for t in self.tokens:
-      protos = ", ".join(f"#{i} ({c:+.2f})" for i, _, c in t.prototypes[:TOP_SHOWN])
-      style = "" if t.agrees else " style='color:#c62828;font-weight:600'"
-      rows.append(f"<tr><td>{t.position}</td><td><code>{html.escape(repr(t.text))}</code></td>"
-                  f"<td>{t.logit:.3f}</td><td>{protos}</td><td>{t.residual:+.3f}</td>"
-                  f"<td{style}>{html.escape('residual decided' if not t.agrees else t.trust)}"
-                  f"</td><td><code>{html.escape(repr(t.prediction_text))}</code></td></tr>")
-    return ("<table><thead><tr><th>pos</th><th>token</th><th>logit</th><th>top prototypes "
-            "(contribution)</th><th>residual</th><th>trust</th><th>prediction</th></tr>"
-            "</thead><tbody>" + "".join(rows) + "</tbody></table>"
-            f"<p>the residual decided {len(self.residual_decided)} of {len(self.tokens)} "
-            "predictions: their prototypes do not explain them</p>")
-
-
-@dataclasses.dataclass(frozen=True)
-class Generation:
-  """A continuation and its per-token trace (prism_jax.generate.GenerationOutput)."""
-
-  prompt: str
-  text: str  # the continuation alone
-  how: str  # "temperature 0.8, top-k 40, seed 0" or "greedy"
-  output: Any  # GenerationOutput of the one row
-  report: str  # the token report (analysis.token_report)
-
-  def __str__(self) -> str:
-    return f"{self.prompt}{self.text}\n({self.how})\n{self.report}"
-
-  __repr__ = __str__
-
-  def _repr_html_(self) -> str:
-    return (f"<p><b>{html.escape(self.prompt)}</b>{html.escape(self.text)} "
-            f"<i>({html.escape(self.how)})</i></p><pre>{html.escape(self.report)}</pre>")
-
-
-@dataclasses.dataclass(frozen=True)
-class TokenAttribution:
-  """The training sequences that most helped the model predict tokens[position]."""
-
-  text: str
-  position: int
-  token_text: str
-  sequences: tuple[tuple[int, float, str], ...]  # (example id, score, snippet), best first
-  query_prototypes: tuple[int, ...]
-  agrees: bool  # the prototypes pick the model's prediction here (else the residual did)
-  note: str  # "" or the trust line: the residual decided, use a whole-model method
-
-  def __str__(self) -> str:
-    lines = [f"{self.text!r}, token {self.position} {self.token_text!r} (prototypes "
-             f"{list(self.query_prototypes)})"]
-    if self.note:
-      lines.append(f"note: {self.note}")
-    lines += [f"  {r + 1}. score {s:+.4g}  doc {e}  {snip!r}"
-              for r, (e, s, snip) in enumerate(self.sequences)]
-    return "\n".join(lines)
-
-  __repr__ = __str__
-
-  def _repr_html_(self) -> str:
-    rows = "".join(f"<tr><td>{r + 1}</td><td>{s:+.4g}</td><td>{e}</td><td><code>"
-                   f"{html.escape(snip)}</code></td></tr>"
-                   for r, (e, s, snip) in enumerate(self.sequences))
-    note = f"<p style='color:#c62828'>{html.escape(self.note)}</p>" if self.note else ""
-    return (f"<p>token {self.position} <code>{html.escape(repr(self.token_text))}</code> of "
-            f"<code>{html.escape(repr(self.text))}</code></p>{note}<table><thead><tr><th>#"
-            "</th><th>score</th><th>document</th><th>snippet</th></tr></thead><tbody>"
-            f"{rows}</tbody></table>")
-
-
-@dataclasses.dataclass(frozen=True)
-class Report:
-  """The self-contained HTML report page; in a notebook, an iframe of it (no request)."""
-
-  html: str
-
-  def __repr__(self) -> str:
-    return f"Report({len(self.html) / 1e6:.1f} MB of self-contained HTML; .save(path) writes it)"
-
-  def save(self, path: str) -> str:
-    from prism_jax import paths  # pylint: disable=g-import-not-at-top
-    paths.write_text_atomic(path, self.html)
-    return path
-
-  def _repr_html_(self) -> str:
-    return (f"<iframe srcdoc=\"{html.escape(self.html, quote=True)}\" style=\"width:100%;"
-            "height:720px;border:1px solid #ddd\"></iframe>")
+from prism_jax.run_views import (TOP_SHOWN, Decomposition, Generation, Report,  # noqa: F401
+                                 TokenAttribution, TokenExplanation)
 
 
 class Run:
@@ -305,11 +164,15 @@ class Run:
 
   def generate(self, text, max_new_tokens: int = 32, *, greedy: bool = False,
                temperature: float = SAMPLING["temperature"], top_k: int | None = SAMPLING["top_k"],
-               seed: int = SAMPLING["seed"], top: int = TOP_SHOWN) -> Generation:
+               seed: int = SAMPLING["seed"], top: int = TOP_SHOWN):
     """Continue `text`, with each token's prototypes and trust mark.
 
+    A list of texts is generated in batches: prompts of equal token length share one call
+    (ragged prompts cannot share a KV cache), so any mix of lengths works. Greedy results
+    equal one-at-a-time calls; a sample may depend on its batch (the draws are per batch).
+
     Args:
-      text: the prompt (text or token ids).
+      text: the prompt (text or token ids), or a list of texts.
       max_new_tokens: tokens to generate (fewer if the context fills).
       greedy: argmax decoding instead of sampling.
       temperature: sampling temperature (the library's default 0.8).
@@ -318,9 +181,13 @@ class Run:
       top: prototypes listed per token in the report.
 
     Returns:
-      A Generation: `.text` (the continuation), `.output` (ids and trace), `.report`.
+      A Generation: `.text` (the continuation), `.output` (ids and trace), `.report`; a
+      list of them, in order, for a list of texts.
     """
     from prism_jax.analysis.token_report import token_report  # pylint: disable=g-import-not-at-top
+    if isinstance(text, (list, tuple)) and text and all(isinstance(t, str) for t in text):
+      return self._generate_many(list(text), max_new_tokens, greedy=greedy,
+                                 temperature=temperature, top_k=top_k, seed=seed, top=top)
     ids = self._ids(text)
     room = self.config.model.max_len - len(ids)
     if room < 1:
@@ -335,6 +202,34 @@ class Run:
     return Generation(prompt, self.tokenizer.decode(out.tokens_BxL[0, :n].tolist()),
                       sampling_label(temperature, top_k, seed), out,
                       token_report(out, self.tokenizer.decode, top=top))
+
+  def _generate_many(self, texts: list[str], max_new_tokens: int, *, greedy: bool,
+                     temperature: float, top_k: int | None, seed: int, top: int
+                     ) -> list[Generation]:
+    """Run.generate on a list: one batched call per prompt length."""
+    from prism_jax.analysis.token_report import token_report  # pylint: disable=g-import-not-at-top
+    ids = [self._ids(t) for t in texts]
+    groups: dict[int, list[int]] = {}
+    for i, x in enumerate(ids):
+      groups.setdefault(len(x), []).append(i)
+    temperature = 0.0 if greedy else temperature
+    gains = None if self.gains_K is None else jnp.asarray(self.gains_K)
+    out: list[Generation | None] = [None] * len(texts)
+    for length, members in groups.items():
+      room = self.config.model.max_len - length
+      if room < 1:
+        raise ValueError(f"a prompt fills the model's context ({self.config.model.max_len})")
+      batch = generate_ids(self.model, np.stack([ids[i] for i in members]),
+                           max_new_tokens=min(max_new_tokens, room), temperature=temperature,
+                           top_k=top_k, seed=seed, eos_id=self.tokenizer.eos_id,
+                           proto_gain_K=gains)
+      for r, i in enumerate(members):
+        row = _row(batch, r)
+        n = int(row.lengths_B[0])
+        out[i] = Generation(texts[i], self.tokenizer.decode(row.tokens_BxL[0, :n].tolist()),
+                            sampling_label(temperature, top_k, seed), row,
+                            token_report(row, self.tokenizer.decode, top=top))
+    return out
 
   def decompose(self, text) -> Decomposition:
     """Every token after the first, explained: its logit split into the k prototype slices
@@ -380,6 +275,14 @@ class Run:
           prediction_text=decode(trust.top1_N[j]), agrees=bool(trust.agrees_N[j]),
           proto_share=float(trust.proto_share_N[j])))
     return Decomposition(self.tokenizer.decode(ids.tolist()), decode(ids[0]), tuple(rows))
+
+
+def _row(out, r: int):
+  """Row r of a GenerationOutput as a one-row GenerationOutput."""
+  take = lambda x: None if x is None else x[r:r + 1]
+  trace = None if out.trace is None else type(out.trace)(*(take(x) for x in out.trace))
+  return out._replace(tokens_BxL=take(out.tokens_BxL), lengths_B=take(out.lengths_B),
+                      logit_BxL=take(out.logit_BxL), trace=trace)
 
 
 def _packed(run: "Run"):

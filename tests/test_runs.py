@@ -183,3 +183,16 @@ def test_cards_are_built_once_and_searchable(run_dir):
   word = c.contexts[0].trigger.strip() or c.contexts[0].trigger
   assert 3 in [p for p, _ in cards.search(word, where="trigger")]
   assert prism_jax.load(run_dir).cards.card(3) == c  # read back from <workdir>/cards
+
+
+def test_ragged_prompts_are_batched_and_equal_one_at_a_time_greedy(run_dir):
+  run = prism_jax.load(run_dir)
+  rng = np.random.default_rng(secrets.randbits(32))
+  texts = [" ".join(rng.choice(WORDS, n)) for n in (1, 2, 1, 3)]  # ragged token lengths
+  many = run.generate(texts, max_new_tokens=5, greedy=True)
+  assert [g.prompt for g in many] == texts
+  for text, g in zip(texts, many):
+    one = run.generate(text, max_new_tokens=5, greedy=True)
+    assert g.text == one.text, text
+    np.testing.assert_array_equal(g.output.trace.idx_BxLxk, one.output.trace.idx_BxLxk)
+    assert g.output.tokens_BxL.shape[0] == 1
