@@ -4,6 +4,7 @@ its trained-run part on the tests' shared tiny run (tests/tiny_run.py: trained o
 import json
 import os
 import pathlib
+import re
 import sys
 
 import nbformat
@@ -74,3 +75,23 @@ def test_quickstart_notebook_runs_and_displays_each_result_inline(kernel_name, t
   text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
   assert "suppressed prototypes:" in text and "the residual decided" in text
   assert "MB of self-contained HTML" in text
+
+
+def test_attribution_and_steering_notebook_runs(kernel_name, tmp_path, tmp_path_factory,
+                                                monkeypatch):
+  """attribute a trusted token, read its prototype's card, find the prototypes carrying a
+  token and suppress / amplify them over the same seeds."""
+  monkeypatch.setenv("PRISM_NB_RUN", tiny_run.tiny_run(tmp_path_factory)["run"])
+  nb = nbformat.read(REPO / "experiments" / "notebooks" / "attribution_and_steering.ipynb",
+                     as_version=4)
+  NotebookClient(nb, kernel_name=kernel_name, timeout=300,
+                 resources={"metadata": {"path": str(tmp_path)}}).execute()
+  outputs = [o for c in nb.cells if c.cell_type == "code" for o in c.get("outputs", [])]
+  assert not [o for o in outputs if o.output_type == "error"]
+  text = "".join(o.get("text", "") for o in outputs if o.output_type == "stream")
+  assert "top prototypes" in text and "promotes:" in text and "search 'for':" in text
+  rates = {name: float(v) for name, v in
+           re.findall(r"(unedited|suppressed|amplified x4): rate\s+([\d.]+)%", text)}
+  assert set(rates) == {"unedited", "suppressed", "amplified x4"}
+  assert all(0 <= r <= 100 for r in rates.values()) and rates["unedited"] > 0  # it was written
+  assert "the prototypes that carried it:" in text
