@@ -223,6 +223,9 @@ class TrainConfig:
   ckpt_every: int = 200
   keep_checkpoints: int = 3
   log_every: int = 20
+  # trackers beside metrics.jsonl (prism_jax/train/tracking.py): "tensorboard", "wandb"
+  # (the wandb extra), comma-separated; "" = metrics.jsonl only
+  log_to: str = "tensorboard"
   # Retrofit (prism_jax/train/init_from.py): a run directory whose backbone starts this run
   # (a dense twin, an imported Hugging Face GPT-2, a PRISM run); the bank is then set from
   # its hidden states at proto_init_step (0: at once). "" = train from scratch.
@@ -244,6 +247,8 @@ class TrainConfig:
            f"train.batch_size={self.batch_size} must be divisible by train.grad_accum="
            f"{self.grad_accum}")
     _check_choice("train.trainable", self.trainable, ("all", "prototypes"))
+    for name in (n.strip() for n in self.log_to.split(",") if n.strip()):
+      _check_choice("train.log_to", name, ("tensorboard", "wandb"))
 
 
 @dataclasses.dataclass(frozen=True)

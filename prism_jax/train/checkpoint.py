@@ -49,6 +49,7 @@ RESUMABLE_CHANGES = (
     # the same update in other microbatches (train/accumulate.py): fit a resumed run to a
     # smaller slice
     "train.grad_accum",
+    "train.log_to",  # trackers: a resumed run may start or stop logging to one
 )
 # May differ on a resume only when asked for (`train(allow_config_change=...)`, the CLI's
 # --allow_change), e.g. a lower train.lr after a divergence.

@@ -178,7 +178,8 @@ def _run(cfg, workdir, mesh, ckpt, packed, train_loader, val_loader, callbacks, 
     loop = trainer.Loop(start=start, steps=tc.steps, log_every=tc.log_every,
                         workdir=workdir, checkpointing=saving, throughput=thr,
                         hint="Lower train.lr or check the data.",
-                        stop=None if preemption is None else preemption.reached)
+                        stop=None if preemption is None else preemption.reached,
+                        log_to=tc.log_to, config=dataclasses.asdict(cfg))
     last_eval: dict[str, float] = {}
 
     def before_step(s: int, state: TrainState) -> TrainState:

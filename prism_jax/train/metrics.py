@@ -1,4 +1,5 @@
-"""Metric writers (JSONL always, TensorBoard via tensorboardX) and throughput accounting.
+"""Metric writers (JSONL always; TensorBoard and W&B as `train.log_to` says:
+prism_jax/train/tracking.py) and throughput accounting.
 
 Throughput: tokens/s counts every position of every row (B*T per step); TFLOP/s uses
 `prism_jax.flops.flops_per_token(model_cfg, T, loss_cfg)["train"]` (3x forward, prototype
@@ -34,10 +35,11 @@ def _clean(value: Any) -> Any:
 class MetricsWriter:
   """Appends {"step", "split", ...} records to <workdir>/metrics.jsonl and TensorBoard."""
 
-  def __init__(self, workdir: str, start_step: int = 0, tensorboard: bool = True):
+  def __init__(self, workdir: str, start_step: int = 0, tensorboard: bool = True,
+               wandb: bool = False, config: dict[str, Any] | None = None):
     self.enabled = jax.process_index() == 0
     self.path = paths.join(workdir, METRICS_FILE)
-    self._tb = None
+    self._tb = self._wandb = None
     if not self.enabled:
       return
     kept = _truncate_after(self.path, start_step)  # a resumed run rewrites later steps
@@ -51,6 +53,9 @@ class MetricsWriter:
         self._tb = SummaryWriter(paths.join(workdir, "tb"), purge_step=start_step + 1)
       except Exception as e:  # pylint: disable=broad-except
         logging.warning("TensorBoard disabled: %s", e)
+    if wandb:
+      from prism_jax.train.tracking import WandbTracker  # pylint: disable=g-import-not-at-top
+      self._wandb = WandbTracker(workdir, config)
 
   def write(self, step: int, split: str, metrics: dict[str, Any]) -> None:
     if not self.enabled:
@@ -65,10 +70,13 @@ class MetricsWriter:
         self.flush()
     else:
       self._file.write(line)
+    scalars = {k: float(v) for k, v in metrics.items()
+               if isinstance(v, (int, float)) and math.isfinite(float(v))}
     if self._tb is not None:
-      for k, v in metrics.items():
-        if isinstance(v, (int, float)) and math.isfinite(float(v)):
-          self._tb.add_scalar(f"{split}/{k}", float(v), int(step))
+      for k, v in scalars.items():
+        self._tb.add_scalar(f"{split}/{k}", v, int(step))
+    if self._wandb is not None:
+      self._wandb.log(step, split, scalars)
 
   def flush(self) -> None:
     if self.enabled:
@@ -88,6 +96,8 @@ class MetricsWriter:
         self._file.close()
       if self._tb is not None:
         self._tb.close()
+      if self._wandb is not None:
+        self._wandb.close()
 
 
 def _truncate_after(path: str, step: int) -> list[str]:

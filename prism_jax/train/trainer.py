@@ -31,6 +31,7 @@ import optax
 from prism_jax.train import accumulate
 from prism_jax.train import checkpoint as ckpt_lib
 from prism_jax.train import metrics as metrics_lib
+from prism_jax.train.tracking import parse_log_to
 from prism_jax.train.progress import Progress
 from prism_jax.train.state import TrainState
 
@@ -166,14 +167,18 @@ class Loop:
   def __init__(self, *, start: int, steps: int, log_every: int, workdir: str | None = None,
                checkpointing: Checkpointing | None = None,
                throughput: metrics_lib.Throughput | None = None, hint: str = "",
-               stop: Callable[[int], bool] | None = None):
+               stop: Callable[[int], bool] | None = None, log_to: str = "tensorboard",
+               config: dict[str, Any] | None = None):
     """`stop(done)`, asked once after every step on every process (preemption.Preemption.
     reached): True saves that step (with `checkpointing`) and ends the run there."""
     if log_every < 1:
       raise ValueError(f"log_every must be >= 1, got {log_every}")
     self.start, self.steps, self.log_every = start, steps, log_every
     self.ckpt, self.thr, self.hint, self.stop = checkpointing, throughput, hint, stop
-    self.writer = metrics_lib.MetricsWriter(workdir, start) if workdir else None
+    trackers = parse_log_to(log_to)  # `log_to`: train.log_to; `config`: what W&B records
+    self.writer = metrics_lib.MetricsWriter(
+        workdir, start, tensorboard="tensorboard" in trackers, wandb="wandb" in trackers,
+        config=config) if workdir else None
     self.progress = Progress(start, steps)
     self._pending = None  # (step, device metrics) not yet fetched
     self._last: dict[str, float] = {}
