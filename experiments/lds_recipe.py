@@ -38,7 +38,8 @@ RECIPE = {
 # What a retrain does not read (evaluation, checkpoints, logging, the data cache's path,
 # the mesh: a retrain runs on one device).
 UNPINNED = ("data.packed_dir", "train.eval_every", "train.eval_batches", "train.eval_at_start",
-            "train.ckpt_every", "train.keep_checkpoints", "train.log_every", "mesh.")
+            "train.ckpt_every", "train.keep_checkpoints", "train.log_every", "train.log_to",
+            "mesh.")
 
 
 def config(overrides=()) -> Config:

@@ -3,6 +3,7 @@ gradient-dot baseline against per-example autodiff, and a micro LDS run end to e
 
 import json
 import os
+import secrets
 import subprocess
 import sys
 
@@ -327,3 +328,29 @@ def test_removal_curves_off_gives_a_table_without_them():
   assert len(ci["prism"]) == 2 and lines[-1].startswith("| prism | ")
   np.testing.assert_allclose(ci["prism"][0][0], deltas["prism"][:, 0].mean())
 
+
+
+def test_a_registered_method_is_scored_like_the_built_in_ones(micro):
+  """methods.register adds a Method; scores() densifies its (ids, scores) over the rows."""
+  methods_lib = methods
+  rng = np.random.default_rng(secrets.randbits(32))
+  picked = np.sort(rng.choice(6, 3, replace=False))
+  vals = rng.normal(size=(2, 3))
+
+  @methods_lib.register("test_sparse_method")
+  def _method(setting):
+    assert setting.num_rows == 6 and setting.seed == 5
+    return picked, vals
+
+  try:
+    with pytest.raises(ValueError, match="already registered"):
+      methods_lib.register("test_sparse_method")(_method)
+    queries = type("Q", (), {"tokens_QxL": np.zeros((2, 4))})()
+    out, _ = methods_lib.scores("test_sparse_method", None, None, None, queries, 6, "",
+                                seed=5)
+    want = np.zeros((2, 6))
+    want[:, picked] = vals
+    np.testing.assert_array_equal(out, want)
+    assert methods_lib.METHODS == ("prism", "full", "ekfac", "grad_dot", "random")
+  finally:
+    methods_lib.REGISTRY.pop("test_sparse_method", None)

@@ -3,6 +3,8 @@
 A training sequence is a packed row (unit="row", kronfluence's example). Sign: positive =
 helps the query, for every method (influence.py, influence_full.py, ekfac.py, grad_dot.py).
 Queries are `retrain.Queries` (rows with target masks), the same the retrains measure.
+Each method is a `Method` in REGISTRY (`register(name)` adds one): it takes a `Setting` and
+returns (row ids, scores (Q, E')), the one order for all.
 
   cached PRISM   influence.attribute_batch over an AttributionCache (rank `rank`);
                  sequences sharing no prototype with the query score 0
@@ -14,8 +16,10 @@ Queries are `retrain.Queries` (rows with target masks), the same the retrains me
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import time
+from typing import Any, Protocol
 
 import numpy as np
 
@@ -26,7 +30,39 @@ from prism_jax.attribution import grad_dot
 from prism_jax.attribution import influence
 from prism_jax.attribution import influence_full
 
-METHODS = ("prism", "full", "ekfac", "grad_dot", "random")
+@dataclasses.dataclass(frozen=True)
+class Setting:
+  """What every method scores: `queries` against the first `num_rows` training rows of
+  `packed` under `model`; `scratch` holds what a method builds (the cache), `rank` the
+  cache's projection, `seed` any randomness."""
+
+  model: Any
+  cfg: Any
+  packed: Any
+  queries: Any
+  num_rows: int
+  scratch: str
+  rank: int = 32
+  seed: int = 0
+
+
+class Method(Protocol):
+  """An attribution method: (row ids (E',), scores (Q, E')), positive = helps the query."""
+
+  def __call__(self, setting: Setting) -> tuple[np.ndarray, np.ndarray]: ...
+
+
+REGISTRY: dict[str, Method] = {}
+
+
+def register(name: str):
+  """Adds a method under `name` (a decorator); `scores(name, ...)` then runs it."""
+  def add(fn: Method) -> Method:
+    if name in REGISTRY:
+      raise ValueError(f"attribution method {name!r} is already registered")
+    REGISTRY[name] = fn
+    return fn
+  return add
 
 
 def _dense(ids_E: np.ndarray, scores_QxE: np.ndarray, num_rows: int) -> np.ndarray:
@@ -39,36 +75,70 @@ def _prism_queries(queries):
   return [(row[:max(p) + 1], p) for row, p in zip(queries.tokens_QxL, queries.positions)]
 
 
+def _cache(s: Setting):
+  """The AttributionCache of the first num_rows rows under scratch (built once, shared)."""
+  cache_dir = os.path.join(s.scratch, "cache")
+  if cache_format.is_cache_dir(cache_dir):
+    return cache_lib.AttributionCache(cache_dir, s.model, s.cfg)
+  return cache_lib.build_cache(s.model, s.cfg, s.packed, cache_dir, cache_lib.CacheConfig(
+      rank=s.rank, max_rows=s.num_rows), overwrite=True)
+
+
+ROW_UNIT = influence.InfluenceConfig(unit="row")  # a training sequence = a packed row
+
+
+@register("prism")
+def _prism(s: Setting):
+  """Cached PRISM: influence.attribute_batch over the cache (rows sharing no prototype
+  with a query score 0)."""
+  atts = influence.attribute_batch(s.model, _cache(s), _prism_queries(s.queries),
+                                   cfg=ROW_UNIT)
+  return np.arange(s.num_rows), np.stack(
+      [_dense(a.all_ids, a.all_scores[None], s.num_rows)[0] for a in atts])
+
+
+@register("full")
+def _full(s: Setting):
+  """The exact prototype-space score (influence_full, path="full")."""
+  return influence_full.full_scores(s.model, _cache(s), s.packed, _prism_queries(s.queries),
+                                    path="full", cfg=ROW_UNIT, max_rows=s.num_rows)
+
+
+@register("ekfac")
+def _ekfac(s: Setting):
+  """EK-FAC factors fitted on the rows, then its scores over every parameter."""
+  batches = lambda: (b for _, b in cache_format.iter_rows(s.packed, "train", 16, 0,
+                                                          s.num_rows))
+  factors = ekfac.fit_factors(s.model, batches(), lambda_batches=batches())
+  sc, ids = ekfac.ekfac_scores(s.model, factors, s.queries.batch(), batches,
+                               train_batch_size=16, by_example=False)
+  return ids, sc
+
+
+@register("grad_dot")
+def _grad_dot(s: Setting):
+  """Gradient dot-products over every parameter, no curvature."""
+  return grad_dot.grad_dot_scores(s.model, s.queries.batch(), s.packed, max_rows=s.num_rows)
+
+
+@register("random")
+def _random(s: Setting):
+  """iid N(0, 1) scores (seeded): the floor."""
+  return np.arange(s.num_rows), np.random.default_rng(s.seed).standard_normal(
+      (len(s.queries.tokens_QxL), s.num_rows))
+
+
+METHODS = tuple(REGISTRY)  # the built-in ones, in the tables' order
+
+
 def scores(method: str, model, cfg, packed, queries, num_rows: int, scratch: str, *,
            rank: int = 32, seed: int = 0) -> tuple[np.ndarray, float]:
-  """(scores_QxE float64, seconds) of `method` on the first `num_rows` training rows.
+  """(scores_QxE float64 over the first `num_rows` rows, seconds) of a registered method.
 
-  `scratch` holds the cache (prism, full share one; built once)."""
-  if method not in METHODS:
-    raise ValueError(f"unknown attribution method {method!r}; choose from {METHODS}")
+  `scratch` holds the cache (prism and full share one; built once)."""
+  if method not in REGISTRY:
+    raise ValueError(f"unknown attribution method {method!r}; choose from {tuple(REGISTRY)}")
   t0 = time.time()
-  icfg = influence.InfluenceConfig(unit="row")
-  if method in ("prism", "full"):
-    cache_dir = os.path.join(scratch, "cache")
-    cache = cache_lib.build_cache(model, cfg, packed, cache_dir, cache_lib.CacheConfig(
-        rank=rank, max_rows=num_rows), overwrite=True) if not cache_format.is_cache_dir(
-            cache_dir) else cache_lib.AttributionCache(cache_dir, model, cfg)
-    if method == "prism":
-      atts = influence.attribute_batch(model, cache, _prism_queries(queries), cfg=icfg)
-      out = np.stack([_dense(a.all_ids, a.all_scores[None], num_rows)[0] for a in atts])
-    else:
-      ids, sc = influence_full.full_scores(model, cache, packed, _prism_queries(queries),
-                                           path="full", cfg=icfg, max_rows=num_rows)
-      out = _dense(ids, sc, num_rows)
-  elif method == "ekfac":
-    batches = lambda: (b for _, b in cache_format.iter_rows(packed, "train", 16, 0, num_rows))
-    factors = ekfac.fit_factors(model, batches(), lambda_batches=batches())
-    sc, ids = ekfac.ekfac_scores(model, factors, queries.batch(), batches,
-                                 train_batch_size=16, by_example=False)
-    out = _dense(ids, sc, num_rows)
-  elif method == "grad_dot":
-    ids, sc = grad_dot.grad_dot_scores(model, queries.batch(), packed, max_rows=num_rows)
-    out = _dense(ids, sc, num_rows)
-  else:
-    out = np.random.default_rng(seed).standard_normal((len(queries.tokens_QxL), num_rows))
-  return out, time.time() - t0
+  ids, sc = REGISTRY[method](Setting(model, cfg, packed, queries, num_rows, scratch, rank,
+                                     seed))
+  return _dense(ids, np.asarray(sc, np.float64), num_rows), time.time() - t0
