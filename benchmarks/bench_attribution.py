@@ -67,11 +67,11 @@ def _max_rows(packed):
 
 def _worker(out_dir):
   """Runs FLAGS.method; writes <method>.json (+ scores .npz)."""
-  from prism_jax.attribution import cache as cache_lib  # pylint: disable=g-import-not-at-top
-  from prism_jax.attribution import cache_format  # pylint: disable=g-import-not-at-top
-  from prism_jax.attribution import ekfac  # pylint: disable=g-import-not-at-top
-  from prism_jax.attribution import influence  # pylint: disable=g-import-not-at-top
-  from prism_jax.attribution import influence_full  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.caching import cache as cache_lib  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.caching import cache_format  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.hessians import ekfac  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.scoring import influence  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.scoring import influence_full  # pylint: disable=g-import-not-at-top
   model, cfg, packed, queries = _load(out_dir)
   cache_dir = os.path.join(out_dir, "cache" + FLAGS.suffix)
   rows = packed.rows("val")["tokens"]
@@ -198,7 +198,7 @@ def main(argv):
   out_dir = FLAGS.out or os.path.join(FLAGS.workdir, "bench_attribution")
   if FLAGS.method:
     return _worker(out_dir)
-  from prism_jax.attribution.influence import top_overlap  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.scoring.influence import top_overlap  # pylint: disable=g-import-not-at-top
   os.makedirs(out_dir, exist_ok=True)
   _ensure_trained()
   from prism_jax.data import prepare_data  # pylint: disable=g-import-not-at-top

@@ -41,7 +41,7 @@ PER_TOKEN = ("example_id", "offset", "idx", "act", "g", "proto_tokens", "proto_a
 
 
 def _build(model, cfg, packed, out, cache_cfg):
-  from prism_jax.attribution import cache as cache_lib  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.caching import cache as cache_lib  # pylint: disable=g-import-not-at-top
   t0 = time.perf_counter()
   cache = cache_lib.build_cache(model, cfg, packed, out, cache_cfg, overwrite=True,
                                 progress=False)
@@ -52,7 +52,7 @@ def main(argv):
   del argv
   from prism_jax import config as cfg_lib  # pylint: disable=g-import-not-at-top
   from prism_jax import paths  # pylint: disable=g-import-not-at-top
-  from prism_jax.attribution import cache as cache_lib  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.caching import cache as cache_lib  # pylint: disable=g-import-not-at-top
   from prism_jax.data import prepare_data  # pylint: disable=g-import-not-at-top
   from prism_jax.model.lm import build_model  # pylint: disable=g-import-not-at-top
   base = cfg_lib.preset(FLAGS.config)

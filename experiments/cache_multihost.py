@@ -73,7 +73,7 @@ def _build(cache_dir, count, log_dir):
 
 def _read_all(path):
   from prism_jax import paths  # pylint: disable=g-import-not-at-top
-  from prism_jax.attribution import cache_format as fmt  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.caching import cache_format as fmt  # pylint: disable=g-import-not-at-top
   meta = fmt.read_json(paths.join(path, fmt.METADATA))
   meta.pop("build_seconds_last_run")
   drv = meta["identity"]["cache"]["driver"]

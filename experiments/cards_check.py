@@ -89,7 +89,7 @@ def matches(card, ref) -> tuple[bool, float]:
 def main(argv):
   del argv
   from prism_jax.analysis import cards as cards_lib  # pylint: disable=g-import-not-at-top
-  from prism_jax.attribution import cache as cache_lib  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.caching import cache as cache_lib  # pylint: disable=g-import-not-at-top
   from prism_jax.data import prepare_data  # pylint: disable=g-import-not-at-top
   from prism_jax.train import load_for_inference  # pylint: disable=g-import-not-at-top
   from prism_jax.train.metrics import quiet_library_logs  # pylint: disable=g-import-not-at-top

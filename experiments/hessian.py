@@ -16,7 +16,7 @@ from absl import flags
 from prism_jax.cli import launcher
 from prism_jax.cli import provenance
 
-from prism_jax.attribution import hessian_sweep as sweep
+from experiments import hessian_sweep as sweep
 
 _LAMBDAS = flags.DEFINE_list("lambdas", ["0", "0.01", "0.05", "0.2", "1"],
                              "clustering weights λ (λ_1 = λ_2 = λ)")
@@ -37,9 +37,9 @@ def block(workdir: str, rows: int) -> dict:
   """Exact and K-FAC blocks (i, i), (i, j) of the run's bank; seconds of the exact ones."""
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from prism_jax.attribution import curvature_stats as cs  # pylint: disable=g-import-not-at-top
-  from prism_jax.attribution import hessian_block as hb  # pylint: disable=g-import-not-at-top
-  from prism_jax.attribution.cache_format import iter_rows  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.hessians import curvature_stats as cs  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.hessians import hessian_block as hb  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.caching.cache_format import iter_rows  # pylint: disable=g-import-not-at-top
   from prism_jax.config import LossConfig  # pylint: disable=g-import-not-at-top
   from prism_jax.data import prepare_data  # pylint: disable=g-import-not-at-top
   from prism_jax.train import load_for_inference  # pylint: disable=g-import-not-at-top

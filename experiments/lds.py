@@ -241,7 +241,7 @@ def main(argv):
                       "ours": round(float(np.sqrt(max(ceiling[0], 0))), 4), "section": "§5",
                       "note": f"two-seed Spearman ρ {ceiling[0]:.3f}"})
   if "prism" in scores and "full" in scores:  # the cache's projection against no projection
-    from prism_jax.attribution.influence import top_overlap  # pylint: disable=g-import-not-at-top
+    from prism_jax.attribution.scoring.influence import top_overlap  # pylint: disable=g-import-not-at-top
     ids = np.arange(E)
     ret = [top_overlap(ids, scores["prism"][q], ids, scores["full"][q], RETENTION_M)
            for q in range(len(scores["prism"]))]

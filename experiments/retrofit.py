@@ -92,8 +92,8 @@ def evaluate_run(workdir: str) -> dict:
 
 def retention(workdir: str, seed: int) -> float:
   """Mean top-m overlap of cached and full prototype-space attributions (see module doc)."""
-  from prism_jax.attribution import cache as cache_lib  # pylint: disable=g-import-not-at-top
-  from prism_jax.attribution import influence, influence_full  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.caching import cache as cache_lib  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.scoring import influence, influence_full  # pylint: disable=g-import-not-at-top
   from prism_jax.data import prepare_data  # pylint: disable=g-import-not-at-top
   from prism_jax.train import load_for_inference  # pylint: disable=g-import-not-at-top
   model, cfg, _ = load_for_inference(workdir)

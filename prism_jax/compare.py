@@ -14,7 +14,7 @@ import hashlib
 
 import numpy as np
 
-from prism_jax.attribution.cache_format import model_fingerprint
+from prism_jax.attribution.caching.cache_format import model_fingerprint
 from prism_jax.control import controllers as ctl
 from prism_jax.control import sae as sae_lib
 from prism_jax import stats

@@ -292,8 +292,8 @@ def _packed(run: "Run"):
 
 def _cache(run: "Run", packed, build: bool):
   from prism_jax import paths  # pylint: disable=g-import-not-at-top
-  from prism_jax.attribution import cache as cache_lib  # pylint: disable=g-import-not-at-top
-  from prism_jax.attribution import cache_format  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.caching import cache as cache_lib  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.caching import cache_format  # pylint: disable=g-import-not-at-top
   cache_dir = paths.join(run.workdir, "attribution_cache")
   if not build and not cache_format.is_cache_dir(cache_dir):
     raise ValueError(f"no attribution cache in {cache_dir}; pass build=True (or run `prism "
@@ -304,7 +304,7 @@ def _cache(run: "Run", packed, build: bool):
 def attribute(run: "Run", text, position: int | None = None, *, top: int = 5,
               build: bool = True) -> TokenAttribution:
   """Run.attribute: see its docstring."""
-  from prism_jax.attribution import influence  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.scoring import influence  # pylint: disable=g-import-not-at-top
   from prism_jax.model.trust import RESIDUAL_DECIDED, prediction_trust  # pylint: disable=g-import-not-at-top
   if run.config.model.kind != "prism":
     raise ValueError(f"{run.workdir} is a dense run: cached attribution needs prototypes")
@@ -342,8 +342,8 @@ def hessian_block(run: "Run", i: int, j: int, *, rows: int = 4, path: str = "ful
                   loss_cfg=None) -> np.ndarray:
   """Run.hessian_block: see its docstring."""
   import jax  # pylint: disable=g-import-not-at-top
-  from prism_jax.attribution import curvature  # pylint: disable=g-import-not-at-top
-  from prism_jax.attribution.hessian_block import hessian_block as block  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.hessians import curvature  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.hessians.hessian_block import hessian_block as block  # pylint: disable=g-import-not-at-top
   from prism_jax.data import batch as batch_lib  # pylint: disable=g-import-not-at-top
   loss_cfg = run.config.loss if loss_cfg is None else loss_cfg
   curvature.check_loss(loss_cfg)  # before reading any data: one line naming the term

@@ -12,10 +12,10 @@ import time
 import numpy as np
 import pytest
 
-from prism_jax.attribution import cache as cache_lib
-from prism_jax.attribution import cache_build, cache_format
-from prism_jax.attribution import curvature as cv
-from prism_jax.attribution import influence, influence_full
+from prism_jax.attribution.caching import cache as cache_lib
+from prism_jax.attribution.caching import cache_build, cache_format
+from prism_jax.attribution.hessians import curvature as cv
+from prism_jax.attribution.scoring import influence, influence_full
 from prism_jax.config import Config, DataConfig, LossConfig, ModelConfig
 from prism_jax.data import prepare_data
 from prism_jax.model.lm import build_model
@@ -25,7 +25,7 @@ WORDS = ("alpha beta gamma delta eps zeta eta theta iota kappa lambda mu nu xi o
 
 BUILD_SCRIPT = """
 import sys, time
-from prism_jax.attribution import cache as cache_lib
+from prism_jax.attribution.caching import cache as cache_lib
 from prism_jax.data import PackedData
 from prism_jax.model.lm import build_model
 import test_attribution as t

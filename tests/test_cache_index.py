@@ -12,8 +12,8 @@ import os
 import numpy as np
 import pytest
 
-from prism_jax.attribution import cache_format as fmt
-from prism_jax.attribution import cache_index
+from prism_jax.attribution.caching import cache_format as fmt
+from prism_jax.attribution.caching import cache_index
 
 K, k, CHUNK_TOKENS = 11, 3, 8
 DRIVER = "zarr3"

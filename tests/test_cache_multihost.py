@@ -26,8 +26,9 @@ import pytest  # noqa: E402
 from etils import epath  # noqa: E402
 
 from prism_jax import distributed  # noqa: E402
-from prism_jax.attribution import cache as cache_lib  # noqa: E402
-from prism_jax.attribution import cache_format, cache_shards, influence  # noqa: E402
+from prism_jax.attribution.caching import cache as cache_lib  # noqa: E402
+from prism_jax.attribution.caching import cache_format, cache_shards  # noqa: E402
+from prism_jax.attribution.scoring import influence  # noqa: E402
 from prism_jax.data import PackedData, prepare_data  # noqa: E402
 from prism_jax.model.lm import build_model  # noqa: E402
 import test_attribution as ta  # noqa: E402  (tests/ is on sys.path, also in workers)

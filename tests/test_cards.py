@@ -13,7 +13,7 @@ from etils import epath
 
 from prism_jax import io_guard
 from prism_jax.analysis import cards as cards_lib
-from prism_jax.attribution import cache_build, cache_format
+from prism_jax.attribution.caching import cache_build, cache_format
 from prism_jax.model.lm import build_model
 
 import tiny_run

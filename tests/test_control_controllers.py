@@ -10,7 +10,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from prism_jax.attribution.cache_format import model_fingerprint
+from prism_jax.attribution.caching.cache_format import model_fingerprint
 from prism_jax.config import model_preset
 from prism_jax.control import controllers as ctl
 from prism_jax.data.tokenizers import ByteTokenizer

@@ -7,9 +7,9 @@ import re
 import pytest
 
 import prism_jax
-from prism_jax.attribution.cache import build_cache
-from prism_jax.attribution.hessian_block import hessian_block
-from prism_jax.attribution.influence import attribute_batch
+from prism_jax.attribution.caching.cache import build_cache
+from prism_jax.attribution.hessians.hessian_block import hessian_block
+from prism_jax.attribution.scoring.influence import attribute_batch
 from prism_jax.config import preset
 from prism_jax.data import prepare_data
 from prism_jax.model.lm import decompose

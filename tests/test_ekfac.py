@@ -9,8 +9,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from prism_jax.attribution import ekfac
-from prism_jax.attribution import ekfac_capture
+from prism_jax.attribution.hessians import ekfac
+from prism_jax.attribution.hessians import ekfac_capture
 from prism_jax.config import ModelConfig
 from prism_jax.model.lm import build_model
 from prism_jax.model.tap import Tap

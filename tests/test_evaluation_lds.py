@@ -15,7 +15,7 @@ from flax import nnx
 from scipy import stats
 
 from prism_jax import losses
-from prism_jax.attribution import grad_dot
+from prism_jax.attribution.scoring import grad_dot
 from prism_jax.config import preset
 from prism_jax.data import prepare_data
 from prism_jax.evaluation import lds, methods, retrain
@@ -149,7 +149,7 @@ def test_measure_is_the_summed_target_nll(micro):
 def gd(micro):
   """grad_dot scores of the 3 queries plus a 4th query that IS training row 7."""
   _, packed, queries, model = micro
-  from prism_jax.attribution import cache_format  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.caching import cache_format  # pylint: disable=g-import-not-at-top
   _, row7 = next(cache_format.iter_rows(packed, "train", 1, 7, 8))
   qb = {k: np.concatenate([queries.batch()[k], row7[k]]) for k in ("inputs", "targets", "mask")}
   ids, sc = grad_dot.grad_dot_scores(model, qb, packed, max_rows=ROWS, batch_rows=8)
@@ -172,7 +172,7 @@ def test_grad_dot_matches_per_example_autodiff_and_sign(micro, gd):
   grads = lambda b, n: np.stack([np.asarray(flat_grad(b["inputs"][i], b["targets"][i],
                                                       b["mask"][i]), np.float64)
                                  for i in range(n)])
-  from prism_jax.attribution import cache_format  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.caching import cache_format  # pylint: disable=g-import-not-at-top
   _, tb = next(cache_format.iter_rows(packed, "train", 5, 0, 5))
   want = grads(qb, 3) @ grads(tb, 5).T
   np.testing.assert_allclose(sc[:3, :5], want, rtol=2e-3, atol=1e-3 * np.abs(want).max())

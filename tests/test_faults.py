@@ -26,8 +26,8 @@ import pytest
 
 from prism_jax import generate as gen_lib
 from prism_jax import io_guard
-from prism_jax.attribution import cache as cache_lib
-from prism_jax.attribution import influence
+from prism_jax.attribution.caching import cache as cache_lib
+from prism_jax.attribution.scoring import influence
 from prism_jax.config import LossConfig
 from prism_jax.data import load_documents, prepare_data
 from prism_jax.model.lm import decompose

@@ -16,8 +16,8 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from prism_jax.attribution import curvature as cv
-from prism_jax.attribution import hessian_block as hb
+from prism_jax.attribution.hessians import curvature as cv
+from prism_jax.attribution.hessians import hessian_block as hb
 from prism_jax.config import LossConfig, ModelConfig
 from prism_jax.losses import token_nll, token_rec, total_loss
 from prism_jax.model.lm import build_model

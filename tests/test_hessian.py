@@ -8,8 +8,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from prism_jax.attribution import curvature as cv
-from prism_jax.attribution import hessian as hs
+from prism_jax.attribution.hessians import curvature as cv
+from prism_jax.attribution.hessians import hessian as hs
 from prism_jax.config import LossConfig, ModelConfig
 from prism_jax.model.lm import build_model
 

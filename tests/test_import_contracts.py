@@ -40,7 +40,7 @@ def test_each_kind_of_violation_breaks_a_contract(tmp_path):
       "prism_jax/evaluation/scoring.py": "import prism_jax.control.controllers",
       "prism_jax/analysis/cards.py": "import prism_jax.evaluation.tasks",
       "prism_jax/control/sae.py": "import prism_jax.analysis.card_stats",
-      "prism_jax/attribution/cache.py": "import prism_jax.compare",
+      "prism_jax/attribution/caching/cache.py": "import prism_jax.compare",
       "benchmarks/bench_topk.py": "import experiments.reproduce",
   }
   _copy_tree(tmp_path)  # one tree, one lint: every violation must be reported

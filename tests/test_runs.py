@@ -116,7 +116,7 @@ def test_a_steered_view_edits_generation_and_decomposition(run_dir):
 
 @pytest.mark.long
 def test_attribute_and_report_from_the_run(run_dir):
-  from prism_jax.attribution import influence  # pylint: disable=import-outside-toplevel
+  from prism_jax.attribution.scoring import influence  # pylint: disable=import-outside-toplevel
   from prism_jax.model.trust import prediction_trust  # pylint: disable=import-outside-toplevel
   run = prism_jax.load(run_dir)
   text = "the prototype of mesh"
@@ -127,7 +127,7 @@ def test_attribute_and_report_from_the_run(run_dir):
   agrees = bool(prediction_trust(run.model, ids, [5]).agrees_N[0])
   assert att.agrees == agrees and bool(att.note) == (not agrees)
   # the same ranking as the cache's own query function
-  from prism_jax.attribution import cache as cache_lib  # pylint: disable=import-outside-toplevel
+  from prism_jax.attribution.caching import cache as cache_lib  # pylint: disable=import-outside-toplevel
   from prism_jax.data import prepare_data  # pylint: disable=import-outside-toplevel
   packed = prepare_data(run.config.data, run.config.model.vocab_size, run_dir)
   cache = cache_lib.AttributionCache(f"{run_dir}/attribution_cache", run.model, run.config)
@@ -145,7 +145,7 @@ def test_attribute_and_report_from_the_run(run_dir):
 
 def test_hessian_block_uses_the_runs_loss_or_refuses_its_term_in_one_line(run_dir):
   import dataclasses  # pylint: disable=g-import-not-at-top
-  from prism_jax.attribution.hessian_block import hessian_block  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.hessians.hessian_block import hessian_block  # pylint: disable=g-import-not-at-top
   from prism_jax.data import batch as batch_lib  # pylint: disable=g-import-not-at-top
   from prism_jax.runs import _packed  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top

@@ -11,8 +11,8 @@ import httpx
 import numpy as np
 import pytest
 
-from prism_jax.attribution import cache as cache_lib
-from prism_jax.attribution import influence
+from prism_jax.attribution.caching import cache as cache_lib
+from prism_jax.attribution.scoring import influence
 from prism_jax.generate import generate as library_generate
 from prism_jax.serve import client as client_lib
 from prism_jax.serve import server

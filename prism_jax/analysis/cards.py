@@ -50,8 +50,8 @@ from absl import logging
 
 from prism_jax import io_guard, paths
 from prism_jax.analysis.card_stats import bank_map, neighbours, signatures, tfidf_labels
-from prism_jax.attribution import cache_build
-from prism_jax.attribution import cache_format as fmt
+from prism_jax.attribution.caching import cache_build
+from prism_jax.attribution.caching import cache_format as fmt
 from prism_jax.config import Config
 
 CARDS_KIND = "prototype cards"  # io_guard marker kind

@@ -30,7 +30,7 @@ import numpy as np
 from prism_jax import faithfulness, io_guard, paths
 from prism_jax.analysis import report_page
 from prism_jax.analysis.cards import LABEL_METHOD, CardSet
-from prism_jax.attribution import cache_format as fmt
+from prism_jax.attribution.caching import cache_format as fmt
 from prism_jax.config import Config
 from prism_jax.generate import SAMPLING, sampling_label
 from prism_jax.model.lm import decompose
@@ -52,7 +52,7 @@ def _generate(model, prompt, max_new_tokens, cache, packed, eos_id, top, samplin
     out = gen.generate(model, prompt[None], max_new_tokens=max_new_tokens, eos_id=eos_id,
                        **sampling)
     return out.tokens_BxL[0, :int(out.lengths_B[0])].astype(np.int32), None
-  from prism_jax.attribution import influence  # pylint: disable=import-outside-toplevel
+  from prism_jax.attribution.scoring import influence  # pylint: disable=import-outside-toplevel
   new, atts = [], []
   for tok, att in influence.attribute_generation(
       model, cache, prompt, max_new_tokens=max_new_tokens,

@@ -1,1 +1,11 @@
-"""prism_jax.attribution."""
+"""prism_jax.attribution: training-data attribution, in three rooms.
+
+  caching/    the attribution cache: build (curvature + records passes), format, shards,
+              the per-prototype index, opening it for queries
+  hessians/   curvature w.r.t. the bank (Gauss-Newton statistics, exact Hessian blocks)
+              and EK-FAC over every parameter
+  scoring/    scoring training sequences against a query: cached PRISM (influence), the
+              exact prototype-space score (influence_full), gradient dot-products
+
+The methods behind one interface (a registry) live in prism_jax/evaluation/methods.py.
+"""

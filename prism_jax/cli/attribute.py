@@ -10,7 +10,7 @@ The first call builds the attribution cache (resumable: rerun after an interrupt
 calls reuse it, and refuse it if the checkpoint or config changed. Under jax.distributed
 (prism_jax/distributed.py's flags, as prism train) every process runs the same
 command, loads the checkpoint onto its own devices and writes its share of the cache
-(attribution/cache_shards.py); only process 0 prints.
+(attribution/caching/cache_shards.py); only process 0 prints.
 """
 
 import jax
@@ -52,9 +52,9 @@ def main(argv):
     raise ValueError("--prompt is required (or --build_only to only build the cache)")
   distributed.initialize_from_flags()  # no-op for a single process
   from prism_jax import paths  # pylint: disable=g-import-not-at-top
-  from prism_jax.attribution import cache as cache_lib  # pylint: disable=g-import-not-at-top
-  from prism_jax.attribution import cache_build  # pylint: disable=g-import-not-at-top
-  from prism_jax.attribution import influence  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.caching import cache as cache_lib  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.caching import cache_build  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.scoring import influence  # pylint: disable=g-import-not-at-top
   from prism_jax.data import prepare_data  # pylint: disable=g-import-not-at-top
   from prism_jax.train import load_for_inference  # pylint: disable=g-import-not-at-top
 

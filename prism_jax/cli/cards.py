@@ -35,7 +35,7 @@ def main(argv):
     raise ValueError(f"--top_m must be >= 1 and --show >= 0, got {FLAGS.top_m}, {FLAGS.show}")
   from prism_jax import paths  # pylint: disable=g-import-not-at-top
   from prism_jax.analysis import cards as cards_lib  # pylint: disable=g-import-not-at-top
-  from prism_jax.attribution import cache as cache_lib  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.caching import cache as cache_lib  # pylint: disable=g-import-not-at-top
   from prism_jax.data import prepare_data  # pylint: disable=g-import-not-at-top
   from prism_jax.train import load_for_inference  # pylint: disable=g-import-not-at-top
   from prism_jax.train.metrics import quiet_library_logs  # pylint: disable=g-import-not-at-top

@@ -23,12 +23,12 @@ from typing import Any, Protocol
 
 import numpy as np
 
-from prism_jax.attribution import cache as cache_lib
-from prism_jax.attribution import cache_format
-from prism_jax.attribution import ekfac
-from prism_jax.attribution import grad_dot
-from prism_jax.attribution import influence
-from prism_jax.attribution import influence_full
+from prism_jax.attribution.caching import cache as cache_lib
+from prism_jax.attribution.caching import cache_format
+from prism_jax.attribution.hessians import ekfac
+from prism_jax.attribution.scoring import grad_dot
+from prism_jax.attribution.scoring import influence
+from prism_jax.attribution.scoring import influence_full
 
 @dataclasses.dataclass(frozen=True)
 class Setting:

@@ -4,7 +4,7 @@ A `Tap` passed down the forward pass (`PrismLM(..., tap=tap)`, `Block(..., tap=t
 zero "probe" to the output of every linear map named in `tap.probes` and records that map's
 input. The gradient of a loss w.r.t. the probes is the per-token output-gradient δ of each
 layer, so a layer's weight gradient is Σ_t δ_t a_tᵀ with a the recorded input (a 1 appended
-where the layer has a bias). EK-FAC (attribution/ekfac_capture.py) is built on this.
+where the layer has a bias). EK-FAC (attribution/hessians/ekfac_capture.py) is built on this.
 
 Names are "block{i}.{qkv|attn_out|mlp_fc|mlp_proj}" and "bank" (the prototype bank as the
 linear map ẑ = Pᵀ a, a ∈ R^K held fixed); probes are (B, T, out), inputs come back as

@@ -237,7 +237,7 @@ class Explorer:
   # --- attribution (the cache, built on first use) ---------------------------------------
 
   def cache_state(self) -> dict:
-    from prism_jax.attribution import cache_format  # pylint: disable=g-import-not-at-top
+    from prism_jax.attribution.caching import cache_format  # pylint: disable=g-import-not-at-top
     if self._cache is not None:
       return {"state": "ready"}
     if self._cache_error:
@@ -249,7 +249,7 @@ class Explorer:
                                                  else "absent, building off")}
 
   def _open_cache(self):
-    from prism_jax.attribution import cache as cache_lib  # pylint: disable=g-import-not-at-top
+    from prism_jax.attribution.caching import cache as cache_lib  # pylint: disable=g-import-not-at-top
     packed = self.packed()
     total = packed.num_rows("train")
 
@@ -269,7 +269,7 @@ class Explorer:
 
   def _cache_or_start(self):
     """The open cache, or None after starting (or while running) its build / open."""
-    from prism_jax.attribution import cache_format  # pylint: disable=g-import-not-at-top
+    from prism_jax.attribution.caching import cache_format  # pylint: disable=g-import-not-at-top
     with self._cache_lock:
       if self._cache is not None:
         return self._cache
@@ -299,7 +299,7 @@ class Explorer:
     return await self.run_on_model(self._attribute, cache, ids, pos, top), 200
 
   def _attribute(self, cache, ids, pos, top) -> dict:
-    from prism_jax.attribution import influence  # pylint: disable=g-import-not-at-top
+    from prism_jax.attribution.scoring import influence  # pylint: disable=g-import-not-at-top
     from prism_jax.model.trust import prediction_trust  # pylint: disable=g-import-not-at-top
     att = influence.attribute(self.run.model, cache, np.asarray(ids[:pos + 1], np.int32), [pos],
                               cfg=influence.InfluenceConfig(top=top), packed=self.packed())

@@ -22,8 +22,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from prism_jax.attribution import curvature as cv
-from prism_jax.attribution.curvature_stats import CurvatureStats
+from prism_jax.attribution.hessians import curvature as cv
+from prism_jax.attribution.hessians.curvature_stats import CurvatureStats
 from prism_jax.config import LossConfig, ModelConfig
 
 

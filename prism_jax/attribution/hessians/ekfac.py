@@ -39,7 +39,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from prism_jax.attribution.ekfac_capture import (  # public names re-exported
+from prism_jax.attribution.hessians.ekfac_capture import (  # public names re-exported
     Batch, Capture, Split, _capture, capture, layer_names, per_sequence_grads, sample_labels,
     segment_weights, split_model, stream_capture)
 from prism_jax.data import batch as batch_lib

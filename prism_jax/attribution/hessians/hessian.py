@@ -28,11 +28,11 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from prism_jax.attribution import curvature as cv
-from prism_jax.attribution import curvature_stats as cs
-from prism_jax.attribution.curvature import (HeadInputs, OutputGrads,  # noqa: F401
+from prism_jax.attribution.hessians import curvature as cv
+from prism_jax.attribution.hessians import curvature_stats as cs
+from prism_jax.attribution.hessians.curvature import (HeadInputs, OutputGrads,  # noqa: F401
                                              bank_loss, head_inputs, output_grads)
-from prism_jax.attribution.curvature_stats import (  # noqa: F401
+from prism_jax.attribution.hessians.curvature_stats import (  # noqa: F401
     CurvatureAccumulator, CurvatureStats, GGNBlocks, block_matrix, block_norms, block_view,
     condition_number, curvature_stats, eig_G, ggn_blocks, kappa_bound, kfac_block_norms,
     kfac_matrix, off_block_share)

@@ -26,7 +26,7 @@ import jax
 import numpy as np
 
 from prism_jax import distributed, paths
-from prism_jax.attribution import cache_format as fmt
+from prism_jax.attribution.caching import cache_format as fmt
 
 SHARD_PREFIX = "pass1_shard-"
 

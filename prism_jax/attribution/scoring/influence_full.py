@@ -17,10 +17,10 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from prism_jax.attribution import cache as cache_lib
-from prism_jax.attribution import cache_format
-from prism_jax.attribution import curvature as cv
-from prism_jax.attribution.influence import (InfluenceConfig, Preconditioner,
+from prism_jax.attribution.caching import cache as cache_lib
+from prism_jax.attribution.caching import cache_format
+from prism_jax.attribution.hessians import curvature as cv
+from prism_jax.attribution.scoring.influence import (InfluenceConfig, Preconditioner,
                                              cache_loss_config, query_batch)
 from prism_jax.config import LossConfig
 from prism_jax.data import batch as batch_lib

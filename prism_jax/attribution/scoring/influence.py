@@ -37,8 +37,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from prism_jax.attribution import cache as cache_lib
-from prism_jax.attribution import curvature as cv
+from prism_jax.attribution.caching import cache as cache_lib
+from prism_jax.attribution.hessians import curvature as cv
 from prism_jax.config import LossConfig
 from prism_jax.data import batch as batch_lib
 from prism_jax.model.token_ids import check_token_ids

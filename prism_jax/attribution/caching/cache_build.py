@@ -4,7 +4,7 @@ PRISM.md §5 step 1 (the format is described in cache.py; cache_format.py holds 
 pieces). Passes, in row order:
 
   1. curvature: A (K×K co-usage), G (D×D), μ (K) with
-     prism_jax.attribution.curvature_stats.CurvatureAccumulator; its float64 sums are saved
+     prism_jax.attribution.hessians.curvature_stats.CurvatureAccumulator; its float64 sums are saved
      every few batches, so a resumed pass adds the same batches in the same order (exact).
      Then G = U E Uᵀ; the top `rank` eigenvectors U_r (rank = D: a rotation, exact).
   2. records of every valid training token; each row's token range is known from pass 1's
@@ -27,11 +27,11 @@ import numpy as np
 from absl import logging
 
 from prism_jax import io_guard, paths
-from prism_jax.attribution import cache_format as fmt
-from prism_jax.attribution import cache_index
-from prism_jax.attribution import cache_shards as shards
-from prism_jax.attribution import curvature as cv
-from prism_jax.attribution import curvature_stats as cs
+from prism_jax.attribution.caching import cache_format as fmt
+from prism_jax.attribution.caching import cache_index
+from prism_jax.attribution.caching import cache_shards as shards
+from prism_jax.attribution.hessians import curvature as cv
+from prism_jax.attribution.hessians import curvature_stats as cs
 from prism_jax.config import Config
 from prism_jax.data import batch as batch_lib
 

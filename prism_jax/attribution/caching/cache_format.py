@@ -20,7 +20,7 @@ import tensorstore as ts
 from flax import nnx
 
 from prism_jax import paths
-from prism_jax.attribution import curvature_stats as cs
+from prism_jax.attribution.hessians import curvature_stats as cs
 from prism_jax.config import Config, to_dict
 from prism_jax.data import batch as batch_lib
 

@@ -5,7 +5,7 @@
 
 E_t is the mean over valid tokens (mask True), so for one batch A ⊗ G is the K-FAC
 (Kronecker-of-expectations) approximation of the exact linear-path Gauss-Newton matrix
-(1/N) Σ_t (a_t a_tᵀ) ⊗ G_t (see prism_jax.attribution.curvature). G_t is the token's true
+(1/N) Σ_t (a_t a_tᵀ) ⊗ G_t (see prism_jax.attribution.hessians.curvature). G_t is the token's true
 Fisher (fisher="true", default: the exact expectation over y ~ softmax, no sampling) or the
 empirical g_t g_tᵀ with the observed target (fisher="empirical"). μ is averaged per batch
 (the training loss is a per-batch mean and R1 takes a batch-wide minimum); A and G per token.
@@ -27,7 +27,7 @@ import numpy as np
 import scipy.sparse
 import scipy.sparse.linalg
 
-from prism_jax.attribution import curvature as cv
+from prism_jax.attribution.hessians import curvature as cv
 from prism_jax.config import LossConfig, ModelConfig
 
 FISHERS = ("true", "empirical")

@@ -19,7 +19,7 @@ import numpy as np
 import optax
 from flax import nnx
 
-from prism_jax.attribution import hessian as hs
+from prism_jax.attribution.hessians import hessian as hs
 from prism_jax.config import LossConfig, ModelConfig
 from prism_jax.data import batch as batch_lib
 from prism_jax.losses import total_loss

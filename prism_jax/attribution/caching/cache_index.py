@@ -29,8 +29,8 @@ from __future__ import annotations
 import numpy as np
 
 from prism_jax import paths
-from prism_jax.attribution import cache_format as fmt
-from prism_jax.attribution import cache_shards as shards
+from prism_jax.attribution.caching import cache_format as fmt
+from prism_jax.attribution.caching import cache_shards as shards
 
 OFFSETS = "proto_offsets"  # written last: its presence means the index is complete
 GROUP_CHUNKS = 16  # entries merged per group: at least this many chunks (or one prototype)

@@ -22,7 +22,7 @@ import numpy as np
 from flax import nnx
 
 from prism_jax import losses
-from prism_jax.attribution import cache_format
+from prism_jax.attribution.caching import cache_format
 from prism_jax.data import batch as batch_lib
 
 

@@ -20,9 +20,9 @@ from __future__ import annotations
 import numpy as np
 
 from prism_jax import paths
-from prism_jax.attribution import cache_build
-from prism_jax.attribution import cache_format as fmt
-from prism_jax.attribution.cache_format import CacheConfig, CacheMismatchError
+from prism_jax.attribution.caching import cache_build
+from prism_jax.attribution.caching import cache_format as fmt
+from prism_jax.attribution.caching.cache_format import CacheConfig, CacheMismatchError
 from prism_jax.config import Config
 
 
