@@ -2,6 +2,9 @@
 process and shared by test_serve_api, test_serve_safety and test_serve_browser. Context 64:
 two length buckets (32, 64), so bucketing is exercised."""
 
+import asyncio
+
+import httpx
 import numpy as np
 
 WORDS = ["for", "while", "the", "of", "prototype", "token", "mesh", "return", "def"]
@@ -36,3 +39,12 @@ def served(tmp_path_factory) -> dict:
 
 def random_text(seed: int, words: int = 4) -> str:
   return " ".join(np.random.default_rng(seed).choice(WORDS, words))
+
+
+def call(app, method: str, path: str, **kw) -> httpx.Response:
+  """One request to the ASGI app in process (httpx's ASGI transport, no socket)."""
+  async def go():
+    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
+                                 base_url="http://test") as c:
+      return await c.request(method, path, **kw)
+  return asyncio.run(go())

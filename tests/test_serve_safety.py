@@ -1,7 +1,6 @@
 """The explorer refuses bad input with a 4xx and one line, and keeps serving: every kind of
 bad request, the access token on a non-loopback bind, a client that leaves mid-stream."""
 
-import asyncio
 import json
 import socket
 import time
@@ -59,12 +58,7 @@ BAD = [  # (what, method, path, kwargs, status)
 ]
 
 
-def _send(app, method, path, **kw):
-  async def go():
-    async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                 base_url="http://test") as c:
-      return await c.request(method, path, **kw)
-  return asyncio.run(go())
+_send = serve_fixture.call
 
 
 @pytest.mark.parametrize("what,method,path,kw,status", BAD, ids=[b[0] for b in BAD])
