@@ -15,7 +15,8 @@ def demo_time_markdown(data: dict) -> str:
 
 
 def demo_time_rows(data: dict) -> list[dict]:
-  return [{"metric": "make demo on a fresh clone, install included (CPU)",
+  return [{"metric": f"make demo on a fresh clone, install included (CPU, uv cache "
+                     f"{data['uv_cache']['state']})",
            "paper": "not reported",
            "ours": f"{data['total_s'] / 60:.1f} min (uv cache {data['uv_cache']['state']}; "
                    f"budget {data['budget_s'] / 60:.0f} min)",

@@ -314,6 +314,7 @@ READERS: dict[str, Callable[[dict], list[dict]]] = {
     "bank_alive": alive_rows,
     "serve_load": serve_load_rows,
     "demo_time": demo_time_rows,
+    "demo_time_cold": demo_time_rows,
     "preemption_repeat": repeat_rows,
 }
 # Variants recorded beside a headline file (other selections, the dense twin): detail in
@@ -331,6 +332,7 @@ SECTIONS: dict[str, tuple[Callable[[dict], str], str]] = {
     "bank_alive": (alive_markdown, "prototype_path_alive"),
     "serve_load": (serve_load_markdown, "serve_load"),
     "demo_time": (demo_time_markdown, "demo_time"),
+    "demo_time_cold": (demo_time_markdown, "demo_time_cold"),
     "lds_default_k128": (lds_markdown, "prototype_path_lds_k128"),
     "lds_default_k512": (lds_markdown, "prototype_path_lds_k512"),
     "preemption_repeat": (repeat_markdown, "preemption_repeat"),
