@@ -277,6 +277,20 @@ def rehearsal_markdown(data: dict) -> str:
   return "\n".join(lines)
 
 
+def capacity_seed_rows(data: dict) -> list[dict]:
+  """The capacity sweep's k 8 column repeated over seeds: agreement per K, every seed."""
+  out = []
+  for backbone, per_setting in data["results"].items():
+    parts = [f"K {setting.split(':')[0]}: " + " / ".join(
+        f"{100 * r['agreement']:.1f}%" for _, r in sorted(per_seed.items()))
+        for setting, per_seed in per_setting.items()]
+    out.append({"metric": f"bank capacity {backbone}, frozen twin, k 8, seeds "
+                          f"{', '.join(sorted(next(iter(per_setting.values()))))}",
+                "paper": "not reported", "ours": "agreement " + "; ".join(parts),
+                "command": data["command"]})
+  return out
+
+
 def repeat_markdown(data: dict) -> str:
   """experiments/repeat_test.py: a test's runs in a row beside busy cores."""
   walls = [r["wall_s"] for r in data["runs"]]
@@ -316,6 +330,7 @@ READERS: dict[str, Callable[[dict], list[dict]]] = {
     "demo_time": demo_time_rows,
     "demo_time_cold": demo_time_rows,
     "preemption_repeat": repeat_rows,
+    "bank_capacity_128x4_seeds": capacity_seed_rows,
 }
 # Variants recorded beside a headline file (other selections, the dense twin): detail in
 # RESULTS.md's sections, not rows of the table.
@@ -336,4 +351,5 @@ SECTIONS: dict[str, tuple[Callable[[dict], str], str]] = {
     "lds_default_k128": (lds_markdown, "prototype_path_lds_k128"),
     "lds_default_k512": (lds_markdown, "prototype_path_lds_k512"),
     "preemption_repeat": (repeat_markdown, "preemption_repeat"),
+    "bank_capacity_128x4_seeds": (capacity_markdown, "prototype_path_capacity_seeds"),
 }
