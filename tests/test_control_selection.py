@@ -180,3 +180,14 @@ def test_bootstrap():
     stats.bootstrap_ratio_change(np.zeros(3), np.zeros(3))
   with pytest.raises(ValueError, match="level must be in"):
     stats.bootstrap_ratio_change(x, 0.5 * x, level=1.5)
+
+
+def test_batched_text_features_equal_one_call():
+  rng = np.random.default_rng(secrets.randbits(32))
+  model = _model()
+  tokens = rng.integers(0, VOCAB, (37, 8))
+  mask = rng.random((37, 8)) < 0.8
+  mask[:, 0] = True
+  np.testing.assert_allclose(selection.batched_text_features(model, tokens, mask, batch=5),
+                             selection.text_features(model, tokens, mask), rtol=1e-5,
+                             atol=1e-7)

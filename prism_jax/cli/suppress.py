@@ -61,25 +61,6 @@ def _val_batch(workdir, cfg):
                                      None)
 
 
-def _contrast_features(model, packed, words):
-  """Activation features of training rows that contain one of `words` vs rows that don't."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from prism_jax.control import selection  # pylint: disable=g-import-not-at-top
-  rows = packed.rows("train")["tokens"]
-  lowered = [w.lower() for w in words]
-  has = np.array([any(w in packed.tokenizer.decode(r.tolist()).lower() for w in lowered)
-                  for r in rows])
-  rng = np.random.default_rng(FLAGS.seed)
-  n = FLAGS.contrast_rows
-  pick = lambda m: rng.choice(np.flatnonzero(m), size=min(n, int(m.sum())), replace=False)
-  with_rows, without_rows = pick(has), pick(~has)
-  if len(with_rows) < 2:
-    raise ValueError(f"only {len(with_rows)} training rows contain {list(words)}: no contrast")
-  feats = lambda ix: np.concatenate([selection.text_features(model, rows[ix[i:i + 16], :-1])
-                                     for i in range(0, len(ix), 16)])
-  return feats(with_rows), feats(without_rows)
-
-
 def select(model, tokenizer, packed, b, ban_ids, num):
   from prism_jax.control import selection  # pylint: disable=g-import-not-at-top
   from prism_jax.train.inference import load_config  # pylint: disable=g-import-not-at-top
@@ -88,7 +69,8 @@ def select(model, tokenizer, packed, b, ban_ids, num):
   if kind == "logit_signature":
     return selection.by_logit_signature(model, ban_ids, num=num)
   if kind in ("contrast", "probe"):
-    with_BxK, without_BxK = _contrast_features(model, packed, b.select_words)
+    with_BxK, without_BxK = selection.row_contrast_features(
+        model, packed, b.select_words, num_rows=FLAGS.contrast_rows, seed=FLAGS.seed)
     fn = selection.by_contrast if kind == "contrast" else selection.by_probe
     return fn(with_BxK, without_BxK, num=num)
   if kind == "keywords":
@@ -110,13 +92,10 @@ def select(model, tokenizer, packed, b, ban_ids, num):
 
 
 def _last_eval(workdir):
-  last = None
-  with open(os.path.join(workdir, "metrics.jsonl")) as f:
-    for line in f:
-      rec = json.loads(line)
-      if rec.get("split") == "val":
-        last = rec
-  return last or {}
+  """The run's last validation record (metrics.jsonl, local or gs://), or {}."""
+  from prism_jax.train.metrics import read_metrics  # pylint: disable=g-import-not-at-top
+  vals = read_metrics(workdir, "val")
+  return vals[-1] if vals else {}
 
 
 def _condition(model, tokenizer, b, val, gen_kw, **edit):

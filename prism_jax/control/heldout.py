@@ -109,8 +109,7 @@ def encode_texts(tokenizer, texts: Sequence[str], seq_len: int):
 
 def _features(model, tokenizer, texts, seq_len, batch: int = 16) -> np.ndarray:
   tokens, mask = encode_texts(tokenizer, texts, seq_len)
-  return np.concatenate([selection.text_features(model, tokens[i:i + batch], mask[i:i + batch])
-                         for i in range(0, len(texts), batch)])
+  return selection.batched_text_features(model, tokens, mask, batch)
 
 
 @dataclasses.dataclass(frozen=True)

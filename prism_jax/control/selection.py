@@ -104,6 +104,35 @@ def text_features(model: PrismLM, tokens_BxT, mask_BxT=None) -> np.ndarray:
   return np.asarray(feats_BxK / jnp.maximum(mask_BxT.sum(-1, keepdims=True), 1))
 
 
+def batched_text_features(model: PrismLM, tokens_BxT, mask_BxT=None, batch: int = 16
+                          ) -> np.ndarray:
+  """`text_features` of many texts, `batch` at a time: (B, K)."""
+  tokens_BxT = np.asarray(tokens_BxT)
+  return np.concatenate([
+      text_features(model, tokens_BxT[i:i + batch],
+                    None if mask_BxT is None else np.asarray(mask_BxT)[i:i + batch])
+      for i in range(0, len(tokens_BxT), batch)])
+
+
+def row_contrast_features(model: PrismLM, packed, words: Sequence[str], *, num_rows: int,
+                          seed: int = 0) -> tuple[np.ndarray, np.ndarray]:
+  """(features of training rows whose text contains one of `words`, of rows that contain
+  none), up to `num_rows` of each drawn with `seed`: the inputs of `by_contrast` /
+  `by_probe` when the behaviour is given by words rather than texts."""
+  rows = packed.rows("train")["tokens"]
+  lowered = [w.lower() for w in words]
+  has = np.array([any(w in packed.tokenizer.decode(r.tolist()).lower() for w in lowered)
+                  for r in rows])
+  rng = np.random.default_rng(seed)
+  pick = lambda m: rng.choice(np.flatnonzero(m), size=min(num_rows, int(m.sum())),
+                              replace=False)
+  with_rows, without_rows = pick(has), pick(~has)
+  if len(with_rows) < 2:
+    raise ValueError(f"only {len(with_rows)} training rows contain {list(words)}: no contrast")
+  feats = lambda ix: batched_text_features(model, np.asarray(rows[ix])[:, :-1])
+  return feats(with_rows), feats(without_rows)
+
+
 def _check_feats(feats_with, feats_without):
   a, b = np.asarray(feats_with, np.float64), np.asarray(feats_without, np.float64)
   if a.ndim != 2 or b.ndim != 2 or a.shape[1] != b.shape[1]:
