@@ -5,6 +5,7 @@ import json
 import os
 import pathlib
 import re
+import shutil
 import sys
 
 import nbformat
@@ -56,11 +57,18 @@ def test_hessian_blocks_notebook_runs(kernel_name, tmp_path, tmp_path_factory, m
 QUICKSTART = REPO / "experiments" / "notebooks" / "quickstart.ipynb"
 
 
+def _own_copy(tmp_path_factory, tmp_path) -> str:
+  """A copy of the shared tiny run without its cache and cards: the notebooks build both
+  inside the run, which must not leak into the other tests sharing it."""
+  return shutil.copytree(tiny_run.tiny_run(tmp_path_factory)["run"], str(tmp_path / "run"),
+                         ignore=shutil.ignore_patterns("attribution_cache", "cards"))
+
+
 def test_quickstart_notebook_runs_and_displays_each_result_inline(kernel_name, tmp_path,
                                                                   tmp_path_factory, monkeypatch):
   """load, decompose, attribute, suppress, report: each cell runs and the results display
   as HTML (the report as a self-contained iframe)."""
-  monkeypatch.setenv("PRISM_NB_RUN", tiny_run.tiny_run(tmp_path_factory)["run"])
+  monkeypatch.setenv("PRISM_NB_RUN", _own_copy(tmp_path_factory, tmp_path))
   nb = nbformat.read(QUICKSTART, as_version=4)
   client = NotebookClient(nb, kernel_name=kernel_name, timeout=240,
                           resources={"metadata": {"path": str(tmp_path)}})
@@ -81,7 +89,7 @@ def test_attribution_and_steering_notebook_runs(kernel_name, tmp_path, tmp_path_
                                                 monkeypatch):
   """attribute a trusted token, read its prototype's card, find the prototypes carrying a
   token and suppress / amplify them over the same seeds."""
-  monkeypatch.setenv("PRISM_NB_RUN", tiny_run.tiny_run(tmp_path_factory)["run"])
+  monkeypatch.setenv("PRISM_NB_RUN", _own_copy(tmp_path_factory, tmp_path))
   nb = nbformat.read(REPO / "experiments" / "notebooks" / "attribution_and_steering.ipynb",
                      as_version=4)
   NotebookClient(nb, kernel_name=kernel_name, timeout=300,

@@ -25,7 +25,8 @@ def test_readme_python_snippets_run(tmp_path_factory, monkeypatch, capsys):
   assert len(blocks) >= 3
   # a copy: the snippets write a cache and cards into the run, which other tests share
   here = tmp_path_factory.mktemp("readme")
-  run = shutil.copytree(tiny_run.tiny_run(tmp_path_factory)["run"], str(here / "run"))
+  run = shutil.copytree(tiny_run.tiny_run(tmp_path_factory)["run"], str(here / "run"),
+                        ignore=shutil.ignore_patterns("attribution_cache", "cards"))
   monkeypatch.chdir(here)  # anything relative lands here
   namespace = {"__name__": "readme"}
   ran, skipped = 0, 0
