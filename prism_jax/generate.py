@@ -45,10 +45,9 @@ import numpy as np
 from flax import nnx
 
 from prism_jax.model.lm import DenseLM, LMOutput, PrismLM, decompose
-from prism_jax.model.logit_edit import code_logits, controlled_logits
+from prism_jax.model.logit_edit import controlled_logits, edited_trust
 from prism_jax.model.prototypes import PrototypeOutput
 from prism_jax.model.token_ids import check_token_ids
-from prism_jax.model.trust import token_trust
 
 LogitHook = Callable[[jax.Array, PrototypeOutput | None], jax.Array]
 
@@ -158,13 +157,10 @@ def _pick(model, logits_BxV, protos, key, knobs, spec: _Spec):
   if protos is None:
     return tok_B, logit_B, None
   dec = decompose(model, protos, tok_B)
-  contrib_Bxk, act_Bxk = dec.contrib_Nxk, protos.act_Nxk
-  if spec.use_gains:
-    contrib_Bxk = contrib_Bxk * knobs["gains_K"][protos.idx_Nxk]
-    act_Bxk = act_Bxk * knobs["gains_K"][protos.idx_Nxk]
+  gains_K = knobs["gains_K"] if spec.use_gains else None
+  contrib_Bxk = dec.contrib_Nxk if gains_K is None else dec.contrib_Nxk * gains_K[protos.idx_Nxk]
   # W z_hat with the gains: the prototype path of the logits that were sampled from
-  proto_BxV = code_logits(model, model.bank.protos[...], protos.idx_Nxk, act_Bxk)
-  trust = token_trust(logits_BxV, proto_BxV)
+  trust = edited_trust(model, protos, logits_BxV, gains_K)
   return tok_B, logit_B, (dec.idx_Nxk, protos.act_Nxk, contrib_Bxk, dec.residual_N,
                           trust.proto_top1_N, trust.agrees_N, trust.proto_share_N)
 

@@ -23,8 +23,8 @@ import numpy as np
 
 from prism_jax.generate import SAMPLING, generate as generate_ids, sampling_label
 from prism_jax.model.lm import decompose as decompose_logits
-from prism_jax.model.logit_edit import code_logits, controlled_logits
-from prism_jax.model.trust import output_trust, token_trust
+from prism_jax.model.logit_edit import controlled_logits, edited_trust
+from prism_jax.model.trust import output_trust
 
 from prism_jax.run_views import (TOP_SHOWN, Decomposition, Generation, Report,  # noqa: F401
                                  TokenAttribution, TokenExplanation)
@@ -259,9 +259,7 @@ class Run:
       g_Nxk = np.asarray(g[out.protos.idx_Nxk], np.float64)
       logit = logit - ((1.0 - g_Nxk) * contrib).sum(-1)
       contrib = contrib * g_Nxk
-      proto = code_logits(self.model, self.model.bank.protos[...], out.protos.idx_Nxk,
-                          out.protos.act_Nxk * g[out.protos.idx_Nxk])
-      trust = token_trust(controlled_logits(self.model, out, g)[0], proto)
+      trust = edited_trust(self.model, out.protos, controlled_logits(self.model, out, g)[0], g)
     decode = lambda i: self.tokenizer.decode([int(i)])
     rows = []
     for j in range(len(ids) - 1):

@@ -21,6 +21,7 @@ import numpy as np
 
 from prism_jax.model.lm import LMOutput, PrismLM
 from prism_jax.model.prototypes import sparse_mixture
+from prism_jax.model.trust import Trust, token_trust
 
 
 def suppression_gains(num_prototypes: int, proto_ids: Sequence[int]) -> jax.Array:
@@ -86,3 +87,13 @@ def code_logits(model, dict_KxD: jax.Array, idx_Nxk: jax.Array,
   The edit above and the controllers (control/controllers.py) both go through it."""
   delta_NxD = sparse_mixture(coef_Nxk, idx_Nxk, jnp.asarray(dict_KxD))
   return model.backbone.lm_head(delta_NxD[None])[0]
+
+
+def edited_trust(model, protos, logits_NxV: jax.Array, gains_K: jax.Array | None = None
+                 ) -> Trust:
+  """The trust of (edited) logits (prism_jax/model/trust.py): whether their prototype path
+  W z_hat, each activation scaled by its prototype's gain, picks their top-1. `logits_NxV`:
+  `controlled_logits` with the same gains (or the model's own logits with gains None)."""
+  act_Nxk = protos.act_Nxk if gains_K is None else protos.act_Nxk * gains_K[protos.idx_Nxk]
+  return token_trust(logits_NxV, code_logits(model, model.bank.protos[...], protos.idx_Nxk,
+                                             act_Nxk))
