@@ -24,8 +24,7 @@ import numpy as np
 from flax import nnx
 
 from prism_jax.model.lm import LMOutput, decompose
-from prism_jax.model.logit_edit import code_logits, controlled_logits
-from prism_jax.model.trust import token_trust
+from prism_jax.model.logit_edit import controlled_logits, edited_trust
 
 MIN_BUCKET = 32
 
@@ -62,11 +61,8 @@ def _top_k_filter(logits_V, top_k):
 def _explained(model, out: LMOutput, edited_NxV, targets_N, gains_K):
   """Per position of a (1, S) forward: slices of the target's edited logit and the trust."""
   parts = decompose(model, out.protos, targets_N)
-  g_Nxk = gains_K[parts.idx_Nxk]
-  proto_NxV = code_logits(model, model.bank.protos[...], out.protos.idx_Nxk,
-                          out.protos.act_Nxk * g_Nxk)
-  trust = token_trust(edited_NxV, proto_NxV)
-  contrib = parts.contrib_Nxk * g_Nxk
+  trust = edited_trust(model, out.protos, edited_NxV, gains_K)
+  contrib = parts.contrib_Nxk * gains_K[parts.idx_Nxk]
   return dict(idx=parts.idx_Nxk, act=out.protos.act_Nxk, contrib=contrib,
               residual=parts.residual_N, logit=parts.residual_N + contrib.sum(-1),
               logit_unedited=parts.logit_N, prediction=trust.top1_N, agrees=trust.agrees_N,
@@ -97,10 +93,13 @@ def _explain_all(graphdef, state, buf_1xS, gains_K):
 
 
 @jax.jit(static_argnames=("graphdef",))
-def _usage_counts(graphdef, state, rows_BxT):
+def _usage_counts(graphdef, state, rows_BxT, valid_B):
+  """(K,) top-k selections per prototype over the valid rows (padding rows count 0)."""
   model = nnx.merge(graphdef, state)
-  idx = model(rows_BxT).protos.idx_Nxk
-  return jnp.zeros(model.cfg.num_prototypes, jnp.int32).at[idx.reshape(-1)].add(1)
+  idx_BxTk = model(rows_BxT).protos.idx_Nxk.reshape(rows_BxT.shape[0], -1)
+  weight = jnp.broadcast_to(valid_B[:, None], idx_BxTk.shape).astype(jnp.int32)
+  return jnp.zeros(model.cfg.num_prototypes, jnp.int32).at[idx_BxTk.reshape(-1)].add(
+      weight.reshape(-1))
 
 
 class Engine:
@@ -174,9 +173,8 @@ class Engine:
     rows = np.asarray(rows_NxT, np.int32)
     for s in range(0, len(rows), batch):
       chunk = rows[s:s + batch]
-      if len(chunk) < batch:  # one program: pad the last chunk with copies, then discount
-        pad = np.repeat(chunk[:1], batch - len(chunk), 0)
-        counts -= np.asarray(_usage_counts(self.graphdef, self.state, jnp.asarray(pad)))
-        chunk = np.concatenate([chunk, pad])
-      counts += np.asarray(_usage_counts(self.graphdef, self.state, jnp.asarray(chunk)))
+      valid = np.arange(batch) < len(chunk)  # one program: the last chunk padded, not counted
+      chunk = np.concatenate([chunk, np.zeros((batch - len(chunk), rows.shape[1]), np.int32)])
+      counts += np.asarray(_usage_counts(self.graphdef, self.state, jnp.asarray(chunk),
+                                         jnp.asarray(valid)))
     return counts / max(rows.size, 1)
