@@ -53,7 +53,7 @@ def _rss_bytes() -> int:
 
 def _load(out_dir):
   from prism_jax.data import prepare_data  # pylint: disable=g-import-not-at-top
-  from prism_jax.train import load_for_inference  # pylint: disable=g-import-not-at-top
+  from prism_jax.loading import load_for_inference  # pylint: disable=g-import-not-at-top
   model, cfg, _ = load_for_inference(FLAGS.workdir)
   packed = prepare_data(cfg.data, cfg.model.vocab_size, FLAGS.workdir)
   with open(os.path.join(out_dir, "queries.json")) as f:

@@ -27,7 +27,7 @@ def main(argv):
   import numpy as np  # pylint: disable=g-import-not-at-top
   from prism_jax.analysis import browser  # pylint: disable=g-import-not-at-top
   from prism_jax.model.lm import decompose  # pylint: disable=g-import-not-at-top
-  from prism_jax.train import load_for_inference  # pylint: disable=g-import-not-at-top
+  from prism_jax.loading import load_for_inference  # pylint: disable=g-import-not-at-top
   model, _, _ = load_for_inference(FLAGS.workdir)
   path = FLAGS.report or os.path.join(FLAGS.workdir, "report", "index.html")
   with open(path, encoding="utf-8") as f:

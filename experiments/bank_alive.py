@@ -14,11 +14,15 @@ Three runs at equal steps:
 Per run, on the whole val split: alive = prototypes selected at least once (K - dead),
 val CE, agreement of argmax W z_hat with argmax W z (all, decisive), R̄1/R̄2, and the mean
 cosine of the val hidden states to their mean direction (a shared direction makes cosine
-routing pick the same few prototypes for every token). Runs are resumable (train()).
+routing pick the same few prototypes for every token). Runs are resumable (train()). With --share_warmup, a run whose checkpoint directory is
+empty starts from the first run's checkpoint at the shared init step (the dense warm-up is
+the same computation for every run; only revive_every differs after it, resumed with
+`allow_config_change`), so a fair test at a trained backbone pays for its warm-up once.
 """
 
 import json
 import os
+import shutil
 
 import numpy as np
 from absl import flags, logging
@@ -33,6 +37,8 @@ flags.DEFINE_integer("init_step", 6, "the bank's init step of unfixed and revive
 flags.DEFINE_integer("late_init_step", 24, "the bank's init step of late_init")
 flags.DEFINE_integer("revive_every", 6, "train.revive_every of the revive run")
 flags.DEFINE_list("runs", ["unfixed", "late_init", "revive"], "runs to train and measure")
+flags.DEFINE_bool("share_warmup", False, "later runs with the first run's init step start "
+                  "from its checkpoint at that step")
 flags.DEFINE_string("results_json", None, "write the rows here")
 flags.mark_flag_as_required("root")
 FLAGS = flags.FLAGS
@@ -47,7 +53,7 @@ def run_config(name: str, root: str):
   sets = ["train.batch_size=8", "data.seq_len=128", "data.val_fraction=0.1",
           f"train.proto_init_step={init}", f"train.eval_every={FLAGS.steps}",
           "train.eval_at_start=false", "train.eval_batches=0", "train.log_every=1",
-          f"train.ckpt_every={FLAGS.init_step}", "train.keep_checkpoints=1",
+          f"train.ckpt_every={FLAGS.init_step}", "train.keep_checkpoints=2",
           f"train.revive_every={FLAGS.revive_every if name == 'revive' else 0}",
           f"data.packed_dir={os.path.join(root, 'data')}"]
   return apply_overrides(preset("small", FLAGS.steps), sets)
@@ -57,7 +63,7 @@ def common_direction(workdir: str) -> float:
   """Mean cosine of the val hidden states to their mean direction (final parameters)."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from prism_jax import data as data_lib  # pylint: disable=g-import-not-at-top
-  from prism_jax.train.inference import load_for_inference  # pylint: disable=g-import-not-at-top
+  from prism_jax.loading import load_for_inference  # pylint: disable=g-import-not-at-top
   model, cfg, _ = load_for_inference(workdir)
   packed = data_lib.prepare_data(cfg.data, cfg.model.vocab_size, workdir)
   b = data_lib.make_loader(packed, "val", 8, 0).batch_at(0)
@@ -67,11 +73,28 @@ def common_direction(workdir: str) -> float:
   return float((unit @ mean).mean())
 
 
-def measure(name: str) -> dict:
+def start_from_donor(workdir: str, donor: str, step: int) -> bool:
+  """Copies `donor`'s checkpoint at `step` into an empty `workdir`: whether it did."""
+  src = os.path.join(donor, "checkpoints", str(step))
+  dst = os.path.join(workdir, "checkpoints")
+  if os.path.isdir(dst) and os.listdir(dst):
+    return False
+  if not os.path.isdir(src):
+    raise FileNotFoundError(f"--share_warmup: {src} is missing (the first run must keep "
+                            "its checkpoint at the init step)")
+  shutil.copytree(src, os.path.join(dst, str(step)))
+  return True
+
+
+def measure(name: str, donor: str | None) -> dict:
   from prism_jax.train import train  # pylint: disable=g-import-not-at-top
   workdir = os.path.join(FLAGS.root, name)
   cfg = run_config(name, FLAGS.root)
-  result = train(cfg, workdir)
+  allow = ()
+  if donor is not None:
+    start_from_donor(workdir, donor, cfg.train.proto_init_step)
+    allow = ("train.revive_every",)
+  result = train(cfg, workdir, allow_config_change=allow)
   ev = dict(result.eval)
   k = cfg.model.num_prototypes
   return {"init_step": cfg.train.proto_init_step, "revive_every": cfg.train.revive_every,
@@ -91,9 +114,12 @@ def main(argv):
     raise ValueError("--init_step and --late_init_step must lie in (0, --steps)")
   from prism_jax.train.metrics import quiet_library_logs  # pylint: disable=g-import-not-at-top
   quiet_library_logs()
-  runs = {}
+  runs, first = {}, {}
   for name in FLAGS.runs:
-    runs[name] = measure(name)
+    init = FLAGS.late_init_step if name == "late_init" else FLAGS.init_step
+    donor = first.get(init) if FLAGS.share_warmup else None
+    first.setdefault(init, os.path.join(FLAGS.root, name))
+    runs[name] = measure(name, donor)
     logging.info("%s: %s", name, runs[name])
   data = {**provenance.record("experiments.bank_alive"), "runs": runs}
   print(markdown(data))

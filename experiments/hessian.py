@@ -42,7 +42,7 @@ def block(workdir: str, rows: int) -> dict:
   from prism_jax.attribution.caching.cache_format import iter_rows  # pylint: disable=g-import-not-at-top
   from prism_jax.config import LossConfig  # pylint: disable=g-import-not-at-top
   from prism_jax.data import prepare_data  # pylint: disable=g-import-not-at-top
-  from prism_jax.train import load_for_inference  # pylint: disable=g-import-not-at-top
+  from prism_jax.loading import load_for_inference  # pylint: disable=g-import-not-at-top
   if rows <= 0:
     raise ValueError(f"--rows must be positive, got {rows}")
   model, cfg, _ = load_for_inference(workdir, needs_prototypes="a Hessian block")

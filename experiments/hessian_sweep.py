@@ -4,7 +4,7 @@ For each λ (λ_1 = λ_2 = λ) a micro PrismLM is trained briefly from the SAME 
 the same byte-tokenised batches (the standard library's pydoc topics text, so it runs
 offline), then `hessian.curvature_report` measures, on held-out batches in float64, the
 off-block mass share and condition numbers of the exact Hessian of that model's training
-loss w.r.t. the bank. Training runs on the shared trainer (prism_jax.train.trainer, Adam,
+loss w.r.t. the bank. Training runs on the shared trainer (prism_jax.train.engine, Adam,
 no checkpoints); the sweep is small enough for a few CPU minutes.
 """
 
@@ -24,7 +24,7 @@ from prism_jax.config import LossConfig, ModelConfig
 from prism_jax.data import batch as batch_lib
 from prism_jax.losses import total_loss
 from prism_jax.model.lm import build_model, init_prototypes_from_hidden
-from prism_jax.train.trainer import Trainer
+from prism_jax.train.engine import Trainer
 
 
 @dataclasses.dataclass(frozen=True)

@@ -19,7 +19,7 @@ def measure_half(workdir: str, half: str, half_seed: int) -> dict:
   from prism_jax.model.lm import decompose  # pylint: disable=g-import-not-at-top
   from prism_jax.model.trust import carriers_N  # pylint: disable=g-import-not-at-top
   from prism_jax.train.evaluation import evaluate  # pylint: disable=g-import-not-at-top
-  from prism_jax.train.inference import load_params  # pylint: disable=g-import-not-at-top
+  from prism_jax.loading import load_params  # pylint: disable=g-import-not-at-top
   graphdef, params, cfg, _ = load_params(workdir)
   packed = data_lib.prepare_data(cfg.data, cfg.model.vocab_size, workdir)
   docs = val_halves(packed, half_seed)[half]

@@ -79,7 +79,7 @@ def evaluate_run(workdir: str) -> dict:
   from prism_jax import data as data_lib  # pylint: disable=g-import-not-at-top
   from prism_jax import sharding as shard_lib  # pylint: disable=g-import-not-at-top
   from prism_jax.train.evaluation import evaluate  # pylint: disable=g-import-not-at-top
-  from prism_jax.train.inference import load_params  # pylint: disable=g-import-not-at-top
+  from prism_jax.loading import load_params  # pylint: disable=g-import-not-at-top
   from prism_jax.train.state import default_mesh  # pylint: disable=g-import-not-at-top
   graphdef, params, cfg, _ = load_params(workdir)
   packed = data_lib.prepare_data(cfg.data, cfg.model.vocab_size, workdir)
@@ -95,7 +95,7 @@ def retention(workdir: str, seed: int) -> float:
   from prism_jax.attribution.caching import cache as cache_lib  # pylint: disable=g-import-not-at-top
   from prism_jax.attribution.scoring import influence, influence_full  # pylint: disable=g-import-not-at-top
   from prism_jax.data import prepare_data  # pylint: disable=g-import-not-at-top
-  from prism_jax.train import load_for_inference  # pylint: disable=g-import-not-at-top
+  from prism_jax.loading import load_for_inference  # pylint: disable=g-import-not-at-top
   model, cfg, _ = load_for_inference(workdir)
   packed = prepare_data(cfg.data, cfg.model.vocab_size, workdir)
   cache = cache_lib.build_cache(model, cfg, packed, os.path.join(workdir, "retrofit_cache"),

@@ -94,7 +94,7 @@ def main(argv):
   del argv
   import numpy as np  # pylint: disable=g-import-not-at-top
   from prism_jax.control import heldout, measure, stats  # pylint: disable=g-import-not-at-top
-  from prism_jax.train.inference import load_for_inference  # pylint: disable=g-import-not-at-top
+  from prism_jax.loading import load_for_inference  # pylint: disable=g-import-not-at-top
   nums, refills = [int(n) for n in FLAGS.nums], [_bool(r) for r in FLAGS.refills]
   model, cfg, tok = load_for_inference(FLAGS.workdir, needs_prototypes="suppression")
   packed, neutral = _neutral(FLAGS.workdir, cfg)

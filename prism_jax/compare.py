@@ -101,3 +101,97 @@ def evaluate_task(items: list[Item], prism, dense, tok, *, setup: ControlSetup |
       row[f"{name}_controller_nnz"] = len(c.nonzero())
       row[f"{name}_controller_lam"] = c.lam
   return row, fitted
+
+
+# The whole comparison over several tasks (`prism evaluate` and experiments call these).
+
+def hidden_states(model, packed, split: str, max_rows: int) -> tuple[np.ndarray, np.ndarray]:
+  """(z (N, D), next tokens (N,)): a model's final hidden states on the first `max_rows`
+  packed rows of `split`, valid positions only (what the SAE baseline is trained on)."""
+  from flax import nnx  # pylint: disable=g-import-not-at-top
+  from prism_jax.data import batch as batch_lib  # pylint: disable=g-import-not-at-top
+  rows = packed.rows(split)
+  n = min(max_rows, len(rows["tokens"]))
+  b = batch_lib.from_rows(np.asarray(rows["tokens"][:n]), np.asarray(rows["example_id"][:n]),
+                          np.asarray(rows["offset"][:n]), np.arange(n))
+  fwd = nnx.jit(lambda m, x: m(x).z_BxTxD)
+  zs = [np.asarray(fwd(model, b["inputs"][i:i + 16])) for i in range(0, n, 16)]
+  mask = b["mask"].reshape(-1)
+  return np.concatenate(zs).reshape(-1, zs[0].shape[-1])[mask], b["targets"].reshape(-1)[mask]
+
+
+@dataclasses.dataclass
+class TaskSet:
+  """The items of each task, with what fitting them to the context cost."""
+  items: dict[str, list[Item]]
+  dropped: dict[str, int]  # items dropped as too long (too_long="drop")
+  continuation_cut: dict[str, int]  # items scored with a continuation cut to max_len
+
+
+def load_tasks(names: list[str], packed, tok, max_len: int, *, too_long: str = "truncate",
+               synthetic_n: int = 400, limit: int | None = None, seed: int = 0) -> TaskSet:
+  """Offline tasks (evaluation/tasks.py) and synthetic ones from the run's val documents
+  (evaluation/synthetic.py), fitted to `max_len` as `too_long` says (truncate, drop,
+  refuse: scoring.encode_items)."""
+  from prism_jax.evaluation import synthetic, tasks  # pylint: disable=g-import-not-at-top
+  tasks.check_task_names(names, synthetic.SYNTHETIC_TASKS)
+  out = TaskSet({}, {}, {})
+  for name in names:
+    if name in synthetic.SYNTHETIC_TASKS:
+      items = synthetic.synthetic_items(name, packed, synthetic_n, seed)
+    else:
+      items = tasks.load_task(name, limit, seed)
+    if too_long == "drop":
+      items, out.dropped[name] = scoring.drop_too_long(items, tok, max_len)
+    enc = scoring.encode_items(items, tok, max_len,
+                               too_long="refuse" if too_long == "refuse" else "truncate")
+    out.continuation_cut[name] = int(len(np.unique(enc.item_O[enc.cont_cut_O > 0])))
+    out.items[name] = items
+  return out
+
+
+def sae_baseline(dense, packed, num_latents: int, k: int, *, steps: int, seed: int,
+                 sae_path: str | None = None) -> tuple[sae_lib.SaeFit, dict]:
+  """(the TopK SAE on the dense twin's hidden states, its val metrics): trained on 512
+  train rows, or loaded from `sae_path` (an earlier run's sae.npz of the same twin)."""
+  if sae_path:
+    sae = sae_lib.load_sae(sae_path)
+  else:
+    x, _ = hidden_states(dense, packed, "train", 512)
+    sae = sae_lib.train_sae(x, sae_lib.SaeConfig(num_latents=num_latents, k=k, steps=steps,
+                                                 seed=seed))
+  xv, tv = hidden_states(dense, packed, "val", 256)
+  return sae, sae_lib.sae_metrics(sae, dense, xv, tv)
+
+
+def evaluate_tasks(task_set: TaskSet, prism, dense, tok, packed, *,
+                   setup: ControlSetup | None = None, sae: sae_lib.SaeFit | None = None,
+                   progress=None) -> tuple[list[dict], dict, dict]:
+  """(rows, controllers, traces): `evaluate_task` on every task of `task_set`; the fitted
+  controllers by "<task>.<prism|sae>_controller"; each controller's non-zero weights with
+  their prototype's (or SAE latent's) logit signature and top training snippets by
+  "<task>/<prism|sae>". `progress(name, seconds)` is called after each task."""
+  import time  # pylint: disable=g-import-not-at-top
+  rows, controllers, traces = [], {}, {}
+  d_model = dense.cfg.d_model
+  for name, items in task_set.items.items():
+    t0 = time.time()
+    row, fitted = evaluate_task(items, prism, dense, tok, setup=setup, sae=sae)
+    row["seconds"] = round(time.time() - t0, 1)
+    row["dropped_too_long"] = task_set.dropped.get(name, 0)
+    row["items_with_continuation_cut"] = task_set.continuation_cut[name]
+    rows.append(row)
+    if progress is not None:
+      progress(name, row["seconds"])
+    if fitted["prism"] is not None:
+      controllers[f"{name}.prism_controller"] = fitted["prism"]
+      code_fn = lambda x: (lambda o: (o.protos.idx_Nxk, o.protos.act_Nxk))(prism(x))
+      traces[f"{name}/prism"] = ctl.traces(fitted["prism"], prism, prism.bank.protos[...],
+                                           tok, packed, code_fn)
+    if fitted["sae"] is not None:
+      controllers[f"{name}.sae_controller"] = fitted["sae"]
+      code_fn = lambda x: sae_lib.encode(sae.params, dense(x).z_BxTxD.reshape(-1, d_model),
+                                         sae.cfg.k)
+      traces[f"{name}/sae"] = ctl.traces(fitted["sae"], dense, sae.params["W_dec"], tok,
+                                         packed, code_fn)
+  return rows, controllers, traces

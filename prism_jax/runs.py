@@ -387,7 +387,7 @@ def load(workdir: str, *, step: int | None = None) -> Run:
     A Run: `.model`, `.config`, `.tokenizer`, and generate / decompose / attribute /
     report / steer / suppress / cards / hessian_block.
   """
-  from prism_jax.train.inference import load_for_inference  # pylint: disable=g-import-not-at-top
+  from prism_jax.loading import load_for_inference  # pylint: disable=g-import-not-at-top
   model, cfg, tokenizer = load_for_inference(workdir, step=step)
   return Run(workdir, model, cfg, tokenizer)
 

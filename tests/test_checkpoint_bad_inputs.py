@@ -16,9 +16,9 @@ import numpy as np
 import pytest
 
 from prism_jax.config import preset
+from prism_jax.loading import load_for_inference
 from prism_jax.train import (Checkpointer, ConfigMismatchError, TrainingDivergedError,
-                             apply_overrides, load_for_inference, load_params, read_metrics,
-                             train)
+                             apply_overrides, load_params, read_metrics, train)
 
 SETS = [
     "model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.num_prototypes=16",

@@ -148,3 +148,39 @@ def test_left_truncation_against_hand_built_requests():
 def test_whitespace_moves_to_the_continuation():
   assert scoring.move_whitespace("Answer: \n", "x") == ("Answer:", " \nx")
   assert scoring.move_whitespace("Answer:", " x") == ("Answer:", " x")
+
+
+def test_evaluate_tasks_accuracy_equals_float64_brute_force(tmp_path):
+  """prism_jax.compare's whole-run path (`prism evaluate` without controllers): a user
+  .jsonl task loaded, both models scored, each accuracy = argmax of the float64 option
+  log-probabilities by hand (items whose top two lie within rounding are left out)."""
+  import json  # pylint: disable=import-outside-toplevel
+  from prism_jax import compare  # pylint: disable=import-outside-toplevel
+  tok = ByteTokenizer()
+  models = {"prism": _model("prism", tok.vocab_size), "dense": _model("dense", tok.vocab_size)}
+  rng = np.random.default_rng(secrets.randbits(16))
+  words = ["cat", "mat", "dog", "home", "far", "x", "ran again"]
+  docs = [{"context": " ".join(rng.choice(words, int(rng.integers(2, 8)))),
+           "choices": [" ".join(rng.choice(words, int(rng.integers(1, 4))))
+                       for _ in range(int(rng.integers(2, 5)))]} for _ in range(12)]
+  for d in docs:
+    d["gold"] = int(rng.integers(len(d["choices"])))
+  path = tmp_path / "user_task.jsonl"
+  path.write_text("\n".join(json.dumps(d) for d in docs) + "\n")
+  task_set = compare.load_tasks([str(path)], None, tok, MAX_LEN)
+  items = task_set.items[str(path)]
+  assert len(items) == len(docs) and task_set.dropped == {}
+  rows, controllers, traces = compare.evaluate_tasks(task_set, models["prism"],
+                                                     models["dense"], tok, None)
+  assert len(rows) == 1 and controllers == {} and traces == {}
+  row = rows[0]
+  assert row["n_eval"] == len(docs) and row["n_calibration"] == 0
+  assert row["chance"] == pytest.approx(np.mean([1 / len(d["choices"]) for d in docs]))
+  for name, model in models.items():
+    ref = [_reference(model, tok, it) for it in items]
+    clear = [np.sort(r)[-1] - np.sort(r)[-2] > 1e-3 for r in ref]
+    want = np.asarray([np.argmax(r) == it.gold for r, it in zip(ref, items)], float)
+    scores = scoring.score_options(model, scoring.encode_items(items, tok, MAX_LEN))
+    got = scoring.correct(items, scores.logprob_O)
+    np.testing.assert_array_equal(got[clear], want[clear], err_msg=f"seeds {SEEDS}")
+    assert row["acc"][name][0] == pytest.approx(got.mean())

@@ -31,8 +31,9 @@ from prism_jax.attribution.scoring import influence
 from prism_jax.config import LossConfig
 from prism_jax.data import load_documents, prepare_data
 from prism_jax.model.lm import decompose
+from prism_jax.loading import load_for_inference
 from prism_jax.train import (CheckpointCorruptError, Checkpointer, NoReadableCheckpointError,
-                             load_for_inference, load_params, read_metrics, train)
+                             load_params, read_metrics, train)
 from prism_jax.train.optimizer import make_optimizer
 from prism_jax.train.state import abstract_state, default_mesh
 from test_checkpoint_bad_inputs import _cfg, _corpus

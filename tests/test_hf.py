@@ -16,8 +16,9 @@ from safetensors.numpy import load_file, save_file
 from prism_jax import hf
 from prism_jax.config import preset
 from prism_jax.model.transformer import PAD_LOGIT
-from prism_jax.train import apply_overrides, load_for_inference, train
-from prism_jax.train.inference import load_params
+from prism_jax.loading import load_for_inference
+from prism_jax.train import apply_overrides, train
+from prism_jax.loading import load_params
 
 GOLDEN = os.path.join(os.path.dirname(__file__), "golden", "hf_gpt2_tiny")
 VOCAB = 1000  # the golden model's vocabulary; padded to 1024 rows here

@@ -1,4 +1,4 @@
-"""train/host_memory: freed host memory stays in the process (no page faults on reuse),
+"""cli/host_memory: freed host memory stays in the process (no page faults on reuse),
 applied only by the command-line launcher (experiments/cli.py), never by the library.
 
 Each case runs in a fresh interpreter: the allocator setting is process-wide and one-way.
@@ -35,13 +35,14 @@ applied = None
 if sys.argv[1] == "thresholds":  # the two thresholds alone (round 3's setting)
   applied = bool(libc.mallopt(-3, 2**31 - 1)) and bool(libc.mallopt(-1, 2**31 - 1))
 elif sys.argv[1] == "retain":
-  from prism_jax.train import host_memory
+  from prism_jax.cli import host_memory
   applied = host_memory.retain_freed_memory()
 elif sys.argv[1] == "train_step":  # the library: building (and running) a step
   import jax, optax
-  from prism_jax.train import host_memory, trainer
+  from prism_jax.cli import host_memory
+  from prism_jax.train import engine
   loss = lambda p, b: (jax.numpy.sum(p["w"] * b), {})
-  step = trainer.make_step(loss, optax.sgd(0.1))
+  step = engine.make_step(loss, optax.sgd(0.1))
   applied = host_memory._applied
 elif sys.argv[1] == "launcher":  # the command-line launcher's opt-in
   from prism_jax.cli import launcher as cli

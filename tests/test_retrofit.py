@@ -8,8 +8,9 @@ import numpy as np
 import pytest
 
 from prism_jax.config import preset
-from prism_jax.train import apply_overrides, load_for_inference, train
-from prism_jax.train.inference import load_params
+from prism_jax.loading import load_for_inference
+from prism_jax.train import apply_overrides, train
+from prism_jax.loading import load_params
 
 WORDS = ["for", "while", "the", "of", "prototype", "token", "mesh", "<x>", "&amp;"]
 SETS = [

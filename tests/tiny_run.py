@@ -8,7 +8,8 @@ import numpy as np
 from prism_jax.attribution.caching import cache as cache_lib
 from prism_jax.config import preset
 from prism_jax.data import prepare_data
-from prism_jax.train import apply_overrides, load_for_inference, train
+from prism_jax.loading import load_for_inference
+from prism_jax.train import apply_overrides, train
 
 K = 16
 SETS = [

@@ -56,7 +56,7 @@ def main(argv):
   from prism_jax.attribution.caching import cache_build  # pylint: disable=g-import-not-at-top
   from prism_jax.attribution.scoring import influence  # pylint: disable=g-import-not-at-top
   from prism_jax.data import prepare_data  # pylint: disable=g-import-not-at-top
-  from prism_jax.train import load_for_inference  # pylint: disable=g-import-not-at-top
+  from prism_jax.loading import load_for_inference  # pylint: disable=g-import-not-at-top
 
   # Every process holds the whole model on its own devices (the build splits the data),
   # one process too: the same per-process program, so P processes build the same bits.

@@ -54,8 +54,9 @@ def _signature(model, proto_id: int, decode, n: int = 3) -> str:
 def main(argv):
   del argv
   from prism_jax.config import preset  # pylint: disable=g-import-not-at-top
+  from prism_jax.loading import load_for_inference  # pylint: disable=g-import-not-at-top
   from prism_jax.train import (ConfigMismatchError, apply_overrides,  # pylint: disable=g-import-not-at-top
-                               load_for_inference, train)
+                               train)
   from prism_jax.train.metrics import quiet_library_logs  # pylint: disable=g-import-not-at-top
   quiet_library_logs(40)  # orbax's read-only notices are noise here
   sampling = sampling_flags.kwargs()  # a bad --temperature / --top_k: one line, no work

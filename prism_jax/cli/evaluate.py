@@ -46,58 +46,32 @@ flags.DEFINE_string("out", None, "directory written: results.json, traces.json, 
                     "controllers, sae.npz (default: <workdir>/evaluate_mc)")
 flags.DEFINE_string("results_json", None, "also write the results JSON to this file "
                     "(docs/results/...)")
-flags.DEFINE_string("dump_requests", None, "write every request as JSONL here")
+flags.DEFINE_string("dump_requests", None, "write every request as JSONL here (without "
+                    "--dense_workdir: only that, nothing is scored)")
 flags.mark_flags_as_required(["workdir"])
 FLAGS = flags.FLAGS
 
 
-def _hidden_states(model, packed, split, max_rows):
-  """The dense model's final hidden states z and next tokens on packed rows (mask on)."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  from prism_jax.data import batch as batch_lib  # pylint: disable=g-import-not-at-top
-  rows = packed.rows(split)
-  n = min(max_rows, len(rows["tokens"]))
-  b = batch_lib.from_rows(np.asarray(rows["tokens"][:n]), np.asarray(rows["example_id"][:n]),
-                          np.asarray(rows["offset"][:n]), np.arange(n))
-  fwd = nnx.jit(lambda m, x: m(x).z_BxTxD)
-  zs = [np.asarray(fwd(model, b["inputs"][i:i + 16])) for i in range(0, n, 16)]
-  mask = b["mask"].reshape(-1)
-  return np.concatenate(zs).reshape(-1, zs[0].shape[-1])[mask], b["targets"].reshape(-1)[mask]
-
-
-def _items(name, packed):
-  from prism_jax.evaluation import synthetic, tasks  # pylint: disable=g-import-not-at-top
-  if name in synthetic.SYNTHETIC_TASKS:
-    return synthetic.synthetic_items(name, packed, FLAGS.synthetic_n, FLAGS.seed)
-  return tasks.load_task(name, FLAGS.limit, FLAGS.seed)
-
-
 def main(argv):
   del argv
-  import numpy as np  # pylint: disable=g-import-not-at-top
   from prism_jax import io_guard  # pylint: disable=g-import-not-at-top
-  from prism_jax.control import controllers as ctl  # pylint: disable=g-import-not-at-top
   from prism_jax.control import sae as sae_lib  # pylint: disable=g-import-not-at-top
   from prism_jax.data import prepare_data  # pylint: disable=g-import-not-at-top
   from prism_jax import compare, stats  # pylint: disable=g-import-not-at-top
   from prism_jax.evaluation import scoring  # pylint: disable=g-import-not-at-top
-  from prism_jax.train import load_for_inference  # pylint: disable=g-import-not-at-top
+  from prism_jax.loading import load_for_inference  # pylint: disable=g-import-not-at-top
 
   from prism_jax.evaluation import synthetic, tasks  # pylint: disable=g-import-not-at-top
   tasks.check_task_names(FLAGS.tasks, synthetic.SYNTHETIC_TASKS)
+  if FLAGS.dense_workdir is None and not FLAGS.dump_requests:
+    raise ValueError("--dense_workdir (the dense twin) is required to evaluate")
   prism, cfg, tok = load_for_inference(FLAGS.workdir,
                                        needs_prototypes="the prototype controllers")
   packed = prepare_data(cfg.data, cfg.model.vocab_size, FLAGS.workdir)
-  all_items, dropped, cont_cut = {}, {}, {}
-  for name in FLAGS.tasks:
-    items = _items(name, packed)
-    if FLAGS.too_long == "drop":
-      items, dropped[name] = scoring.drop_too_long(items, tok, cfg.model.max_len)
-    enc = scoring.encode_items(items, tok, cfg.model.max_len,
-                               too_long="refuse" if FLAGS.too_long == "refuse" else "truncate")
-    cont_cut[name] = int(len(np.unique(enc.item_O[enc.cont_cut_O > 0])))
-    all_items[name] = items
+  task_set = compare.load_tasks(FLAGS.tasks, packed, tok, cfg.model.max_len,
+                                too_long=FLAGS.too_long, synthetic_n=FLAGS.synthetic_n,
+                                limit=FLAGS.limit, seed=FLAGS.seed)
+  all_items = task_set.items
   if FLAGS.dump_requests:
     with open(FLAGS.dump_requests, "w", encoding="utf-8") as f:
       for items in all_items.values():
@@ -106,7 +80,7 @@ def main(argv):
     logging.info("wrote %d requests to %s", sum(len(scoring.requests(v))
                                                for v in all_items.values()), FLAGS.dump_requests)
   if FLAGS.dense_workdir is None:
-    raise ValueError("--dense_workdir (the dense twin) is required to evaluate")
+    return  # --dump_requests alone: the requests are the output
   dense, dcfg, dtok = load_for_inference(FLAGS.dense_workdir)
   if dcfg.model.kind != "dense" or dtok.vocab_size != tok.vocab_size:
     raise ValueError(f"--dense_workdir must be the dense twin (kind dense, vocab "
@@ -119,37 +93,16 @@ def main(argv):
   sae, sae_report = None, None
   if FLAGS.sae and setup is not None:
     t0 = time.time()
-    if FLAGS.sae_path:
-      sae = sae_lib.load_sae(FLAGS.sae_path)
-    else:
-      x, _ = _hidden_states(dense, packed, "train", 512)
-      sae = sae_lib.train_sae(x, sae_lib.SaeConfig(num_latents=cfg.model.num_prototypes,
-                                                   k=cfg.model.k, steps=FLAGS.sae_steps,
-                                                   seed=FLAGS.seed))
+    sae, sae_report = compare.sae_baseline(dense, packed, cfg.model.num_prototypes,
+                                           cfg.model.k, steps=FLAGS.sae_steps, seed=FLAGS.seed,
+                                           sae_path=FLAGS.sae_path)
     sae_lib.save_sae(os.path.join(out_dir, "sae.npz"), sae)
-    xv, tv = _hidden_states(dense, packed, "val", 256)
-    sae_report = sae_lib.sae_metrics(sae, dense, xv, tv)
     logging.info("SAE (%.0f s): %s", time.time() - t0, sae_report)
-  rows, all_traces = [], {}
-  for name, items in all_items.items():
-    t0 = time.time()
-    row, fitted = compare.evaluate_task(items, prism, dense, tok, setup=setup, sae=sae)
-    row["seconds"] = round(time.time() - t0, 1)
-    row["dropped_too_long"] = dropped.get(name, 0)
-    row["items_with_continuation_cut"] = cont_cut[name]
-    rows.append(row)
-    logging.info("%s done in %.0f s", name, row["seconds"])
-    if fitted["prism"] is not None:
-      fitted["prism"].save(os.path.join(out_dir, f"{name}.prism_controller.json"))
-      code_fn = lambda x: (lambda o: (o.protos.idx_Nxk, o.protos.act_Nxk))(prism(x))
-      all_traces[f"{name}/prism"] = ctl.traces(fitted["prism"], prism, prism.bank.protos[...],
-                                               tok, packed, code_fn)
-    if fitted["sae"] is not None:
-      fitted["sae"].save(os.path.join(out_dir, f"{name}.sae_controller.json"))
-      code_fn = lambda x: sae_lib.encode(sae.params, dense(x).z_BxTxD.reshape(
-          -1, cfg.model.d_model), sae.cfg.k)
-      all_traces[f"{name}/sae"] = ctl.traces(fitted["sae"], dense, sae.params["W_dec"], tok,
-                                             packed, code_fn)
+  rows, controllers, all_traces = compare.evaluate_tasks(
+      task_set, prism, dense, tok, packed, setup=setup, sae=sae,
+      progress=lambda name, s: logging.info("%s done in %.0f s", name, s))
+  for name, c in controllers.items():
+    c.save(os.path.join(out_dir, f"{name}.json"))
   with open(os.path.join(out_dir, "traces.json"), "w", encoding="utf-8") as f:
     json.dump(all_traces, f, indent=1)
   _print_table(rows, stats)

@@ -31,7 +31,7 @@ def main(argv):
   from prism_jax.analysis.token_report import token_report  # pylint: disable=g-import-not-at-top
   from prism_jax.generate import generate  # pylint: disable=g-import-not-at-top
   from prism_jax.model.logit_edit import suppression_gains  # pylint: disable=g-import-not-at-top
-  from prism_jax.train import load_for_inference  # pylint: disable=g-import-not-at-top
+  from prism_jax.loading import load_for_inference  # pylint: disable=g-import-not-at-top
   model, cfg, tokenizer = load_for_inference(FLAGS.workdir, step=FLAGS.step)
   prompt_ids = tokenizer.encode(FLAGS.prompt)
   if not prompt_ids:

@@ -88,13 +88,13 @@ def _exit_after_failure(e: Exception, code: int) -> None:
 
 
 def retain_freed_host_memory() -> bool:
-  """The CPU allocator setting of prism_jax/train/host_memory.py, for a launcher whose
+  """The CPU allocator setting of prism_jax/cli/host_memory.py, for a launcher whose
   process trains on CPU (XLA:CPU mallocs each step's buffers afresh: page faults every
   step otherwise). Process-wide, so the library never applies it; logged when applied.
   PRISM_JAX_RETAIN_FREED_MEMORY=0 opts out."""
   import jax  # pylint: disable=g-import-not-at-top
   from absl import logging  # pylint: disable=g-import-not-at-top
-  from prism_jax.train import host_memory  # pylint: disable=g-import-not-at-top
+  from prism_jax.cli import host_memory  # pylint: disable=g-import-not-at-top
   if jax.default_backend() != "cpu":  # the process's devices, not a traced code path
     return False
   applied = host_memory.retain_freed_memory()

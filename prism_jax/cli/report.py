@@ -44,7 +44,7 @@ def main(argv):
   from prism_jax.analysis import report  # pylint: disable=g-import-not-at-top
   from prism_jax.attribution.caching import cache as cache_lib  # pylint: disable=g-import-not-at-top
   from prism_jax.data import prepare_data  # pylint: disable=g-import-not-at-top
-  from prism_jax.train import load_for_inference  # pylint: disable=g-import-not-at-top
+  from prism_jax.loading import load_for_inference  # pylint: disable=g-import-not-at-top
   from prism_jax.train.metrics import quiet_library_logs  # pylint: disable=g-import-not-at-top
   quiet_library_logs(40)
   logging.set_verbosity(logging.INFO)

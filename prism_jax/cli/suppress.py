@@ -63,7 +63,7 @@ def _val_batch(workdir, cfg):
 
 def select(model, tokenizer, packed, b, ban_ids, num):
   from prism_jax.control import selection  # pylint: disable=g-import-not-at-top
-  from prism_jax.train.inference import load_config  # pylint: disable=g-import-not-at-top
+  from prism_jax.loading import load_config  # pylint: disable=g-import-not-at-top
   from prism_jax.control.suppression import ProtoSet  # pylint: disable=g-import-not-at-top
   kind, _, arg = FLAGS.select.partition(":")
   if kind == "logit_signature":
@@ -113,7 +113,7 @@ def main(argv):
   import numpy as np  # pylint: disable=g-import-not-at-top
   from prism_jax.control import behaviours, stats  # pylint: disable=g-import-not-at-top
   from prism_jax.control.suppression import ProtoSet  # pylint: disable=g-import-not-at-top
-  from prism_jax.train.inference import load_for_inference  # pylint: disable=g-import-not-at-top
+  from prism_jax.loading import load_for_inference  # pylint: disable=g-import-not-at-top
   b = behaviours.behaviour(FLAGS.behaviour)
   gen_kw = dict(num_samples=FLAGS.num_samples, max_new_tokens=FLAGS.max_new_tokens,
                 temperature=FLAGS.temperature, top_k=FLAGS.top_k or None, seed=FLAGS.seed)
@@ -206,7 +206,7 @@ def main(argv):
 
 def _dense_twin(b, gen_kw):
   from prism_jax.control import measure, stats  # pylint: disable=g-import-not-at-top
-  from prism_jax.train.inference import load_for_inference  # pylint: disable=g-import-not-at-top
+  from prism_jax.loading import load_for_inference  # pylint: disable=g-import-not-at-top
   dense, cfg, tokenizer = load_for_inference(FLAGS.dense_workdir)
   texts = measure.generations(dense, tokenizer, b.prompts, **gen_kw)
   ev = _last_eval(FLAGS.dense_workdir)

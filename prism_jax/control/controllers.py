@@ -9,7 +9,7 @@ a PrismLM's active prototypes (a_{t,i}, p_i), or a TopK SAE's latents on the den
 
 The fit minimises the options' cross-entropy (softmax over an item's option scores against
 its gold) + λ||w||₁ with proximal Adam (prox_adam: the soft-threshold in Adam's metric),
-so unused weights are exactly 0; it runs on train/trainer.py's shared Trainer. A controller records the
+so unused weights are exactly 0; it runs on train/engine.py's shared Trainer. A controller records the
 fingerprint of the model (and SAE) it was fit on and refuses any other.
 """
 
@@ -28,7 +28,7 @@ import optax
 
 from prism_jax.losses import token_nll
 from prism_jax.model.logit_edit import code_logits
-from prism_jax.train.trainer import Trainer
+from prism_jax.train.engine import Trainer
 
 KINDS = ("gains", "linear")
 

@@ -6,7 +6,7 @@ PRISM's prototype layer sits: the SAE-controller baseline's dictionary.
          the top k_aux pre-activations of the dead latents, α = 1/32)
   decoder rows unit-norm: the gradient component parallel to each row is removed before
   Adam and rows are renormalised after every step; b_pre starts at the geometric median.
-Trained on train/trainer.py's shared Trainer. A latent is dead when it fired on none of a
+Trained on train/engine.py's shared Trainer. A latent is dead when it fired on none of a
 fixed sample of `dead_sample` tokens at the last check (every `dead_every` steps).
 """
 
@@ -22,7 +22,7 @@ import numpy as np
 import optax
 
 from prism_jax.losses import token_nll
-from prism_jax.train.trainer import Trainer
+from prism_jax.train.engine import Trainer
 
 HI = jax.lax.Precision.HIGHEST
 

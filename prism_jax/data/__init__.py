@@ -7,7 +7,7 @@
   packed.snippet(example_id, offset)       # the training text around a token
 """
 
-from prism_jax.data.packed import PackedData, prepare_data
+from prism_jax.data.packed import PackedData, prepare_data, run_tokenizer
 from prism_jax.data.pack_format import OldPackError
 from prism_jax.data.packing import pack, pack_config
 from prism_jax.data.sources import (DEFAULT_CORPUS, Document, iter_documents, load_documents,
@@ -32,5 +32,6 @@ __all__ = [
     "OldPackError",
     "PackedData", "PackedRows", "Tokenizer", "iter_documents", "load_documents",
     "load_tokenizer", "make_loader", "make_tokenizer", "pack", "pack_config",
-    "prepare_data", "resolve_paths", "row_to_example", "source_hash", "train_bpe",
+    "prepare_data", "resolve_paths", "row_to_example", "run_tokenizer", "source_hash",
+    "train_bpe",
 ]

@@ -148,3 +148,8 @@ def prepare_data(data_cfg, vocab_size: int, workdir: str, *, workers: int | None
   out_dir = io_guard.find_packed_dir(workdir, data_cfg.packed_dir, must_exist=False)
   return PackedData(packing.pack(data_cfg, vocab_size, out_dir, workers=workers))
 
+
+def run_tokenizer(workdir: str, packed_dir: str):
+  """The tokenizer a run saved beside its packed data (`data.packed_dir` of its config)."""
+  return tok_lib.load_tokenizer(io_guard.find_packed_dir(workdir, packed_dir))
+

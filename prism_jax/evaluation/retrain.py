@@ -3,7 +3,7 @@
 `retrain(cfg, packed, rows, seed)` runs the model's own recipe (PRISM.md §3), the one
 `train()` runs (prism_jax/train/recipe.py: the born-sharded init from `seed`, the dense
 warm-up, the bank set by k-means++ at `train.proto_init_step`, revival, the same optimiser
-and schedule), through the shared loop (`train/trainer.Loop`). Only the data
+and schedule), through the shared loop (`train/engine.Loop`). Only the data
 differs: batch s is drawn from `rows` alone, a pure function of (seed, s) (each epoch a
 fresh permutation of the kept rows; a short last batch is dropped), so a retrain is
 reproducible and two seeds differ in both the init and the order.
@@ -35,7 +35,7 @@ from prism_jax import losses, paths
 from prism_jax.config import Config
 from prism_jax.data import batch as batch_lib
 from prism_jax.train import step as step_lib
-from prism_jax.train import trainer
+from prism_jax.train import engine
 from prism_jax.train.recipe import Recipe
 from prism_jax.train.state import default_mesh
 
@@ -87,7 +87,7 @@ def retrain(cfg: Config, packed, rows, seed: int, *, progress: bool = False):
   source = SubsetBatches(packed, rows, tc.batch_size, seed)
   with jax.set_mesh(recipe.mesh):
     state = jax.tree.map(jnp.copy, init)  # the step donates its state: keep the cached one
-    loop = trainer.Loop(start=0, steps=tc.steps, log_every=tc.log_every if progress
+    loop = engine.Loop(start=0, steps=tc.steps, log_every=tc.log_every if progress
                         else tc.steps)
 
     def before_step(s, state):  # THE recipe's bank init and revival (train/recipe.py)

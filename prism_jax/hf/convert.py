@@ -28,7 +28,7 @@ from prism_jax.hf import gpt2_config, gpt2_weights, hf_dir
 from prism_jax.hf.gpt2_config import HFFormatError
 from prism_jax.model.lm import build_model
 from prism_jax.train import checkpoint as ckpt_lib
-from prism_jax.train import inference
+from prism_jax import loading as inference
 from prism_jax.train.optimizer import make_optimizer
 from prism_jax.train.state import TrainState
 

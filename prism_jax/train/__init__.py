@@ -5,15 +5,15 @@
   result.final_step, result.eval, result.state    # a TrainResult; .summary() is JSON
   Recipe(cfg, mesh)                               # PRISM's recipe: phases, bank init, revival
   Trainer(loss_fn, tx, trainable=pred).fit(params, batches, steps=100)  # any loss
-  model, cfg, tokenizer = load_for_inference("runs/x")
+  cfg = load_config("runs/x"); graphdef, params, cfg, step = load_params("runs/x")
+  (a trained run for inference: prism_jax.loading.load_for_inference, or prism_jax.load)
 """
 
 from prism_jax.train.checkpoint import (Checkpointer, ConfigMismatchError,
-                                        NoReadableCheckpointError)
+                                        NoReadableCheckpointError, load_config, load_params)
 from prism_jax.train.integrity import CheckpointCorruptError
 from prism_jax.train.evaluation import Evaluator, evaluate
-from prism_jax.train.inference import load_config, load_for_inference, load_params
-from prism_jax.train.loop import TrainResult, prepare, train
+from prism_jax.train.run import TrainResult, prepare, train
 from prism_jax.train.metrics import read_metrics
 from prism_jax.train.optimizer import decay_mask, lr_schedule, make_optimizer, reset_moments
 from prism_jax.train.recipe import Recipe, init_prototypes
@@ -22,7 +22,7 @@ from prism_jax.train.overrides import (apply_overrides, config_diff, config_from
 from prism_jax.train.state import (TrainState, abstract_state, create_train_state,
                                    default_mesh, state_shardings)
 from prism_jax.train.step import make_eval_step, make_train_step
-from prism_jax.train.trainer import (Loop, LoopResult, Trainer, TrainingDivergedError,
+from prism_jax.train.engine import (Loop, LoopResult, Trainer, TrainingDivergedError,
                                      make_step)
 
 __all__ = [
@@ -30,7 +30,7 @@ __all__ = [
     "LoopResult", "NoReadableCheckpointError", "Recipe", "TrainResult", "TrainState", "Trainer",
     "TrainingDivergedError", "abstract_state", "apply_overrides", "config_diff",
     "config_from_dict", "create_train_state", "decay_mask", "default_mesh", "evaluate",
-    "init_prototypes", "load_config", "load_for_inference", "load_params", "lr_schedule",
+    "init_prototypes", "load_config", "load_params", "lr_schedule",
     "make_eval_step", "make_optimizer", "make_step", "make_train_step",
     "prepare", "read_metrics", "reset_moments", "state_shardings", "train", "valid_keys",
 ]

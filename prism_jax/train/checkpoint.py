@@ -30,7 +30,7 @@ from absl import logging
 from prism_jax import paths
 from prism_jax.config import Config, to_dict, to_json
 from prism_jax.train import integrity, overrides
-from prism_jax.train.state import TrainState
+from prism_jax.train.state import TrainState, abstract_state, default_mesh, model_template
 
 CKPT_DIR = "checkpoints"
 CORRUPT_DIR = "corrupt_checkpoints"
@@ -56,6 +56,7 @@ RESUMABLE_CHANGES = (
 CHANGES_ON_REQUEST = (
     "train.lr", "train.min_lr_ratio", "train.warmup_steps", "train.weight_decay",
     "train.grad_clip", "loss.lambda_rec", "loss.lambda_r1", "loss.lambda_r2",
+    "train.revive_every",  # turn revival on (or off) for a bank that is dying
 )
 
 
@@ -98,7 +99,7 @@ class Checkpointer:
   def save(self, step: int, state: TrainState, data_state: dict[str, Any],
            cfg: Config | Mapping[str, Any]):
     """Starts an async save (device->host copy happens before this returns). `cfg` is the
-    run's Config, or a JSON dict for a trainer that has none (prism_jax.train.trainer)."""
+    run's Config, or a JSON dict for a trainer that has none (prism_jax.train.engine)."""
     opt = {"step": state.step, "opt_state": state.opt_state}
     digests = {"params": integrity.digest(state.params), "opt": integrity.digest(opt)}
     args = ocp.args.Composite(
@@ -238,3 +239,50 @@ def read_workdir_config(workdir: str) -> dict[str, Any]:
   if not path.is_file():
     raise FileNotFoundError(f"{workdir} has no {CONFIG_FILE}: not a prism_jax run directory")
   return json.loads(path.read_text())
+
+
+# Reading a run back (prism_jax/loading.py builds the model from these; train/init_from.py
+# reads a source run with them).
+def load_config(workdir: str) -> Config:
+  """The resolved Config of a run (<workdir>/config.json)."""
+  return overrides.config_from_dict(read_workdir_config(workdir))
+
+
+def load_params(workdir: str, cfg: Config | None = None, step: int | None = None,
+                mesh: jax.sharding.Mesh | None = None):
+  """(graphdef, params, cfg, step) from the newest (or given) checkpoint, on `mesh`.
+
+  `cfg` defaults to the checkpoint's own config; a given one must agree on model.*.
+  """
+  workdir = paths.resolve(workdir)
+  ckpt = Checkpointer(workdir, read_only=True)
+  try:
+    steps = ckpt.all_steps()
+    if not steps:
+      raise FileNotFoundError(f"no checkpoint in {ckpt.directory}")
+    step = steps[-1] if step is None else step
+    if step not in steps:
+      raise FileNotFoundError(f"no checkpoint {step} in {ckpt.directory}; have {steps}")
+    saved = overrides.config_from_dict(ckpt.read_config(step))
+    if cfg is None:
+      cfg = saved
+    else:
+      diffs = [d for d in overrides.config_diff(saved, cfg, RESUMABLE_CHANGES)
+               if d[0].startswith("model.")]
+      if diffs:
+        raise ConfigMismatchError(describe_mismatch(
+            diffs, paths.join(ckpt.directory, str(step))))
+    mesh = default_mesh(cfg) if mesh is None else mesh
+    graphdef, _ = model_template(cfg.model)
+    target = abstract_state(cfg, mesh).params
+    with jax.set_mesh(mesh):
+      try:
+        params = ckpt.restore_params(step, target)
+      except integrity.CheckpointCorruptError as e:
+        older = [s for s in steps if s < step]
+        raise integrity.CheckpointCorruptError(
+            f"{e}. Checkpoint {step} is corrupt: load an older one (step= one of {older}) "
+            "or resume training there, which quarantines it and falls back") from e
+  finally:
+    ckpt.manager.close()
+  return graphdef, params, cfg, step

@@ -18,9 +18,10 @@ from typing import Any
 
 import jax
 
+from prism_jax import data as data_lib
 from prism_jax import paths
 from prism_jax.config import Config, ModelConfig
-from prism_jax.train import inference
+from prism_jax.train import checkpoint as ckpt_lib
 from prism_jax.train.state import TrainState
 
 BACKBONE_FIELDS = ("vocab_size", "vocab_used", "max_len", "d_model", "n_layers", "n_heads",
@@ -68,9 +69,9 @@ def check_source(cfg: Config, tokenizer) -> Config:
     raise FileNotFoundError(f"train.init_from={src} is not a run directory (no config.json); "
                             "a Hugging Face directory is imported first with `prism "
                             "import-hf` (prism_jax/cli/import_hf.py)")
-  source = inference.load_config(src)
+  source = ckpt_lib.load_config(src)
   check_backbone(cfg.model, source.model, src)
-  check_tokenizer(tokenizer, inference.load_tokenizer(src, source), src)
+  check_tokenizer(tokenizer, data_lib.run_tokenizer(src, source.data.packed_dir), src)
   return source
 
 
@@ -78,7 +79,7 @@ def with_pretrained_backbone(state: TrainState, shardings: TrainState,
                              cfg: Config) -> TrainState:
   """`state` (step 0) with the backbone of train.init_from's newest checkpoint, placed
   as `shardings` says; the head (bank, optimiser moments) is left as it is."""
-  _, params, _, _ = inference.load_params(cfg.train.init_from)
+  _, params, _, _ = ckpt_lib.load_params(cfg.train.init_from)
   backbone = jax.device_get(params["backbone"])
   new = dict(state.params)
   new["backbone"] = jax.device_put(backbone, shardings.params["backbone"])

@@ -10,7 +10,7 @@ What a PRISM run does besides taking optimiser steps, built once per (config, me
     by k-means++ (PRISM.md §3) with the bank's Adam moments reset; every
     `train.revive_every` steps the prototypes no token selected are set anew
     (prism_jax/train/revive.py).
-`train()` (train/loop.py: data, checkpoints, evaluation, the loop) and the LDS retrains
+`train()` (train/run.py: data, checkpoints, evaluation, the loop) and the LDS retrains
 (evaluation/retrain.py: the same recipe on a subset of rows) both run it: a change to the
 recipe made here changes both.
 """

@@ -22,7 +22,7 @@ from prism_jax import losses
 from prism_jax import sharding as shard_lib
 from prism_jax.config import Config
 from prism_jax.train import accumulate
-from prism_jax.train import trainer
+from prism_jax.train import engine
 from prism_jax.train.optimizer import lr_schedule
 from prism_jax.train.state import TrainState
 
@@ -91,7 +91,7 @@ def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation,
                     shardings: TrainState, mesh: jax.sharding.Mesh, *,
                     dense_phase: bool = False) -> Callable:
   """Jitted `train_step(state, batch) -> (state, metrics)` with the state donated: the
-  model's loss through the shared step builder (prism_jax.train.trainer.make_step).
+  model's loss through the shared step builder (prism_jax.train.engine.make_step).
 
   `dense_phase=True` builds the warm-up variant (dense CE through W z; see module doc).
   """
@@ -106,7 +106,7 @@ def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation,
 
   batch_sh = {k: shard_lib.batch_sharding(mesh) for k in BATCH_KEYS}
   accum = cfg.train.grad_accum
-  return trainer.make_step(loss_fn, tx, state_shardings=shardings, batch_shardings=batch_sh,
+  return engine.make_step(loss_fn, tx, state_shardings=shardings, batch_shardings=batch_sh,
                            schedule=lr_schedule(cfg.train), pass_step=True, grad_accum=accum,
                            prepass=None if accum == 1 else _shares(graphdef, cfg, dense_phase))
 

@@ -1,4 +1,4 @@
-"""The shared trainer (prism_jax.train.trainer) on losses other than the model's own.
+"""The shared trainer (prism_jax.train.engine) on losses other than the model's own.
 
 A linear probe on frozen random features is trained over a parameter subset and checked
 against a hand-written optax loop on the probe alone; a checkpointed run resumed half way

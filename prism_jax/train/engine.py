@@ -1,5 +1,5 @@
-"""A trainer that takes a loss: one step builder and one loop for the model's own training
-(`train()`), SAEs, controllers, probes and retrains.
+"""The engine that runs steps for any loss: one step builder and one loop, used by the model's
+training (`train()`, train/run.py), SAEs, controllers, probes and retrains.
 
     trainer = Trainer(loss_fn, optax.adam(1e-3), trainable=lambda path: path[0] == "probe")
     result = trainer.fit(params, batches, steps=100, workdir="runs/probe", ckpt_every=50)
@@ -102,7 +102,7 @@ def make_step(loss_fn: LossFn, tx: optax.GradientTransformation, *,
   a finite loss can still produce an overflowing update).
 
   Building a step changes no process state (the CPU allocator setting of
-  train/host_memory.py is the command-line launcher's opt-in).
+  cli/host_memory.py is the command-line launcher's opt-in).
   """
 
   def grads_of(fn, params, batch, extra, pre=prepass):

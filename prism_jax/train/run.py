@@ -1,7 +1,7 @@
-"""The model's training: `train(cfg, workdir) -> TrainResult` (resumes from <workdir>).
+"""One training run of the model: `train(cfg, workdir) -> TrainResult` (resumes from <workdir>).
 
 The data, the born-sharded state, the prototype init from data at `train.proto_init_step`
-and the val evaluation around the shared loop of prism_jax.train.trainer (one-step-late
+and the val evaluation around the shared loop of prism_jax.train.engine (one-step-late
 metrics, NaN guard, checkpoints, metrics writers, progress).
 """
 
@@ -25,12 +25,12 @@ from prism_jax.train import init_from as init_from_lib
 from prism_jax.train import metrics as metrics_lib
 from prism_jax.train import overrides
 from prism_jax.train import step as step_lib
-from prism_jax.train import trainer
+from prism_jax.train import engine
 from prism_jax.train.preemption import Preemption
 from prism_jax.train.progress import format_metrics
 from prism_jax.train.recipe import Recipe
 from prism_jax.train.state import TrainState, default_mesh
-from prism_jax.train.trainer import Callback
+from prism_jax.train.engine import Callback
 
 
 def prepare(cfg: Config, workdir: str, mesh) -> tuple[Any, Any, Any]:
@@ -174,8 +174,8 @@ def _run(cfg, workdir, mesh, ckpt, packed, train_loader, val_loader, callbacks, 
     thr = metrics_lib.Throughput(cfg.model, cfg.data.seq_len,
                                  tc.batch_size * cfg.data.seq_len, mesh.devices.size,
                                  loss_cfg=cfg.loss)
-    saving = trainer.Checkpointing(ckpt, tc.ckpt_every, train_loader.state, cfg)
-    loop = trainer.Loop(start=start, steps=tc.steps, log_every=tc.log_every,
+    saving = engine.Checkpointing(ckpt, tc.ckpt_every, train_loader.state, cfg)
+    loop = engine.Loop(start=start, steps=tc.steps, log_every=tc.log_every,
                         workdir=workdir, checkpointing=saving, throughput=thr,
                         hint="Lower train.lr or check the data.",
                         stop=None if preemption is None else preemption.reached,
@@ -227,7 +227,7 @@ def _run(cfg, workdir, mesh, ckpt, packed, train_loader, val_loader, callbacks, 
                      out.steady_tokens_per_s, out.state, graphdef, out.preempted)
 
 
-def _record_config_changes(loop: trainer.Loop, ckpt, step: int, cfg: Config) -> None:
+def _record_config_changes(loop: engine.Loop, ckpt, step: int, cfg: Config) -> None:
   """A resume that changed allowed fields (a longer train.steps, --allow_change) writes
   one metrics.jsonl record {"split": "config_change", "step": step, field: [old, new]}."""
   diffs = overrides.config_diff(ckpt.read_config(step), cfg)
