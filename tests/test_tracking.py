@@ -1,5 +1,6 @@
 """train.log_to=wandb (offline, no network): the tracked history holds metrics.jsonl's
-scalars, and a resumed run appends to the same W&B run id; a missing extra is one line."""
+scalars and the prototype-usage histogram of each eval, and a resumed run appends to the
+same W&B run id; a missing extra is one line."""
 
 import glob
 import json
@@ -60,6 +61,31 @@ def test_wandb_offline_history_holds_the_metrics_and_a_resume_continues_the_run(
       assert history[(r["step"], f"{r['split']}/{k}")] == pytest.approx(v, rel=1e-6), (r, k)
       checked += 1
   assert checked > 20 and max(s for s, _ in history) == 6
+  _check_usage_histograms(run, runs)
+
+
+def _check_usage_histograms(run, runs):
+  """At each eval the tracked run gets the report's usage plot: log10(1 + tokens selecting
+  each prototype) as a histogram; the last equals one recomputed from a plain forward of the
+  final model over the same val batch (top-k ids counted in NumPy)."""
+  import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
+  from prism_jax import data as data_lib  # pylint: disable=import-outside-toplevel
+  from prism_jax.loading import load_for_inference  # pylint: disable=import-outside-toplevel
+  key = "val/prototype_usage/"  # the reader flattens W&B's nested histogram value
+  hists = {row["_step"]: {k[len(key):]: v for k, v in row.items() if k.startswith(key)}
+           for _, rows in runs for row in rows if key + "values" in row}
+  assert sorted(hists) == [0, 2, 4, 6]  # every eval (0: the untrained model)
+  model, cfg, _ = load_for_inference(str(run))
+  packed = data_lib.prepare_data(cfg.data, cfg.model.vocab_size, str(run))
+  b = data_lib.make_loader(packed, "val", cfg.train.batch_size, cfg.data.seed).batch_at(0)
+  out = model(jnp.asarray(b["inputs"]), mask_BxT=jnp.asarray(b["mask"]))
+  idx = np.asarray(out.protos.idx_Nxk)[np.asarray(b["mask"]).reshape(-1)]
+  usage = np.bincount(idx.reshape(-1), minlength=cfg.model.num_prototypes)
+  counts, edges = np.histogram(np.log10(1.0 + usage), bins=32)
+  h = hists[6]
+  assert h["_type"] == "histogram" and sum(h["values"]) == cfg.model.num_prototypes
+  np.testing.assert_array_equal(h["values"], counts)
+  np.testing.assert_allclose(h["bins"], edges, rtol=1e-6)
 
 
 def test_wandb_without_the_extra_is_one_clear_error(tmp_path, monkeypatch):

@@ -188,6 +188,10 @@ class Loop:
     if self.writer is not None:
       self.writer.write(step, split, metrics)
 
+  def histogram(self, step: int, split: str, name: str, counts) -> None:
+    if self.writer is not None:
+      self.writer.histogram(step, split, name, counts)
+
   def note(self, text: str) -> None:
     self.progress.write(text)
 

@@ -19,7 +19,9 @@ from prism_jax.train import step as step_lib
 class Evaluator:
   """Callable `params -> metrics dict` over the first `train.eval_batches` batches of a
   loader (0: all of a one-pass loader, i.e. the whole val split). The record's `tokens` is
-  the number of tokens it averaged over."""
+  the number of tokens it averaged over. For PRISM, `last_usage` holds how often each
+  prototype was among a token's k active ones in the last evaluation ((K,) int64), the
+  report's usage histogram that the trackers draw at each eval."""
 
   def __init__(self, graphdef, cfg: Config, param_shardings: Any, mesh, loader,
                num_batches: int | None = None):
@@ -32,6 +34,7 @@ class Evaluator:
                        f"{loader.split} loader is infinite: give a number of batches")
     n = total if n == 0 else n
     self.num_batches = n if total is None else min(n, total)
+    self.last_usage = None
 
   def __call__(self, params) -> dict[str, float]:
     if self.loader is None:
@@ -40,7 +43,9 @@ class Evaluator:
     for i in range(self.num_batches):
       batch = step_lib.device_batch(self.loader.batch_at(i), self.mesh, self.cfg.train.batch_size)
       stats = self._step(params, batch, stats)
-    return step_lib.eval_stats_finalize(stats)
+    out = step_lib.eval_stats_finalize(stats)
+    self.last_usage = out.pop("usage", None)
+    return out
 
 
 def evaluate(graphdef, params, cfg: Config, loader, mesh=None,

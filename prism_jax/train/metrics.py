@@ -78,6 +78,18 @@ class MetricsWriter:
     if self._wandb is not None:
       self._wandb.log(step, split, scalars)
 
+  def histogram(self, step: int, split: str, name: str, counts) -> None:
+    """A per-item count (e.g. each prototype's usage at an eval) as a histogram plot in
+    the trackers (metrics.jsonl keeps scalars only): TensorBoard's histogram of the
+    counts, W&B's of log10(1 + count) (usage spans orders of magnitude), each under
+    "<split>/<name>"."""
+    if not self.enabled or counts is None:
+      return
+    if self._tb is not None:
+      self._tb.add_histogram(f"{split}/{name}", counts, int(step))
+    if self._wandb is not None:
+      self._wandb.histogram(step, f"{split}/{name}", counts)
+
   def flush(self) -> None:
     if self.enabled:
       if self._lines is not None:

@@ -199,6 +199,7 @@ def _run(cfg, workdir, mesh, ckpt, packed, train_loader, val_loader, callbacks, 
         train_part = train_eval_fn(state.params)
         last_eval.update(train_loss=train_part["loss"], train_tokens=train_part["tokens"])
       loop.write(done, "val", last_eval)
+      loop.histogram(done, "val", "prototype_usage", eval_fn.last_usage)
       loop.note(format_metrics(last_eval, lead=f"eval step {done}:"))
 
     def after_step(done: int, state: TrainState) -> None:

@@ -190,7 +190,8 @@ def make_eval_step(graphdef, cfg: Config, param_shardings: Any,
 def eval_stats_finalize(stats: dict[str, Any]) -> dict[str, float]:
   """Host-side metrics: val loss (CE), perplexity and, for PRISM, the grounding metrics
   of prism_jax.grounding (r1_bar, r2_bar, residual_share, dead prototypes) and the
-  faithfulness metrics of prism_jax.faithfulness (proto_ce, agreement, ...)."""
+  faithfulness metrics of prism_jax.faithfulness (proto_ce, agreement, ...), and `usage`:
+  each prototype's count of tokens that selected it ((K,) int64, not a scalar)."""
   s = jax.device_get(stats)
   tokens = max(float(s["tokens"]), 1.0)
   ce = float(s["nll_sum"]) / tokens
@@ -198,7 +199,7 @@ def eval_stats_finalize(stats: dict[str, Any]) -> dict[str, float]:
   if "grounding" in s:
     g = grounding.grounding_finalize(s["grounding"])
     out.update(r1_bar=g["r1_bar"], r2_bar=g["r2_bar"], residual_share=g["residual_share"],
-               dead_prototypes=float(g["dead"]), dead_frac=g["dead_frac"])
+               dead_prototypes=float(g["dead"]), dead_frac=g["dead_frac"], usage=g["usage"])
   if "faithfulness" in s:
     out.update(faithfulness.faithfulness_finalize(s["faithfulness"]))
   return out

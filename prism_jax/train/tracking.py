@@ -2,8 +2,10 @@
 
   tensorboard   tensorboardX event files under <workdir>/tb (the default)
   wandb         Weights & Biases (the `wandb` extra): the same scalars as metrics.jsonl
-                ("<split>/<name>" at the run's step) and the config; offline with
-                WANDB_MODE=offline (no network; `wandb sync` uploads later)
+                ("<split>/<name>" at the run's step), the config, and at each eval the
+                report's prototype-usage histogram ("val/prototype_usage", log10(1 +
+                tokens that selected each prototype)); offline with WANDB_MODE=offline
+                (no network; `wandb sync` uploads later)
 
 A W&B run's id is kept in <workdir>/wandb_run_id, so a resumed training run continues the
 same tracked run (`resume="allow"`). Only process 0 tracks (as it alone writes metrics).
@@ -56,6 +58,14 @@ class WandbTracker:
 
   def log(self, step: int, split: str, scalars: dict[str, float]) -> None:
     self.run.log({f"{split}/{k}": v for k, v in scalars.items()}, step=int(step))
+
+  def histogram(self, step: int, key: str, counts) -> None:
+    """log10(1 + counts) as a W&B histogram at `step` (the report's usage plot)."""
+    import numpy as np  # pylint: disable=g-import-not-at-top
+    import wandb  # pylint: disable=g-import-not-at-top
+    values = np.log10(1.0 + np.asarray(counts, np.float64))
+    self.run.log({key: wandb.Histogram(np_histogram=np.histogram(values, bins=32))},
+                 step=int(step))
 
   def close(self) -> None:
     self.run.finish()
