@@ -25,6 +25,7 @@ import time
 import numpy as np
 from absl import flags
 
+from benchmarks import flag_checks as check
 from prism_jax.cli import launcher
 
 flags.DEFINE_string("workdir", "/tmp/prism_attr_bench", "trained tiny run (trained if absent)")
@@ -193,8 +194,24 @@ def _per_query_rankings(out_dir, name, num_q):
     return [(f["ids"], f["scores"][q]) for q in range(num_q)]
 
 
+METHODS = ("baseline", "build", "prism", "full_linear", "full", "ekfac_fit", "ekfac")
+
+
+def check_flags() -> None:
+  """Every flag combination, before training, data or any method runs (one `error:`
+  line): the rank sweep is read at the end, after every other method."""
+  check.at_least(1, train_steps=FLAGS.train_steps, queries=FLAGS.queries, rank=FLAGS.rank)
+  check.at_least(0, max_rows=FLAGS.max_rows, prism_query_batch=FLAGS.prism_query_batch)
+  check.numbers("sweep_ranks", FLAGS.sweep_ranks, int, low=1)
+  if FLAGS.method is not None:
+    check.known("method", [FLAGS.method], METHODS)
+    if FLAGS.method == "ekfac":
+      check.at_least(1, qbs=FLAGS.qbs, tbs=FLAGS.tbs)
+
+
 def main(argv):
   del argv
+  check_flags()
   out_dir = FLAGS.out or os.path.join(FLAGS.workdir, "bench_attribution")
   if FLAGS.method:
     return _worker(out_dir)

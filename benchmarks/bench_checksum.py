@@ -13,6 +13,7 @@ import time
 
 from absl import flags
 
+from benchmarks import flag_checks as check
 from prism_jax.cli import launcher
 
 _MB = flags.DEFINE_integer("mb", 256, "MB of array data per row")
@@ -40,6 +41,7 @@ def _median_ms(fn, iters: int) -> float:
 
 def main(argv):
   del argv
+  check.at_least(1, mb=_MB.value, devices=_DEVICES.value, iters=_ITERS.value)
   import jax  # pylint: disable=g-import-not-at-top
   jax.config.update("jax_num_cpu_devices", _DEVICES.value)
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top

@@ -11,6 +11,7 @@ and forward+backward, side by side, and checks that outputs and gradients are bi
 from absl import flags
 
 from benchmarks import configs
+from benchmarks import flag_checks as check
 from prism_jax.cli import launcher
 import jax
 import jax.numpy as jnp
@@ -54,6 +55,9 @@ def compare(name: str, iters: int) -> list[str]:
 
 def main(argv):
   del argv
+  check.not_empty(shapes=_SHAPES.value)
+  check.known("shapes", _SHAPES.value, configs.layer_shapes())
+  check.at_least(1, iters=_ITERS.value)
   print(f"backend {jax.default_backend()}")
   print("| shape | form | pass | GB (XLA cost model) | ms |\n|---|---|---|---|---|")
   for name in _SHAPES.value:

@@ -14,6 +14,7 @@ import time
 import numpy as np
 from absl import flags
 
+from benchmarks import flag_checks as check
 from prism_jax.cli import launcher
 
 flags.DEFINE_string("config", "tiny", "model preset name")
@@ -45,7 +46,12 @@ def main(argv):
   del argv
   from prism_jax.config import model_preset  # pylint: disable=g-import-not-at-top
   from prism_jax.model.lm import build_model  # pylint: disable=g-import-not-at-top
+  check.at_least(1, batch=FLAGS.batch, prompt_len=FLAGS.prompt_len,
+                 new_tokens=FLAGS.new_tokens, repeats=FLAGS.repeats)
   base = model_preset(FLAGS.config)
+  if FLAGS.prompt_len + FLAGS.new_tokens > base.max_len:
+    raise ValueError(f"--prompt_len={FLAGS.prompt_len} + --new_tokens={FLAGS.new_tokens}: "
+                     f"at most the {FLAGS.config} model's context of {base.max_len} tokens")
   prompt = np.random.default_rng(0).integers(0, base.vocab_size,
                                              (FLAGS.batch, FLAGS.prompt_len))
   print("| model | mode | first call (compile) s | steady s | tokens/s | vs device loop |")

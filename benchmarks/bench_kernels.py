@@ -8,6 +8,7 @@ shapes (timings then only show the interpreter works, not kernel speed) and says
 
 from absl import flags
 
+from benchmarks import flag_checks as check
 from prism_jax.cli import launcher
 import jax
 import numpy as np
@@ -43,8 +44,33 @@ def print_merge_stats(shapes, blocks):
       print(f"| {shape} | {bn} x {bk} | {k} | {its:.2f} | {ins:.3f} |", flush=True)
 
 
+def check_flags() -> None:
+  """Every flag combination, before any compile (one `error:` line): the timing loop
+  prints a failed shape and goes on, so a bad name would otherwise show as a FAILED row."""
+  if _MERGE.value and _AOT.value:
+    raise ValueError("--merge_stats and --aot_topology each replace the timing: give one")
+  check.known("shapes", _SHAPES.value or [], benchmark.SHAPES)
+  check.known("dtypes", _DTYPES.value, ("float32", "bfloat16"))
+  check.known("distances", _DISTANCES.value, ("sqeuclidean", "cosine"))
+  check.not_empty(dtypes=_DTYPES.value, distances=_DISTANCES.value)
+  check.known("precision", [_PRECISION.value], ("tf32x3", "ieee", "tf32"))
+  check.at_least(1, iters=_ITERS.value)
+  if _BLOCKS.value is not None:
+    blocks = check.numbers("blocks", _BLOCKS.value, int, low=1)
+    if not 2 <= len(blocks) <= (2 if _MERGE.value else 3):
+      raise ValueError(f"--blocks={','.join(_BLOCKS.value)}: give block_n,block_k"
+                       + ("" if _MERGE.value else "[,block_d]"))
+  if _WARPS.value is not None and len(check.numbers("gpu_warps_stages", _WARPS.value, int,
+                                                    low=1)) != 2:
+    raise ValueError(f"--gpu_warps_stages={','.join(_WARPS.value)}: give num_warps,num_stages")
+  if _AOT.value:
+    from prism_jax.config import slice_name  # pylint: disable=g-import-not-at-top
+    slice_name(_AOT.value)  # the topology's spelling, before libtpu loads
+
+
 def main(argv):
   del argv
+  check_flags()
   if _MERGE.value:
     blocks = ([tuple(int(v) for v in _BLOCKS.value[:2])] if _BLOCKS.value
               else [(64, 64), (64, 128), (128, 128), (32, 128)])

@@ -18,6 +18,7 @@ Both report max |g_new - g_old| / max |g_old| for dz and dprotos.
 from absl import flags
 
 from benchmarks import configs
+from benchmarks import flag_checks as check
 from prism_jax.cli import launcher
 import jax
 import jax.numpy as jnp
@@ -154,6 +155,13 @@ def layer_rows(name, opts, dtype, mixture, iters: int):
 
 def main(argv):
   del argv
+  # each list may be empty (benchmarks/device_check.sh times part 1 alone), not all three
+  for name, shapes in (("shapes", _SHAPES), ("bytes_only", _BYTES_ONLY),
+                       ("layer_shapes", _LAYER_SHAPES)):
+    check.known(name, shapes.value, SHAPES)
+  if not (_SHAPES.value or _BYTES_ONLY.value or _LAYER_SHAPES.value):
+    raise ValueError("--shapes, --bytes_only and --layer_shapes are all empty: nothing to measure")
+  check.at_least(1, iters=_ITERS.value)
   dtype = jnp.dtype(_DTYPE.value)
   opts = api.KernelOptions(distance=_DISTANCE.value, backend=_BACKEND.value, interpret=True)
   print(f"backend {jax.default_backend()}, {_DTYPE.value}, {_DISTANCE.value}/"

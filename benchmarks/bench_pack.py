@@ -27,12 +27,15 @@ import subprocess
 import sys
 import time
 
-from absl import app, flags
+from absl import flags
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
-from prism_jax.cli import provenance  # noqa: E402  (after the path: run as a file too)
+# after the path: run as a file too
+from benchmarks import flag_checks as check  # noqa: E402
+from prism_jax.cli import launcher  # noqa: E402
+from prism_jax.cli import provenance  # noqa: E402
 
 FLAGS = flags.FLAGS
 flags.DEFINE_float("text_gb", 0.25, "corpus size in GB of text (UTF-8 bytes)")
@@ -128,8 +131,28 @@ def pack_process(files) -> None:
         flush=True)
 
 
+def check_flags() -> None:
+  """Every flag combination, before the corpus is written or --out removed (one
+  `error:` line)."""
+  check.in_range("text_gb", FLAGS.text_gb, 0, float("inf"), low_open=True)
+  check.at_least(1, processes=FLAGS.processes, vocab_size=FLAGS.vocab_size,
+                 seq_len=FLAGS.seq_len, file_mb=FLAGS.file_mb, group_rows=FLAGS.group_rows,
+                 host_cores=FLAGS.host_cores)
+  check.at_least(0, workers=FLAGS.workers)
+  from prism_jax.config import DataConfig  # pylint: disable=import-outside-toplevel
+  DataConfig(tokenizer=FLAGS.tokenizer, seq_len=FLAGS.seq_len)  # the tokenizer's name
+  # --out is removed first: it must not hold the corpus (or be one of its parents)
+  out, corpus = os.path.abspath(FLAGS.out), os.path.abspath(FLAGS.corpus_dir)
+  if os.path.commonpath([out, corpus]) == out:
+    raise ValueError(f"--out={FLAGS.out}: it is removed before packing and holds "
+                     f"--corpus_dir={FLAGS.corpus_dir}; give another folder")
+  if FLAGS.pid >= FLAGS.processes:
+    raise ValueError(f"--pid={FLAGS.pid}: internal, below --processes={FLAGS.processes}")
+
+
 def main(argv):
   del argv
+  check_flags()
   prov = provenance.record("benchmarks.bench_pack")  # at the start: the code that runs
   files = make_corpus(FLAGS.corpus_dir, FLAGS.text_gb, FLAGS.file_mb, FLAGS.group_rows,
                       FLAGS.seed, FLAGS.processes * max(FLAGS.workers, 1))
@@ -179,4 +202,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  launcher.run(main)

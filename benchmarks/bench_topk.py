@@ -22,6 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import configs
+from benchmarks import flag_checks as check
 from pallas_kernels.topk_reconstruct import cpu, reference, topk_major
 from prism_jax.cli import launcher
 
@@ -79,6 +80,9 @@ def main(argv):
   unknown = sorted(set(FLAGS.shapes) - set(SHAPES))
   if unknown:
     raise ValueError(f"--shapes: unknown {unknown}; choose from {sorted(SHAPES)}")
+  check.not_empty(shapes=FLAGS.shapes)
+  check.numbers("groups", FLAGS.groups, int, low=1)
+  check.at_least(1, reps=FLAGS.reps, rounds=FLAGS.rounds)
   print("| shape | N x K x D, k | what | implementation | ms | x |\n|---|---|---|---|---|---|")
   for name in FLAGS.shapes:
     dims, rows = rows_of(name)

@@ -272,21 +272,37 @@ def format_table(rows: list[dict]) -> str:
   return "\n".join(lines)
 
 
-def main(argv):
-  del argv
-  if hasattr(launcher, "retain_freed_host_memory"):  # older checkouts' trainers set it
-    launcher.retain_freed_host_memory()  # as the training command does on CPU
+def check_flags() -> None:
+  """Every flag combination, before any model is built (one `error:` line). Plain
+  Python: the --baseline worker runs this file on an older checkout, without
+  benchmarks/flag_checks.py."""
+  if not FLAGS.config:
+    raise ValueError("--config is empty: give at least one config")
   for name in FLAGS.config:
     if name not in CONFIGS:
       raise ValueError(f"unknown config {name!r}; choose from {sorted(CONFIGS)}")
-  if FLAGS.worker:
-    serve()
-    return
   if FLAGS.baseline and not os.path.isdir(os.path.join(FLAGS.baseline, "prism_jax")):
     raise ValueError(f"--baseline={FLAGS.baseline!r} is not a checkout of prism_jax "
                      "(no prism_jax/ inside)")
-  if FLAGS.rounds < 1:
-    raise ValueError(f"--rounds must be >= 1, got {FLAGS.rounds}")
+  for name in ("rounds", "byte_steps", "small_steps"):
+    if FLAGS[name].value < 1:
+      raise ValueError(f"--{name} must be >= 1, got {FLAGS[name].value}")
+  if FLAGS.warmup < 0:
+    raise ValueError(f"--warmup must be >= 0, got {FLAGS.warmup}")
+  if FLAGS.results_json and not os.path.isdir(os.path.dirname(os.path.abspath(
+      FLAGS.results_json))):
+    raise ValueError(f"--results_json={FLAGS.results_json}: its folder does not exist; "
+                     "create it first")
+
+
+def main(argv):
+  del argv
+  check_flags()
+  if hasattr(launcher, "retain_freed_host_memory"):  # older checkouts' trainers set it
+    launcher.retain_freed_host_memory()  # as the training command does on CPU
+  if FLAGS.worker:
+    serve()
+    return
   rows = bench(list(FLAGS.config))
   print(format_table(rows))
   if FLAGS.results_json:

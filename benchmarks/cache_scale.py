@@ -22,6 +22,7 @@ import time
 
 from absl import flags
 
+from benchmarks import flag_checks as check
 from prism_jax.cli import launcher
 from prism_jax.cli import provenance
 
@@ -50,6 +51,9 @@ def _build(model, cfg, packed, out, cache_cfg):
 
 def main(argv):
   del argv
+  check.at_least(1, seq_len=FLAGS.seq_len, rows=FLAGS.rows)
+  check.not_empty(ranks=FLAGS.ranks)
+  check.numbers("ranks", FLAGS.ranks, int, low=1)
   from prism_jax import config as cfg_lib  # pylint: disable=g-import-not-at-top
   from prism_jax import paths  # pylint: disable=g-import-not-at-top
   from prism_jax.attribution.caching import cache as cache_lib  # pylint: disable=g-import-not-at-top

@@ -17,6 +17,7 @@ import time
 
 from absl import flags
 
+from benchmarks import flag_checks as check
 from prism_jax.cli import launcher
 
 flags.DEFINE_string("results_json", "docs/results/demo_time.json", "where the results go")
@@ -35,6 +36,8 @@ def _uv_cache() -> dict:
 
 def main(argv):
   del argv
+  # written after minutes of cloning, installing and training; relative to the cwd
+  check.output_file("results_json", FLAGS.results_json)
   from prism_jax.cli import provenance  # pylint: disable=g-import-not-at-top
   repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   cache = _uv_cache()

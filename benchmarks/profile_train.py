@@ -24,6 +24,7 @@ from absl import flags
 from flax import nnx
 
 from benchmarks import configs
+from benchmarks import flag_checks as check
 from prism_jax.cli import launcher
 
 flags.DEFINE_list("config", ["byte", "small"], "configs to profile (benchmarks/configs.py)")
@@ -188,11 +189,13 @@ def format_table(name: str, rows: list[tuple]) -> str:
 
 def main(argv):
   del argv
-  launcher.retain_freed_host_memory()  # as the training command does on CPU
-  print(f"devices: {jax.devices()}")
+  check.not_empty(config=FLAGS.config)
   for name in FLAGS.config:
     if name not in CONFIGS:
       raise ValueError(f"unknown config {name!r}; choose from {sorted(CONFIGS)}")
+  check.at_least(1, reps=FLAGS.reps)
+  launcher.retain_freed_host_memory()  # as the training command does on CPU
+  print(f"devices: {jax.devices()}")
   for name in FLAGS.config:
     print(format_table(name, profile(name, FLAGS.reps)), flush=True)
 

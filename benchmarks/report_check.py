@@ -14,6 +14,7 @@ import re
 
 from absl import flags
 
+from benchmarks import flag_checks as check
 from prism_jax.cli import launcher
 
 flags.DEFINE_string("workdir", "runs/demo", "the run the report was written for")
@@ -23,6 +24,10 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   del argv
+  check.existing("workdir", FLAGS.workdir, "run directory")
+  # the page is read after the model loads: checked first
+  check.existing("report", FLAGS.report or os.path.join(FLAGS.workdir, "report", "index.html"),
+                 "report (write one with `prism report`, or give --report)")
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from prism_jax.analysis import browser  # pylint: disable=g-import-not-at-top

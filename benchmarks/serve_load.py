@@ -17,6 +17,7 @@ import time
 import numpy as np
 from absl import flags
 
+from benchmarks import flag_checks as check
 from prism_jax.cli import launcher
 
 flags.DEFINE_string("workdir", "runs/demo", "trained PRISM run")
@@ -55,6 +56,10 @@ def _check(answers) -> None:
 
 def main(argv):
   del argv
+  check.at_least(1, requests=FLAGS.requests, concurrency=FLAGS.concurrency,
+                 new_tokens=FLAGS.new_tokens)
+  check.existing("workdir", FLAGS.workdir, "run directory")
+  check.output_file("results_json", FLAGS.results_json)  # relative to the cwd
   from prism_jax import __version__  # pylint: disable=g-import-not-at-top
   from prism_jax.cli import provenance  # pylint: disable=g-import-not-at-top
   from prism_jax.serve import client, server  # pylint: disable=g-import-not-at-top

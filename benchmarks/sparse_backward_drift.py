@@ -16,6 +16,7 @@ from __future__ import annotations
 from absl import flags
 
 from benchmarks import bench_train
+from benchmarks import flag_checks as check
 from prism_jax.cli import launcher
 
 flags.DEFINE_string("config", "byte", "a bench_train config")
@@ -52,9 +53,8 @@ def block(runner, matmul, n: int) -> None:
 def main(argv):
   del argv
   bench_train.check_model(FLAGS.config, FLAGS.kind, prism_only=FLAGS.backward == "sparse")
-  steps = sorted({int(s) for s in FLAGS.checkpoints})
-  if not steps or steps[0] < 1:
-    raise ValueError(f"--checkpoints must be positive step counts, got {FLAGS.checkpoints}")
+  check.not_empty(checkpoints=FLAGS.checkpoints)
+  steps = sorted(set(check.numbers("checkpoints", FLAGS.checkpoints, int, low=1)))
   pair = runners(bench_train.make_config(FLAGS.config, FLAGS.kind))
   label = {"sparse": ("xla (autodiff)", "xla_sparse"),
            "matmul": ("x @ w (autodiff)", "transformer.matmul")}[FLAGS.backward]

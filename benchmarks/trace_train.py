@@ -4,7 +4,7 @@
       [--top=15] [--alone]
 
 Builds bench_train's model (`--config`, `--kind`: "dense" or a PRISM variant), runs
-`--warmup` steps (bench_train's flag), times `--steps` untraced, then traces `--steps` and
+`--warmup` untimed steps, times `--steps` untraced, then traces `--steps` and
 sums each executed op's time by phase (forward / backward: ops whose HLO op_name carries
 autodiff's `transpose(`; optimiser: the step's ops outside the model's jvp; other: the rest)
 and kind (matmul: YNNPACK fusions and dots, their reductions included; elementwise: XLA's
@@ -28,11 +28,14 @@ import tempfile
 from absl import flags
 
 from benchmarks import bench_train
+from benchmarks import flag_checks as check
 from prism_jax.cli import launcher
 
 flags.DEFINE_string("config", "byte", "a bench_train config")
 flags.DEFINE_string("kind", "dense", "a bench_train model of that config")
 flags.DEFINE_integer("steps", 10, "traced steps")
+# bench_train's --warmup, defined here: bench_train defines its flags only when it runs
+flags.DEFINE_integer("warmup", 2, "untimed steps after compilation")
 flags.DEFINE_integer("top", 15, "ops to list")
 flags.DEFINE_string("trace_dir", None, "keep the trace here (default: a temporary dir)")
 flags.DEFINE_bool("alone", False, "also list the ops that ran with no other op beside them "
@@ -98,6 +101,8 @@ def main(argv):
   bench_train.check_model(FLAGS.config, FLAGS.kind)
   if FLAGS.steps < 1:
     raise ValueError(f"--steps must be >= 1, got {FLAGS.steps}")
+  check.at_least(1, top=FLAGS.top)
+  check.at_least(0, warmup=FLAGS.warmup)
   runner = bench_train.Runner(bench_train.make_config(FLAGS.config, FLAGS.kind))
   runner.block(FLAGS.warmup)
   before = resource.getrusage(resource.RUSAGE_SELF)

@@ -22,6 +22,7 @@ import resource
 
 from absl import flags
 
+from benchmarks import flag_checks as check
 from prism_jax.cli import launcher
 from prism_jax.cli import provenance
 
@@ -250,15 +251,25 @@ def write_results_json(path: str, row: dict) -> None:
     f.write("\n")
 
 
-def main(argv):
-  del argv
+def check_flags() -> None:
+  """Every flag combination, before any training (one `error:` line)."""
+  check.at_least(1, steps=FLAGS.steps)
+  check.not_empty(variants=FLAGS.variants)
   if bool(FLAGS.headline) != bool(FLAGS.results_json):
     raise ValueError("--results_json and --headline (the default's variants) go together")
   if set(FLAGS.headline) - set(FLAGS.variants):
     raise ValueError(f"--headline {sorted(set(FLAGS.headline) - set(FLAGS.variants))} not "
                      "among --variants")
+  check.output_file("table_md", FLAGS.table_md)
+  check.output_file("results_json", FLAGS.results_json)
   for name in FLAGS.variants:
-    variant_overrides(name)  # a bad name is refused before any training
+    # a bad variant, --config or --set is refused here, not after the earlier variants trained
+    variant_config(name, FLAGS.config, FLAGS.steps, FLAGS.set)
+
+
+def main(argv):
+  del argv
+  check_flags()
   results = []
   for name in FLAGS.variants:
     results.append(run_variant(name))

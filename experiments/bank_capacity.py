@@ -29,6 +29,7 @@ import os
 import numpy as np
 from absl import flags, logging
 
+from benchmarks import flag_checks as check
 from prism_jax.cli import launcher as cli
 from prism_jax.cli import provenance
 from experiments.prototype_path_md import capacity_markdown as markdown
@@ -164,7 +165,8 @@ def plot(results: dict, path: str) -> None:
 
 
 def check_flags() -> None:
-  """Every flag combination checked before any work (one `error:` line)."""
+  """Every flag combination checked before any work (one `error:` line); shared by
+  size_trend and default_choice, which build their own PRISM configs (check_configs)."""
   for b in FLAGS.backbones:
     parse_backbone(b)
   for s in FLAGS.grid:
@@ -173,13 +175,27 @@ def check_flags() -> None:
     raise ValueError(f"--steps={FLAGS.steps}: the bank trains steps - 50 steps; give > 50")
   if not FLAGS.seeds or not FLAGS.backbones:
     raise ValueError("--seeds and --backbones must not be empty")
+  check.numbers("seeds", FLAGS.seeds, int, low=0)
   if FLAGS.plot and not FLAGS.plot.endswith(".png"):
     raise ValueError(f"--plot={FLAGS.plot!r}: give a .png path")
+  check.output_file("plot", FLAGS.plot)
+  check.output_file("results_json", FLAGS.results_json)
+
+
+def check_configs(config_of) -> None:
+  """`config_of(backbone, seed)` built for every run before the first one trains: an
+  override the config refuses fails here, not after the dense twins trained."""
+  for backbone in FLAGS.backbones:
+    for s in FLAGS.seeds:
+      twin_config(backbone, int(s), FLAGS.root, FLAGS.steps)
+      config_of(backbone, int(s))
 
 
 def main(argv):
   del argv
   check_flags()
+  check_configs(lambda backbone, seed: [bank_config(backbone, seed, FLAGS.root, FLAGS.steps, s)
+                                        for s in FLAGS.grid])
   from prism_jax.train.metrics import quiet_library_logs  # pylint: disable=g-import-not-at-top
   quiet_library_logs()
   results: dict = {}

@@ -21,6 +21,7 @@ import time
 
 from absl import flags
 
+from benchmarks import flag_checks as check
 from prism_jax.cli import launcher
 from prism_jax.cli import provenance
 
@@ -106,11 +107,22 @@ def _differences(one, meta_one, multi, meta_multi) -> list[str]:
   return out
 
 
-def main(argv):
-  del argv
-  from prism_jax import paths  # pylint: disable=g-import-not-at-top
+def check_flags() -> None:
+  """Every flag combination, before any build (one `error:` line)."""
   if FLAGS.num_processes < 2:
     raise ValueError(f"--num_processes={FLAGS.num_processes}: compare at least 2 with 1")
+  check.at_least(1, local_devices=FLAGS.local_devices, timeout=FLAGS.timeout)
+  if FLAGS.stat_shards < FLAGS.num_processes:
+    raise ValueError(f"--stat_shards={FLAGS.stat_shards}: give at least --num_processes="
+                     f"{FLAGS.num_processes} (cache.stat_shards >= the process count)")
+  check.existing("workdir", FLAGS.workdir, "run directory")
+  check.output_file("results_json", FLAGS.results_json)
+
+
+def main(argv):
+  del argv
+  check_flags()
+  from prism_jax import paths  # pylint: disable=g-import-not-at-top
   log_dir = tempfile.mkdtemp(prefix="cache_multihost_")  # each process's log
   print(f"build logs in {log_dir}")
   rows = []

@@ -17,6 +17,7 @@ import time
 
 from absl import flags, logging
 
+from benchmarks import flag_checks as check
 from prism_jax.cli import launcher
 from prism_jax.cli import provenance
 
@@ -86,8 +87,16 @@ def matches(card, ref) -> tuple[bool, float]:
   return acts_equal and sure(got) == sure(ref), dmax
 
 
+def check_flags() -> None:
+  """Every flag combination, before the model loads (one `error:` line)."""
+  check.at_least(1, top_m=FLAGS.top_m, batch_rows=FLAGS.batch_rows)
+  check.existing("workdir", FLAGS.workdir, "run directory")
+  check.output_file("results_json", FLAGS.results_json)
+
+
 def main(argv):
   del argv
+  check_flags()
   from prism_jax.analysis import cards as cards_lib  # pylint: disable=g-import-not-at-top
   from prism_jax.attribution.caching import cache as cache_lib  # pylint: disable=g-import-not-at-top
   from prism_jax.data import prepare_data  # pylint: disable=g-import-not-at-top

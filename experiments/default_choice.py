@@ -32,8 +32,11 @@ FLAGS = flags.FLAGS
 def main(argv):
   del argv
   cap.check_flags()
-  for s in (FLAGS.old, FLAGS.new):
-    cap.parse_setting(s)
+  for name in ("old", "new"):
+    cap.parse_setting(FLAGS[name].value, name)
+  cap.check_configs(lambda backbone, seed: [
+      size_trend.scratch_config(backbone, seed, FLAGS.root, FLAGS.steps, s)
+      for s in (FLAGS.old, FLAGS.new)])
   if FLAGS.half != "test":
     logging.warning("--half=%s: this comparison is meant for the test half", FLAGS.half)
   from prism_jax.train.metrics import quiet_library_logs  # pylint: disable=g-import-not-at-top

@@ -13,6 +13,7 @@ import time
 
 from absl import flags
 
+from benchmarks import flag_checks as check
 from prism_jax.cli import launcher
 from prism_jax.cli import provenance
 
@@ -67,8 +68,39 @@ def block(workdir: str, rows: int) -> dict:
   return out
 
 
+_SWEEP_FLAGS = ("lambdas", "steps", "seeds", "distance", "d_model", "num_prototypes", "k")
+
+
+def check_flags() -> None:
+  """Every flag combination, before any training or loading (one `error:` line). The two
+  modes take different flags: one given to the mode that ignores it is refused."""
+  given = lambda names: [f"--{n}" for n in names if flags.FLAGS[n].present]
+  if _WORKDIR.value is not None:
+    if given(_SWEEP_FLAGS):
+      raise ValueError(f"{', '.join(given(_SWEEP_FLAGS))}: sweep flags; --workdir times one "
+                       "block instead (drop them or --workdir)")
+    check.at_least(1, rows=_ROWS.value)
+    check.existing("workdir", _WORKDIR.value, "run directory")
+    check.output_file("results_json", _OUT.value)
+    return
+  if given(("rows", "results_json")):
+    raise ValueError(f"{', '.join(given(('rows', 'results_json')))}: only with --workdir "
+                     "(the sweep prints its table)")
+  check.not_empty(lambdas=_LAMBDAS.value, seeds=_SEEDS.value)
+  check.numbers("lambdas", _LAMBDAS.value, float, low=0)
+  check.numbers("seeds", _SEEDS.value, int, low=0)
+  check.at_least(1, steps=_STEPS.value, d_model=_D_MODEL.value,
+                 num_prototypes=_PROTOS.value, k=_K.value)
+  if _K.value > _PROTOS.value:
+    raise ValueError(f"--k={_K.value}: at most --num_prototypes={_PROTOS.value}")
+  if _PROTOS.value * _D_MODEL.value > 512:
+    raise ValueError(f"--num_prototypes={_PROTOS.value} x --d_model={_D_MODEL.value}: the "
+                     "sweep forms dense (K·D)² Hessians; keep K·D <= 512")
+
+
 def main(argv):
   del argv
+  check_flags()
   if _WORKDIR.value is not None:
     out = block(_WORKDIR.value, _ROWS.value)
     print(json.dumps(out, indent=1))

@@ -33,6 +33,7 @@ import numpy as np
 from absl import flags, logging
 
 from experiments import lds_recipe
+from benchmarks import flag_checks as check
 from experiments.lds_report import removal_section
 from prism_jax.cli import launcher
 from prism_jax.cli import provenance
@@ -124,11 +125,49 @@ def _write_plot(path, ms, removal_ci):
   fig.savefig(path, dpi=120)
 
 
-def main(argv):
-  del argv
+METHODS = ("prism", "full", "ekfac", "grad_dot", "random")
+
+
+def check_flags() -> list[int]:
+  """Every flag combination that needs no data, before any work (one `error:` line);
+  returns --removal_m as integers. --removal_m < the data's train rows is checked once
+  the data is prepared."""
+  check.output_file("plot", FLAGS.plot)
   if FLAGS.plot_from:
     if not FLAGS.plot:
       raise ValueError("--plot_from needs --plot (the PNG to write)")
+    check.existing("plot_from", FLAGS.plot_from, "results file")
+    return []
+  if FLAGS.subsets < 3:
+    raise ValueError(f"--subsets={FLAGS.subsets}: a Spearman correlation needs >= 3")
+  if FLAGS.ceiling_subsets and not 3 <= FLAGS.ceiling_subsets <= FLAGS.subsets:
+    raise ValueError(f"--ceiling_subsets={FLAGS.ceiling_subsets} must be 0 or in [3, "
+                     f"--subsets={FLAGS.subsets}]")
+  check.at_least(1, num_rows=FLAGS.num_rows, queries=FLAGS.queries, targets=FLAGS.targets,
+                 rank=FLAGS.rank)
+  check.in_range("alpha", FLAGS.alpha, 0, 1, low_open=True, high_open=True)
+  check.in_range("removal_queries", FLAGS.removal_queries, 0, FLAGS.queries)
+  check.not_empty(methods=FLAGS.methods)
+  unknown = sorted(set(FLAGS.methods) - set(METHODS))
+  if unknown:
+    raise ValueError(f"--methods: unknown {unknown}")
+  removal_methods = FLAGS.removal_methods or FLAGS.methods
+  if set(removal_methods) - set(FLAGS.methods):
+    raise ValueError(f"--removal_methods {sorted(set(removal_methods) - set(FLAGS.methods))} "
+                     "are not in --methods")
+  ms = check.numbers("removal_m", FLAGS.removal_m, int, low=1)
+  if FLAGS.removal_queries and not ms:
+    raise ValueError("--removal_m is empty: give the rows removed per curve point")
+  if any(m >= FLAGS.num_rows for m in ms):
+    raise ValueError(f"--removal_m {ms}: every m must be below --num_rows={FLAGS.num_rows}")
+  check.output_file("results_json", FLAGS.results_json)
+  return ms
+
+
+def main(argv):
+  del argv
+  ms = check_flags()
+  if FLAGS.plot_from:
     with open(FLAGS.plot_from) as f:
       results = json.load(f)
     if not {"removal_ci", "removal_m"} <= set(results):
@@ -140,19 +179,7 @@ def main(argv):
     _write_plot(FLAGS.plot, results["removal_m"], results["removal_ci"])
     print(f"wrote {FLAGS.plot}")
     return
-  if FLAGS.subsets < 3:
-    raise ValueError(f"--subsets={FLAGS.subsets}: a Spearman correlation needs >= 3")
-  if FLAGS.ceiling_subsets and not 3 <= FLAGS.ceiling_subsets <= FLAGS.subsets:
-    raise ValueError(f"--ceiling_subsets={FLAGS.ceiling_subsets} must be 0 or in [3, "
-                     f"--subsets={FLAGS.subsets}]")
-  unknown = sorted(set(FLAGS.methods) - {"prism", "full", "ekfac", "grad_dot", "random"})
-  if unknown:
-    raise ValueError(f"--methods: unknown {unknown}")
-  ms = [int(m) for m in FLAGS.removal_m]
   removal_methods = FLAGS.removal_methods or FLAGS.methods
-  if set(removal_methods) - set(FLAGS.methods):
-    raise ValueError(f"--removal_methods {sorted(set(removal_methods) - set(FLAGS.methods))} "
-                     "are not in --methods")
   import jax  # pylint: disable=g-import-not-at-top
   # Every retrain compiles the same programs: the persistent cache makes that once.
   jax.config.update("jax_compilation_cache_dir", os.path.join(FLAGS.out, "jax_cache"))
@@ -165,9 +192,8 @@ def main(argv):
   E = FLAGS.num_rows
   if E > packed.num_rows("train"):
     raise ValueError(f"--num_rows={E} but the data has {packed.num_rows('train')} train rows")
-  if FLAGS.removal_queries > FLAGS.queries or any(not 0 < m < E for m in ms):
-    raise ValueError("--removal_queries must be <= --queries and every --removal_m in (0, "
-                     f"--num_rows={E})")
+  if any(m >= E for m in ms):
+    raise ValueError(f"--removal_m {ms}: every m must be below the {E} training rows")
   q_rows, queries = _queries(packed, FLAGS.queries, FLAGS.targets, FLAGS.seed)
   key = retrain.content_key(
       np.asarray(packed.rows("train")["tokens"][:E]), queries, cfg, provenance.git_commit(),

@@ -9,6 +9,7 @@ import json
 
 from absl import flags
 
+from benchmarks import flag_checks as check
 from prism_jax.cli import launcher
 
 flags.DEFINE_string("out", None, "output directory (train.jsonl, neutral.jsonl, planted.json)")
@@ -21,6 +22,8 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   del argv
+  # before anything is written (write_corpus checks --neutral_docs against the corpus)
+  check.at_least(1, num_docs=FLAGS.num_docs)
   from prism_jax.control import planted  # pylint: disable=g-import-not-at-top
   info = planted.write_corpus(FLAGS.out, num_docs=FLAGS.num_docs,
                               neutral_docs=FLAGS.neutral_docs, seed=FLAGS.seed)

@@ -9,17 +9,18 @@ import numpy as np
 TARGETS = {"agreement": 0.90, "agreement_decisive": 0.97, "ce_gap": 0.02}
 
 
-def parse_setting(text: str) -> tuple[int, int, tuple[str, ...]]:
-  """'K:k[:key=value...]' -> (K, k, overrides)."""
+def parse_setting(text: str, flag: str = "grid") -> tuple[int, int, tuple[str, ...]]:
+  """'K:k[:key=value...]' -> (K, k, overrides); errors name --`flag`."""
   parts = text.split(":")
   try:
     big_k, k = int(parts[0]), int(parts[1])
   except (ValueError, IndexError):
-    raise ValueError(f"--grid entry {text!r}: write K:k[:model.X=v...], e.g. 2048:16") from None
+    raise ValueError(f"--{flag} entry {text!r}: write K:k[:model.X=v...], e.g. 2048:16"
+                     ) from None
   extra = tuple(parts[2:])
   bad = [e for e in extra if "=" not in e or not e.startswith(("model.", "loss."))]
   if bad or not 0 < k <= big_k:
-    raise ValueError(f"--grid entry {text!r}: need 0 < k <= K and model.*/loss.* overrides")
+    raise ValueError(f"--{flag} entry {text!r}: need 0 < k <= K and model.*/loss.* overrides")
   return big_k, k, extra
 
 

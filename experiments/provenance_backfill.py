@@ -21,9 +21,23 @@ import os
 import re
 import shlex
 import subprocess
-import sys
 
+from absl import flags
+
+from benchmarks import flag_checks as check
+from prism_jax.cli import launcher
 from prism_jax.cli import provenance
+
+FLAGS = flags.FLAGS
+
+
+def define_flags() -> None:
+  """Defined only when run as a script: experiments.reproduce defines the same names, and
+  tests import both."""
+  flags.DEFINE_string("results_dir", os.path.join(provenance.ROOT, "docs", "results"),
+                      "the results JSON files (searched recursively)")
+  flags.DEFINE_string("results_md", os.path.join(provenance.ROOT, "docs", "RESULTS.md"),
+                      "the results document whose sections hold the commands that ran")
 
 NOTE_COMMITTED = ("committed: the run predates provenance recording, so it ran on code at or "
                   "before this commit")
@@ -111,17 +125,19 @@ def backfill(path: str, md: str) -> bool:
   return True
 
 
-def main(argv: list[str]) -> int:
-  opts = dict(a[2:].split("=", 1) for a in argv if a.startswith("--") and "=" in a)
-  results_dir = opts.get("results_dir", os.path.join(provenance.ROOT, "docs", "results"))
-  with open(opts.get("results_md", os.path.join(provenance.ROOT, "docs", "RESULTS.md"))) as f:
+def main(argv) -> None:
+  del argv
+  # a missing folder would otherwise backfill nothing and say nothing
+  check.existing("results_dir", FLAGS.results_dir, "folder")
+  check.existing("results_md", FLAGS.results_md, "file")
+  with open(FLAGS.results_md) as f:
     md = f.read()
-  paths = sorted(glob.glob(os.path.join(results_dir, "**", "*.json"), recursive=True))
+  paths = sorted(glob.glob(os.path.join(FLAGS.results_dir, "**", "*.json"), recursive=True))
   for path in paths:
     if backfill(path, md):
       print(f"backfilled {os.path.relpath(path)}")
-  return 0
 
 
 if __name__ == "__main__":
-  sys.exit(main(sys.argv[1:]))
+  define_flags()
+  launcher.run(main)

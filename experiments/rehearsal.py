@@ -44,6 +44,7 @@ import time
 
 from absl import flags
 
+from benchmarks import flag_checks as check
 from experiments import reproduce_sources
 from prism_jax.cli import launcher as cli
 from prism_jax.cli import provenance
@@ -304,11 +305,34 @@ def _warn_if_short_of_memory() -> None:
           flush=True)
 
 
-def main(argv):
-  del argv
+def check_flags() -> None:
+  """Every flag combination, before the emulator or any process starts (one `error:`
+  line): the stages run in child processes, whose failures would come as logs to read."""
+  check.at_least(1, steps=FLAGS.steps, proto_init_step=FLAGS.proto_init_step,
+                 batch=FLAGS.batch, corpus_stride=FLAGS.corpus_stride, seq_len=FLAGS.seq_len,
+                 keep_checkpoints=FLAGS.keep_checkpoints, eval_batches=FLAGS.eval_batches,
+                 sigterm_step=FLAGS.sigterm_step, num_processes=FLAGS.num_processes,
+                 local_devices=FLAGS.local_devices, max_new_tokens=FLAGS.max_new_tokens,
+                 timeout=FLAGS.timeout)
+  check.at_least(0, ckpt_every=FLAGS.ckpt_every)
   if FLAGS.sigterm_step >= FLAGS.steps or FLAGS.proto_init_step >= FLAGS.steps:
     raise ValueError(f"--sigterm_step={FLAGS.sigterm_step} and --proto_init_step="
                      f"{FLAGS.proto_init_step} must be below --steps={FLAGS.steps}")
+  check.output_file("results_json", FLAGS.results_json)
+  # the config each train process builds, and the batch split over every device
+  from prism_jax import sharding  # pylint: disable=import-outside-toplevel
+  from prism_jax.train.config_files import resolve_config  # pylint: disable=import-outside-toplevel
+  cfg = resolve_config(FLAGS.config, overrides())
+  data, fsdp, _ = sharding.resolve_mesh_shape(cfg.mesh, FLAGS.num_processes
+                                              * FLAGS.local_devices)
+  if cfg.train.batch_size % (data * fsdp):
+    raise ValueError(f"--batch={cfg.train.batch_size}: must be divisible by the data-parallel "
+                     f"devices data*fsdp={data * fsdp} (--num_processes x --local_devices)")
+
+
+def main(argv):
+  del argv
+  check_flags()
   out = FLAGS.out or tempfile.mkdtemp(prefix="rehearsal_")
   os.makedirs(out, exist_ok=True)
   print(f"logs in {out}", flush=True)

@@ -17,6 +17,7 @@ import time
 
 from absl import flags
 
+from benchmarks import flag_checks as check
 from prism_jax.cli import launcher
 
 flags.DEFINE_string("test", None, "pytest node id")
@@ -37,6 +38,8 @@ def main(argv):
   from prism_jax.cli import provenance  # pylint: disable=g-import-not-at-top
   if FLAGS.times < 1 or FLAGS.busy < 0:
     raise ValueError("--times must be >= 1 and --busy >= 0")
+  check.existing("test", FLAGS.test.split("::")[0], "test file")
+  check.output_file("results_json", FLAGS.results_json)
   spinners = [multiprocessing.Process(target=_spin, daemon=True) for _ in range(FLAGS.busy)]
   for p in spinners:
     p.start()

@@ -27,6 +27,7 @@ import os
 import numpy as np
 from absl import flags, logging
 
+from benchmarks import flag_checks as check
 from prism_jax.cli import launcher as cli
 from prism_jax.cli import provenance
 
@@ -187,8 +188,34 @@ def rows(results: dict, command: str) -> list[dict]:
   return out
 
 
+def check_flags() -> None:
+  """Every flag combination, before any training (one `error:` line)."""
+  check.not_empty(seeds=FLAGS.seeds, runs=FLAGS.runs)
+  seeds = check.numbers("seeds", FLAGS.seeds, int, low=0)
+  check.known("runs", FLAGS.runs, RUNS)
+  if FLAGS.results_json and tuple(FLAGS.runs) != RUNS:
+    raise ValueError(f"--results_json needs --runs={','.join(RUNS)} (all four, in this order)")
+  check.output_file("results_json", FLAGS.results_json)
+  check.at_least(1, queries=FLAGS.queries, top=FLAGS.top, rank=FLAGS.rank,
+                 max_rows=FLAGS.max_rows)
+  from prism_jax.config import preset  # pylint: disable=g-import-not-at-top
+  init = preset("tiny").train.proto_init_step
+  if FLAGS.steps <= init:
+    raise ValueError(f"--steps={FLAGS.steps}: the retrofits train steps - {init} steps; "
+                     f"give > {init}")
+  for name in FLAGS.runs:
+    for seed in seeds:
+      run_config(name, seed, FLAGS.root, FLAGS.steps)
+      # a retrofit starts from its seed's dense twin: trained by this run or an earlier one
+      twin = os.path.join(FLAGS.root, f"dense_s{seed}")
+      if name in ("frozen", "full") and "dense" not in FLAGS.runs and not os.path.isdir(twin):
+        raise ValueError(f"--runs={','.join(FLAGS.runs)}: {name} starts from the dense twin "
+                         f"{twin}, which is not there; add dense to --runs")
+
+
 def main(argv):
   del argv
+  check_flags()
   from prism_jax.train.metrics import quiet_library_logs  # pylint: disable=g-import-not-at-top
   quiet_library_logs()
   results = {int(s): measure(FLAGS.root, int(s), FLAGS.runs) for s in FLAGS.seeds}

@@ -92,7 +92,9 @@ def plot(rows: list[dict], path: str) -> None:
 def main(argv):
   del argv
   cap.check_flags()
-  cap.parse_setting(FLAGS.setting)
+  cap.parse_setting(FLAGS.setting, "setting")
+  cap.check_configs(lambda backbone, seed: scratch_config(backbone, seed, FLAGS.root,
+                                                          FLAGS.steps, FLAGS.setting))
   from prism_jax.train.metrics import quiet_library_logs  # pylint: disable=g-import-not-at-top
   quiet_library_logs()
   rows = []

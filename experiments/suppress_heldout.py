@@ -26,6 +26,7 @@ import os
 
 from absl import flags, logging
 
+from benchmarks import flag_checks as check
 from prism_jax.cli import launcher as cli
 from prism_jax.cli import provenance
 
@@ -90,12 +91,37 @@ def _neutral(workdir, cfg):
   return packed, batch_lib.from_rows(rows["tokens"], rows["example_id"], rows["offset"], None)
 
 
+# The prompt counts of one behaviour; given with the other they would be ignored.
+ONLY_FOR = {"validation_prompts": "planted", "test_prompts": "planted",
+            "doctest_validation": "doctest"}
+
+
+def check_flags() -> tuple[list[int], list[bool]]:
+  """Every flag combination, before the model loads (one `error:` line); returns --nums
+  and --refills parsed."""
+  check.not_empty(nums=FLAGS.nums, refills=FLAGS.refills)
+  nums, refills = check.numbers("nums", FLAGS.nums, int, low=1), [_bool(r) for r in FLAGS.refills]
+  for name, behaviour in ONLY_FOR.items():
+    if FLAGS[name].present and FLAGS.behaviour != behaviour:
+      raise ValueError(f"--{name}: only with --behaviour={behaviour} (got {FLAGS.behaviour})")
+  check.at_least(1, selection_texts=FLAGS.selection_texts,
+                 validation_prompts=FLAGS.validation_prompts, test_prompts=FLAGS.test_prompts,
+                 doctest_validation=FLAGS.doctest_validation, num_samples=FLAGS.num_samples,
+                 max_new_tokens=FLAGS.max_new_tokens)
+  check.at_least(0, top_k=FLAGS.top_k, random_sets=FLAGS.random_sets,
+                 ppl_budget=FLAGS.ppl_budget, tol=FLAGS.tol, temperature=FLAGS.temperature)
+  check.in_range("ban_common", FLAGS.ban_common, 0, 1, low_open=True)
+  check.existing("workdir", FLAGS.workdir, "run directory")
+  check.output_file("results_json", FLAGS.results_json)
+  return nums, refills
+
+
 def main(argv):
   del argv
+  nums, refills = check_flags()
   import numpy as np  # pylint: disable=g-import-not-at-top
   from prism_jax.control import heldout, measure, stats  # pylint: disable=g-import-not-at-top
   from prism_jax.loading import load_for_inference  # pylint: disable=g-import-not-at-top
-  nums, refills = [int(n) for n in FLAGS.nums], [_bool(r) for r in FLAGS.refills]
   model, cfg, tok = load_for_inference(FLAGS.workdir, needs_prototypes="suppression")
   packed, neutral = _neutral(FLAGS.workdir, cfg)
   split = _split(packed, tok)
