@@ -5,7 +5,7 @@ LDS run, which silently changed what `experiments.lds` trained). No flags here, 
 can import it beside other scripts.
 
 Sized for the shared 2-core box: one retrain of the tiny preset itself (d 128, 4 layers,
-64 tokens) took 145 s there; this one ~20 s (docs/RESULTS.md, issue 17).
+64 tokens) took 145 s there; this one ~20 s (docs/history/RESULTS-to-2026-12-06.md, issue 17).
 """
 
 from __future__ import annotations

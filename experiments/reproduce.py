@@ -1,16 +1,21 @@
-"""The paper-vs-ours table, generated from recorded results into docs/RESULTS.md.
+"""docs/RESULTS.md's generated parts, from the recorded results in docs/results/*.json.
 
   python -m experiments.reproduce [--results_dir=docs/results] [--results_md=docs/RESULTS.md]
 
-Rows: every headline claim of PRISM.md §7 (HEADLINES, the paper's column), then every other
-recorded row (LDS, faithfulness, ...). "ours" comes from, in order:
-  1. a row of a JSON file under --results_dir whose "claim" is the headline's key;
-  2. else the headline's row of the summary table at the top of --results_md (FALLBACK:
-     claim prefix there), its command = the first code block of the section that row names;
-  3. else "not measured".
-The table replaces what lies between the markers `<!-- reproduce:begin -->` and
-`<!-- reproduce:end -->` in --results_md (a section with the markers is appended when
-they are missing): regenerate it, never edit it by hand.
+Writes, each between its markers `<!-- NAME:begin -->` / `<!-- NAME:end -->` (a section
+with the markers is appended when they are missing; regenerate, never edit by hand):
+  summary    the opening summary: PRISM.md §7's headline claims and the issues' targets,
+             each from the results JSON that measured it (experiments/reproduce_summary.py);
+             a claim no JSON answers says so ("not measured", or where the hand-recorded
+             number is) and shows no number.
+  reproduce  the paper-vs-ours table: every headline claim of PRISM.md §7 (HEADLINES, the
+             paper's column), then every other recorded row. "ours" comes from a row of a
+             JSON whose "claim" is the headline's key, else NO_JSON's pointer, else "not
+             measured".
+  the sections of reproduce_sources.SECTIONS (each file's own tables).
+Every command shown is the recorded one as it is written today (provenance.today_command:
+the module under its current name, `prism <subcommand>` for a prism_jax.cli module, renamed
+flags under today's names), with the commit it ran on.
 
 Results JSON schema (docs/results/<topic>.json, written by the experiment that measured it):
 
@@ -21,22 +26,23 @@ Results JSON schema (docs/results/<topic>.json, written by the experiment that m
              "claim": "suppression",        # optional: a HEADLINES key this row answers
              "ci": [0.05, 0.19],            # optional: shown as [lo, hi] after ours
              "note": "..."}],               # optional: shown after ours, in brackets
-   ...}                                     # any other keys are ignored here
+   "command": ..., "argv": [...], "commit": "..."}   # provenance (prism_jax/cli/provenance)
 
 Files are read in name order; rows without a "claim" follow the headlines in that order.
-Experiments that write their own shape (suppression, mc_eval, throughput, cards,
-cache_scale) are read through experiments/reproduce_sources.py's READERS.
+Experiments that write their own shape are read through experiments/reproduce_sources.py's
+READERS.
 """
 
 import glob
 import json
 import os
-import re
 
 from absl import flags
 
 from prism_jax.cli import launcher
+from prism_jax.cli import provenance
 from experiments import reproduce_sources
+from experiments import reproduce_summary
 
 flags.DEFINE_string("results_dir", "docs/results", "directory of results JSON files")
 flags.DEFINE_string("results_md", "docs/RESULTS.md", "the markdown file to write into")
@@ -50,7 +56,7 @@ HEADLINES = (
     ("quality", "quality vs dense", "within 2.5 points average downstream accuracy "
      "(matches dense at 1.6B/10B tokens)"),
     ("overhead", "parameter overhead", "1.7% at XL"),
-    ("throughput", "training throughput", "97.3% of dense (H200)"),
+    ("throughput", "training throughput", "97.3% of dense (measured on an H200, XL)"),
     ("grounding", "grounding", "R̄_1, R_2 in 0.94–1.00"),
     ("attribution_speed", "attribution speed", "~470× EK-FAC at equal memory (124M)"),
     ("attribution_signal", "attribution signal", "~80% of top-ranked sequences kept vs full "
@@ -58,23 +64,20 @@ HEADLINES = (
     ("controllers", "controllers", "+2.72 points (SAE controller +0.32)"),
     ("suppression", "suppression", "NSFW 0.668 → 0.154 with 86 prototypes"),
 )
-# Headline key -> the start of its row in RESULTS.md's summary table (recorded before
-# the results JSON files existed), plus rows beyond §7 that the table always shows.
-FALLBACK = {
-    "overhead": "`xl` prototype overhead",
-    "quality": "tiny PRISM val loss vs dense",
-    "throughput": "PRISM/dense train tokens/s at `small`",
-    "grounding": "tiny R̄1 / R̄2",
-    "attribution_speed": "cached attribution vs EK-FAC per query",
-    "attribution_signal": "top-100 retention",
-    "faithfulness": "faithfulness, tiny",
-}
 EXTRA = (("faithfulness", "faithfulness (W ẑ alone vs the full model)", "not reported"),)
+# Claims no results JSON answers: where the number is instead (no number shown here).
+NO_JSON = {
+    "overhead": "no results JSON: an analytic count, printed by `prism model-card` "
+                "(section 'Model card')",
+    "attribution_speed": "no results JSON: hand-recorded (section 'Attribution speed: "
+                         "cached PRISM vs EK-FAC')",
+}
 REQUIRED = ("metric", "ours", "command")
 
 
 def load_rows(results_dir: str) -> list[dict]:
-  """Every row of every JSON under results_dir (name order), each with its "file"."""
+  """Every row of every JSON under results_dir (name order), each with its "file" and,
+  unless it records its own, the file's "commit"."""
   rows = []
   for path in sorted(glob.glob(os.path.join(results_dir, "*.json"))):
     with open(path) as f:
@@ -86,6 +89,7 @@ def load_rows(results_dir: str) -> list[dict]:
     reader = reproduce_sources.READERS.get(stem)
     if reader is None and stem.startswith(reproduce_sources.DETAIL_PREFIXES):
       continue  # a variant of a headline file: its detail stays in RESULTS.md
+    commit = data.get("commit") if isinstance(data, dict) else None
     if reader is not None:
       try:
         data = {"rows": reader(data)}
@@ -97,73 +101,11 @@ def load_rows(results_dir: str) -> list[dict]:
       missing = [k for k in REQUIRED if not isinstance(row, dict) or k not in row]
       if missing:
         raise ValueError(f"{path}: row {i} lacks {', '.join(missing)}")
-      rows.append(dict(row, file=os.path.basename(path)))
+      row = dict(row, file=os.path.basename(path))
+      if commit and "commit" not in row:
+        row["commit"] = commit
+      rows.append(row)
   return rows
-
-
-def _split_fences(md: str):
-  """(line, inside a code fence) for each line."""
-  inside = False
-  for line in md.splitlines():
-    if line.startswith("```"):
-      inside = not inside
-      yield line, True
-    else:
-      yield line, inside
-
-
-def summary_rows(md: str) -> list[list[str]]:
-  """Cells of the first table under '## Summary' (header and rule dropped)."""
-  out, in_summary = [], False
-  for line, fenced in _split_fences(md):
-    if fenced:
-      continue
-    if line.startswith("## "):
-      if in_summary:
-        break
-      in_summary = line.startswith("## Summary")
-    elif in_summary and line.startswith("|"):
-      cells = [c.strip() for c in line.strip().strip("|").split(" | ")]
-      if cells and not set(cells[0]) <= set("-: ") and cells[0] != "claim":
-        out.append(cells)
-  return out
-
-
-def section_command(md: str, title_start: str) -> str | None:
-  """The first code block after the first heading that starts with `title_start`."""
-  lines = list(_split_fences(md))
-  start = next((i for i, (line, fenced) in enumerate(lines) if not fenced
-                and re.match(r"#+ " + re.escape(title_start), line)), None)
-  if start is None:
-    return None
-  block, inside = [], False
-  for line, _ in lines[start + 1:]:
-    if line.startswith("```"):
-      if inside:
-        return _commands(block)
-      inside = True
-    elif inside:
-      block.append(line)
-  return None
-
-
-def _commands(block: list[str]) -> str | None:
-  """The commands of a code block (comments dropped, continuations joined): up to two
-  joined by ' ; ', else the last one and how many came before it."""
-  cmds, cur = [], ""
-  for line in block:
-    line = line.strip()
-    if not line or line.startswith("#"):
-      continue
-    cur += (" " if cur else "") + line.rstrip("\\").strip()
-    if not line.endswith("\\"):
-      cmds.append(cur)
-      cur = ""
-  if cur:
-    cmds.append(cur)
-  if len(cmds) > 2:
-    return f"{cmds[-1]} (and {len(cmds) - 1} earlier commands in that section)"
-  return " ; ".join(cmds) or None
 
 
 def _cell(text) -> str:
@@ -180,35 +122,39 @@ def _ours(row: dict) -> str:
   return text
 
 
-def build_table(rows: list[dict], md: str) -> str:
-  by_claim = {r["claim"]: r for r in rows if "claim" in r}
-  summary = summary_rows(md)
-  lines = ["| claim | paper | ours | source | command |", "|---|---|---|---|---|"]
+def source(row: dict) -> str:
+  """docs/results/FILE (commit `abc...`): where a row comes from."""
+  commit = row.get("commit")
+  if not commit:
+    return f"docs/results/{row['file']}"
+  short = commit[:12] + ("+dirty" if "+dirty" in commit else "")
+  return f"docs/results/{row['file']} (commit `{short}`)"
 
-  def add(key, claim, paper):
+
+def command(row: dict) -> str:
+  """The row's recorded command as written today."""
+  return provenance.today_command(row["command"])
+
+
+def build_table(rows: list[dict]) -> str:
+  by_claim = {r["claim"]: r for r in rows if "claim" in r}
+  lines = ["| claim | paper | ours | source | command (today's spelling) |",
+           "|---|---|---|---|---|"]
+  for key, claim, paper in HEADLINES + EXTRA:
     if key in by_claim:
       r = by_claim[key]
-      lines.append(f"| {_cell(claim)} | {_cell(r.get('paper', paper))} | {_cell(_ours(r))} | "
-                   f"docs/results/{r['file']} | `{_cell(r['command'])}` |")
-      return
-    hit = next((c for c in summary if key in FALLBACK and c[0].startswith(FALLBACK[key])),
-               None)
-    if hit is not None:
-      where = hit[3] if len(hit) > 3 else ""
-      cmd = section_command(md, where) if where else None
-      lines.append(f"| {_cell(claim)} | {_cell(paper)} | {_cell(hit[1])} ({_cell(hit[0])}) | "
-                   f"RESULTS.md summary, section {_cell(where)} | "
-                   + (f"`{_cell(cmd)}` |" if cmd else "see that section |"))
-      return
-    lines.append(f"| {_cell(claim)} | {_cell(paper)} | not measured | – | – |")
-
-  for key, claim, paper in HEADLINES + EXTRA:
-    add(key, claim, paper)
+      shown = r.get("paper") if r.get("paper") not in (None, "not reported", "–") else paper
+      lines.append(f"| {_cell(claim)} | {_cell(shown)} | {_cell(_ours(r))} | "
+                   f"{_cell(source(r))} | `{_cell(command(r))}` |")
+    else:
+      lines.append(f"| {_cell(claim)} | {_cell(paper)} | "
+                   f"{_cell(NO_JSON.get(key, 'not measured'))} | – | – |")
+  keys = {k for k, _, _ in HEADLINES + EXTRA}
   for r in rows:
-    if r.get("claim") in {k for k, _, _ in HEADLINES + EXTRA}:
+    if r.get("claim") in keys:
       continue
     lines.append(f"| {_cell(r['metric'])} | {_cell(r.get('paper', '–'))} | {_cell(_ours(r))}"
-                 f" | docs/results/{r['file']} | `{_cell(r['command'])}` |")
+                 f" | {_cell(source(r))} | `{_cell(command(r))}` |")
   return "\n".join(lines)
 
 
@@ -224,15 +170,40 @@ def write_between_markers(md: str, table: str, begin: str = BEGIN, end: str = EN
                             f"{block}\n")
 
 
+def today(data: dict) -> dict:
+  """A results file with its recorded command as written today (for the renderers)."""
+  if isinstance(data, dict) and "command" in data:
+    return dict(data, command=provenance.today_command(data["command"]))
+  return data
+
+
 def write_sections(md: str, results_dir: str) -> str:
-  """Each reproduce_sources.SECTIONS file's own tables, between its markers."""
+  """Each reproduce_sources.SECTIONS file's own tables, between its markers; then the
+  sections drawn from several files (reproduce_sources.MULTI_SECTIONS)."""
   for stem, (render, name) in reproduce_sources.SECTIONS.items():
     path = os.path.join(results_dir, stem + ".json")
     if os.path.isfile(path):
       with open(path) as f:
-        md = write_between_markers(md, render(json.load(f)), f"<!-- {name}:begin -->",
+        md = write_between_markers(md, render(today(json.load(f))), f"<!-- {name}:begin -->",
                                    f"<!-- {name}:end -->", name.replace("_", " ").capitalize())
+  for name, (patterns, render) in reproduce_sources.MULTI_SECTIONS.items():
+    files = {}
+    for pattern in patterns:
+      for path in sorted(glob.glob(os.path.join(results_dir, pattern))):
+        with open(path) as f:
+          files[os.path.relpath(path, results_dir)] = today(json.load(f))
+    if files:
+      md = write_between_markers(md, render(files), f"<!-- {name}:begin -->",
+                                 f"<!-- {name}:end -->", name.replace("_", " ").capitalize())
   return md
+
+
+def regenerate(md: str, results_dir: str) -> str:
+  """RESULTS.md with every generated part rewritten from results_dir."""
+  md = write_between_markers(md, build_table(load_rows(results_dir)))
+  md = write_between_markers(md, reproduce_summary.summary(results_dir),
+                             reproduce_summary.BEGIN, reproduce_summary.END, "Summary")
+  return write_sections(md, results_dir)
 
 
 def main(argv):
@@ -241,10 +212,10 @@ def main(argv):
     raise FileNotFoundError(f"--results_md={FLAGS.results_md} does not exist")
   with open(FLAGS.results_md) as f:
     md = f.read()
-  table = build_table(load_rows(FLAGS.results_dir), md)
+  out = regenerate(md, FLAGS.results_dir)
   with open(FLAGS.results_md, "w") as f:
-    f.write(write_sections(write_between_markers(md, table), FLAGS.results_dir))
-  print(table)
+    f.write(out)
+  print(f"wrote {FLAGS.results_md}: {len(out.splitlines())} lines")
 
 
 if __name__ == "__main__":

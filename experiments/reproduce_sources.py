@@ -2,11 +2,14 @@
 
 Each experiment writes its results in its own shape (docs/results/<topic>.json, with the
 "command" that wrote it); a reader here picks the numbers the paper-vs-ours table shows.
-A file with no reader must already hold schema rows (reproduce.py's docstring).
+A file with no reader must already hold schema rows (reproduce.py's docstring). CAVEATS
+(experiments/reproduce_control.py, with the control and evaluation readers) holds what a
+recorded file cannot say about itself; its reader appends it to the row.
 """
 
 from __future__ import annotations
 
+import os
 from typing import Callable
 
 from benchmarks.demo_time_render import demo_time_markdown, demo_time_rows
@@ -15,162 +18,65 @@ from benchmarks.serve_render import serve_load_markdown, serve_load_rows
 from experiments.prototype_path_md import (alive_markdown, alive_rows, capacity_markdown,
                                            capacity_rows, defaults_markdown, defaults_rows,
                                            lds_markdown, size_markdown, size_rows)
-
-
-def _pct(x: float) -> str:
-  return f"{100 * x:+.1f}%"
-
-
-def suppression(data: dict) -> list[dict]:
-  """The planted behaviour (held-out half of its vocabulary): rate before -> after."""
-  by = {r["condition"]: r for r in data["rows"]}
-  before = by["unedited"]
-  edit = next(r for c, r in by.items() if c.startswith("suppress"))
-  rnd = [r for c, r in by.items() if c.startswith("random")]
-  ban = by.get("token ban")
-  cut = 1 - edit["rate"]["mean"] / before["rate"]["mean"]
-  note = (f"{edit['prototypes']} prototypes, {100 * edit['share_of_bank']:.1f}% of the bank; "
-          f"neutral perplexity {_pct(edit['ppl_change'])}")
-  if ban:
-    note += f"; token ban: rate {ban['rate']['mean']:.3g}"
-  if rnd:
-    note += f"; {len(rnd)} random sets: rate moved {data['random_over_suppression']:.2f}× as much"
-  return [{"metric": f"suppression ({data['behaviour']})", "claim": "suppression",
-           "ours": f"rate {before['rate']['mean']:.3g} → {edit['rate']['mean']:.3g} "
-                   f"(−{100 * cut:.1f}%)", "note": note, "command": data["command"]}]
-
-
-def suppression_other(data: dict) -> list[dict]:
-  """Another behaviour's suppression: the same row, not the headline claim."""
-  row = suppression(data)[0]
-  del row["claim"]
-  return [row]
-
-
-def _vs_chance(rows: list[dict], model: str) -> tuple[list[str], list[str]]:
-  """(tasks where `model`'s 95% CI lies below chance, tasks where it lies above)."""
-  below = [r["task"] for r in rows if r["acc"][model][2] < r["chance"]]
-  above = [r["task"] for r in rows if r["acc"][model][1] > r["chance"]]
-  return below, above
-
-
-def _chance_text(rows: list[dict]) -> str:
-  levels = sorted({100 * r["chance"] for r in rows})
-  return (f"chance {levels[0]:.3g}–{levels[-1]:.3g}%" if len(levels) > 1
-          else f"chance {levels[0]:.3g}%")
-
-
-def controller_caveat(rows: list[dict], key: str, base: str) -> dict:
-  """The mean Δ (points) of a controller over `rows`, the mean without the tasks where the
-  base model's 95% CI lies below chance (an answer prior a controller can flip, not
-  knowledge; None when there is none), and the caveat read off the rows: chance levels,
-  those tasks, the per-task spread, the largest task's share of the mean."""
-  d = {r["task"]: 100 * r["delta"][key][0] for r in rows}
-  mean = sum(d.values()) / len(d)
-  below, above = _vs_chance(rows, base)
-  rest = [v for t, v in d.items() if t not in below]
-  without = sum(rest) / len(rest) if below and rest else None
-  lo, hi = min(d, key=d.get), max(d, key=d.get)
-  top = max(d, key=lambda t: abs(d[t]))
-  parts = [_chance_text(rows), f"{base} above chance (95% CI) on {len(above)} of {len(rows)}"]
-  if below:
-    parts.append(f"{base} below chance on {', '.join(below)}")
-  parts += [f"per task {d[lo]:+.1f} ({lo}) to {d[hi]:+.1f} ({hi})",
-            f"{top} contributes {d[top] / len(d):+.2f} of the {mean:+.2f}"]
-  return {"mean": mean, "without": without, "below": below, "note": "; ".join(parts)}
-
-
-def _with_without(c: dict) -> str:
-  if c["without"] is None:
-    return f"{c['mean']:+.2f} points"
-  return (f"{c['mean']:+.2f} points, {c['without']:+.2f} without {', '.join(c['below'])} "
-          "(base below chance)")
-
-
-def suppression_heldout(data: dict) -> list[dict]:
-  """The held-out protocol (experiments/suppress_heldout.py): the test prompts' rate before
-  → after at the setting chosen on validation, CIs over prompts, and the baselines' falls."""
-  rows = data["rows"]
-  by = {r["condition"].split(" (")[0]: r for r in rows}
-  before, edit = rows[0], rows[1]
-  fall = lambda r: (f"{100 * r['rate_fall']['mean']:+.1f}% [{100 * r['rate_fall']['lo']:.1f}, "
-                    f"{100 * r['rate_fall']['hi']:.1f}]") if "rate_fall" in r else "n/a"
-  rnd = [r for r in rows if r["condition"].startswith("random")]
-  c, test = data["choices"], data["protocol"]["test"]
-  note = (f"chosen on validation ({c['set_size']['on']}): {c['set_size']['chosen']} prototypes, "
-          f"refill {c['refill']['chosen']}; test: {len(test['prompts'])} prompts × "
-          f"{data['protocol']['generations_per_prompt']}, CIs over prompts; neutral perplexity "
-          f"{_pct(edit['ppl_change'])}; logit signature {fall(by['logit signature'])}; token "
-          f"ban {fall(by['token ban'])} (ppl {_pct(by['token ban']['ppl_change'])})")
-  if rnd and data.get("random_over_suppression") is not None:
-    note += (f"; {len(rnd)} random sets: rate moved {data['random_over_suppression']:.2f}× as "
-             "much")
-  return [{"metric": f"suppression, held-out protocol ({data['behaviour']})",
-           "ours": f"rate {before['rate']['mean']:.3g} [{before['rate']['lo']:.3g}, "
-                   f"{before['rate']['hi']:.3g}] → {edit['rate']['mean']:.3g} "
-                   f"[{edit['rate']['lo']:.3g}, {edit['rate']['hi']:.3g}] (fall {fall(edit)})",
-           "note": note, "command": data["command"]}]
-
-
-def suppression_heldout_headline(data: dict) -> list[dict]:
-  row = suppression_heldout(data)[0]
-  row["claim"] = "suppression"
-  return [row]
-
-
-def mc_eval(data: dict) -> list[dict]:
-  """Controller gains in accuracy points, averaged over the synthetic and offline tasks (a
-  group with no task is left out), with and without the tasks whose base model is below
-  chance, each with its caveats derived from the rows."""
-  rows = data["rows"]
-  groups = {synthetic: [r for r in rows if r["task"].startswith("synthetic") == synthetic]
-            for synthetic in (True, False)}
-  out = []
-  for synthetic, name in ((True, "synthetic tasks"), (False, "offline lm-eval tasks")):
-    group = groups[synthetic]
-    if not group:
-      continue
-    ctrl = controller_caveat(group, "prism+ctrl - prism", "prism")
-    ours, note = _with_without(ctrl), f"{name}, held-out accuracy: {ctrl['note']}"
-    sae = [r for r in group if "dense+sae_ctrl - dense" in r["delta"]]
-    if sae:
-      c = controller_caveat(sae, "dense+sae_ctrl - dense", "dense")
-      ours += f"; SAE controller {_with_without(c)}"
-      note += f"; SAE controller: {c['note'].split('; ', 2)[-1]}"
-    out.append({"metric": f"controllers, {name} ({len(group)})", "ours": ours, "note": note,
-                "command": data["command"]})
-  if not out:
-    raise ValueError("mc_eval results have no task rows")
-  out[0]["claim"] = "controllers"
-  quality, notes = [], []
-  for synthetic, name in ((False, "offline tasks"), (True, "synthetic")):
-    group = groups[synthetic]
-    if not group:
-      continue
-    d = [100 * r["delta"]["prism - dense"][0] for r in group]
-    quality.append(f"{sum(d) / len(d):+.2f} over the {len(group)} {name}")
-    below, above = _vs_chance(group, "dense")
-    notes.append(f"{name}: {_chance_text(group)}, dense above chance (95% CI) on {len(above)} "
-                 f"of {len(group)}" + (f", below on {', '.join(below)}" if below else ""))
-  out.append({"metric": "PRISM − dense accuracy", "claim": "quality",
-              "ours": "points: " + ", ".join(quality), "note": "; ".join(notes),
-              "command": data["command"]})
-  return out
+from experiments.reproduce_control import (CAVEATS, heldout_markdown, mc_eval, mc_markdown,
+                                           suppression_heldout, suppression_heldout_headline,
+                                           suppression_superseded)
+from experiments.reproduce_readers import (bench_pack, lds, lds_default, retrofit,
+                                           retrofit_markdown)
 
 
 def throughput(data: dict) -> list[dict]:
-  """PRISM/dense training tokens/s (process CPU time) of the current code, per config."""
+  """PRISM/dense training tokens/s (process CPU time) of the current code, per config: a
+  CPU measurement, said so in the row beside the paper's H200 figure."""
   out = []
   for r in data["rows"]:
     if r["code"] == "new":
       loss = {"prism_paper": ", the paper's four loss terms"}.get(r.get("variant"), "")
       out.append({"metric": f"PRISM/dense train tokens/s, {r['config']}{loss} (CPU)",
-                  "ours": round(r["ratio_cpu"], 3),
-                  "note": f"{r['config']}, process CPU time; analytic {r['analytic']:.3f}",
+                  "ours": f"{r['ratio_cpu']:.3f} on CPU (process time)",
+                  "note": f"`{r['config']}` at batch {r['batch']} x {r['seq_len']}, "
+                          f"{r['steps']} timed steps per model, one run on this 2-core CPU "
+                          f"box, not a GPU; analytic FLOP ratio {r['analytic']:.3f}; the "
+                          "round's other runs: section 'Training throughput'",
                   "command": data["command"]})
   small = [o for o in out if o["metric"].endswith("small (CPU)")]
   (small or out)[0]["claim"] = "throughput"
   return out
+
+
+def _runs_label(name: str) -> str:
+  stem = os.path.splitext(os.path.basename(name))[0]
+  return {"throughput": "A (12 rounds)", "round4_final_B": "B (12 rounds)",
+          "round4_small_C": "C (12 rounds, small only)"}.get(
+              stem, stem.replace("round4_run", "") + " (8 rounds)")
+
+
+def throughput_runs_markdown(files: dict[str, dict]) -> str:
+  """Round 4 of issue 18, every run of bench_train against the old code (wall / CPU): the
+  new code's dense speed-up and PRISM/dense ratios, each run from its own JSON."""
+  lines = ["| run | JSON (commit) | byte dense new/old | byte PRISM/dense, paper's loss | "
+           "byte PRISM/dense, tiny preset's loss | small PRISM/dense | small dense new/old |",
+           "|---|---|---|---|---|---|---|"]
+
+  def pair(new: dict, old: dict, key: tuple[str, str]) -> tuple[str, str]:
+    r = new.get(key)
+    if r is None:
+      return "–", "–"
+    ratio = f"{r['ratio_wall']:.3f} / {r['ratio_cpu']:.3f}"
+    o = old.get(key[0])
+    speed = "–" if o is None else (f"{r['dense_tok_s_wall'] / o['dense_tok_s_wall']:.2f}x / "
+                                   f"{r['dense_tok_s_cpu'] / o['dense_tok_s_cpu']:.2f}x")
+    return ratio, speed
+
+  for name, data in sorted(files.items(), key=lambda kv: _runs_label(kv[0])):
+    new = {(r["config"], r.get("variant")): r for r in data["rows"] if r["code"] == "new"}
+    old = {r["config"]: r for r in data["rows"] if r["code"] == "old"}
+    paper, byte_speed = pair(new, old, ("byte", "prism_paper"))
+    tiny_loss, _ = pair(new, old, ("byte", "prism"))
+    small, small_speed = pair(new, old, ("small", "prism"))
+    lines.append(f"| {_runs_label(name)} | {name} (`{data['commit'][:12]}`) | {byte_speed} | "
+                 f"{paper} | {tiny_loss} | {small} | {small_speed} |")
+  return "\n".join(lines)
 
 
 def cards(data: dict) -> list[dict]:
@@ -226,8 +132,42 @@ def hessian_block(data: dict) -> list[dict]:
            "ours": (f"{data['cpu_seconds_ii']:.1f} CPU-s with compilation, "
                     f"{data['cpu_seconds_ij']:.1f} compiled; cosine with K-FAC "
                     f"{data['cosine_ii']:.3f} (i, i), {data['cosine_ij']:.3f} (i, j)"),
-           "note": "RESULTS 'One exact Hessian block'; CPU time: the box was shared",
+           "note": "RESULTS 'Curvature'; CPU time: the box was shared",
            "command": data["command"]}]
+
+
+def faithfulness(data: dict) -> list[dict]:
+  """Issue 11's lever sweep (K 512): its rows, none the default's claim any more."""
+  out = []
+  for row in data["rows"]:
+    row = {k: v for k, v in row.items() if k != "claim"}
+    row["note"] = f"{row.get('note', '')}; {CAVEATS['faithfulness']}".lstrip("; ")
+    out.append(row)
+  return out
+
+
+def prototype_defaults(data: dict) -> list[dict]:
+  """Issue 44's test-half measurement of the old and today's tiny default: agreement and
+  CE gap (the faithfulness claim for today's default) and grounding."""
+  out = defaults_rows(data)
+  out[-1]["claim"] = "faithfulness"
+  new = data["rows"]["new"]
+  out.append({"metric": f"grounding of today's tiny default ({data['settings']['new']}), "
+                        "test half", "claim": "grounding",
+              "ours": "; ".join(f"seed {s}: R̄1 {r['r1_bar']:.3f}, R̄2 {r['r2_bar']:.3f}"
+                                for s, r in new.items()),
+              "note": f"{data['backbone']} backbone, {data['steps']} steps from scratch",
+              "command": data["command"]})
+  return out
+
+
+def with_caveat(reader: Callable[[dict], list[dict]], key: str):
+  def read(data: dict) -> list[dict]:
+    rows = reader(data)
+    for r in rows:
+      r["note"] = f"{r['note']}; {CAVEATS[key]}" if r.get("note") else CAVEATS[key]
+    return rows
+  return read
 
 
 REHEARSAL_CHECKS = ("bank_set_from_data", "losses_finite", "losses_falling",
@@ -270,8 +210,8 @@ def rehearsal_markdown(data: dict) -> str:
                  + " |")
   ev = c.get("eval", {})
   if ev:
-    keys = [k for k in sorted(ev) if k in ("loss", "perplexity", "tokens")
-            or k.startswith(("r1", "r2", "r_bar", "residual", "dead"))][:8]
+    keys = [k for k in sorted(ev) if k in ("loss", "perplexity", "tokens", "agreement")
+            or k.startswith(("r1", "r2", "r_bar", "residual", "dead", "acc_"))]
     lines += ["", "Evaluation at the last step: "
               + ", ".join(f"{k} {ev[k]:.4g}" for k in keys) + "."]
   return "\n".join(lines)
@@ -309,22 +249,29 @@ def repeat_rows(data: dict) -> list[dict]:
 
 # File stem -> reader; stems not listed must hold schema rows.
 READERS: dict[str, Callable[[dict], list[dict]]] = {
-    # the held-out protocol's planted row answers the claim; issue 16's run stays a row
-    "suppression": suppression_other,
+    # the held-out protocol's planted row answers the claim; issue 16's runs stay rows,
+    # flagged as the protocol it replaced
+    "suppression": suppression_superseded,
     "suppression_heldout": suppression_heldout_headline,
     "suppression_heldout_doctest": suppression_heldout,
-    "suppression_doctest": suppression_other,
+    "suppression_doctest": suppression_superseded,
     "mc_eval": mc_eval,
     "throughput": throughput,
-    "cards": cards,
-    "cache_scale": cache_scale,
+    "cards": with_caveat(cards, "cards"),
+    "cache_scale": with_caveat(cache_scale, "cache_scale"),
     "scale_table": scale_table,
-    "rehearsal": rehearsal,
+    "rehearsal": with_caveat(rehearsal, "rehearsal"),
+    "faithfulness": faithfulness,
+    "retrofit": retrofit,
+    "lds": lds,
+    "lds_default_k512": lds_default,
+    "lds_lambda_proto1": lds,
+    "bench_pack": bench_pack,
     "hessian_block": hessian_block,
     "bank_capacity_128x4": capacity_rows,
     "bank_capacity_256x6": capacity_rows,
     "size_trend": size_rows,
-    "prototype_defaults": defaults_rows,
+    "prototype_defaults": prototype_defaults,
     "bank_alive": alive_rows,
     "serve_load": serve_load_rows,
     "demo_time": demo_time_rows,
@@ -352,4 +299,16 @@ SECTIONS: dict[str, tuple[Callable[[dict], str], str]] = {
     "lds_default_k512": (lds_markdown, "prototype_path_lds_k512"),
     "preemption_repeat": (repeat_markdown, "preemption_repeat"),
     "bank_capacity_128x4_seeds": (capacity_markdown, "prototype_path_capacity_seeds"),
+    "lds": (lds_markdown, "lds_kl1"),
+    "lds_lambda_proto1": (lds_markdown, "lds_lambda_proto1"),
+    "retrofit": (retrofit_markdown, "retrofit"),
+    "mc_eval": (mc_markdown, "mc_eval"),
+    "suppression_heldout": (heldout_markdown, "suppression_heldout"),
+}
+# Marker name -> (file patterns under the results dir, markdown of those files): sections
+# drawn from several results files.
+MULTI_SECTIONS: dict[str, tuple[tuple[str, ...], Callable[[dict], str]]] = {
+    "throughput_round4": (("throughput.json", "throughput_runs/round4_run*.json",
+                           "throughput_runs/round4_final_B.json",
+                           "throughput_runs/round4_small_C.json"), throughput_runs_markdown),
 }

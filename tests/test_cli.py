@@ -39,6 +39,8 @@ CASES = {
                  (["--workdir={w}/none"], "none")],
     "evaluate": [(["--workdir={w}/run", "--controller=mlp"], "--controller"),
                  (["--workdir={w}/none", "--dense_workdir={w}/none2"], "none")],
+    "lm-eval": [(["--workdir={w}/run", "--offline=maybe", "--", "--tasks", "t"], "--offline"),
+                (["--workdir={w}/none", "--", "--tasks", "t"], "none")],
     # model-card reads no file: its "missing input" is a preset that does not exist
     "model-card": [(["--seq_len=long"], "--seq_len"), (["--config=tiny,huge"], "huge")],
     # config: a missing config file, an unknown override key
@@ -95,8 +97,8 @@ def test_help_lists_every_subcommand_and_an_unknown_one_is_one_line():
   listed = [line.split()[0] for line in res.stdout.split("commands:")[1].splitlines()
             if line.strip()]
   assert listed == ["train", "generate", "attribute", "report", "cards", "suppress",
-                    "evaluate", "model-card", "import-hf", "export-hf", "config", "serve",
-                    "demo"]
+                    "evaluate", "lm-eval", "model-card", "import-hf", "export-hf", "config",
+                    "serve", "demo"]
   res = prism("evalute")
   assert_one_line_error(res.returncode, res.stderr, "'evalute'")
   res = prism()

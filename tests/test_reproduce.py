@@ -11,20 +11,16 @@ from experiments import reproduce
 
 MD = """# RESULTS
 
-## Summary against the issues' targets
+## Summary
 
-| claim | measured | target | where |
-| --- | --- | --- | --- |
-| `xl` prototype overhead | 1.68% → prints 1.7% | 1.7% ± 0.1 | Model card |
-| top-100 retention, cached (rank 64) vs full prototype-space | 85.4% | ≥ 80% | Attribution |
+<!-- summary:begin -->
+<!-- summary:end -->
 
 ## Model card (issue 2)
 
-```
-# a comment
-prism model-card \\
-    --flag=1
-```
+| preset | overhead |
+| --- | --- |
+| xl | 1.7% |
 
 ## Attribution
 
@@ -39,22 +35,46 @@ def _write(tmp_path, name, obj):
   return str(d)
 
 
-def test_table_sources_json_then_summary_then_not_measured(tmp_path):
+def test_table_rows_come_from_json_alone_with_todays_commands(tmp_path):
   d = _write(tmp_path, "b_suppression.json", {"rows": [
-      {"metric": "NSFW rate", "claim": "suppression", "ours": 0.21, "command": "python -m x"}]})
+      {"metric": "NSFW rate", "claim": "suppression", "ours": 0.21, "command":
+       "python -m experiments.suppress --workdir=/w --json=s.json"}], "commit": "a" * 40})
   _write(tmp_path, "a_lds.json", {"rows": [
       {"metric": "LDS (prism)", "ours": 0.125, "ci": [0.1, 0.15], "command": "python -m y"}]})
-  table = reproduce.build_table(reproduce.load_rows(d), MD)
+  table = reproduce.build_table(reproduce.load_rows(d))
   rows = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines()[2:]}
   assert len(rows) == len(reproduce.HEADLINES) + len(reproduce.EXTRA) + 1
-  assert "0.21" in rows["suppression"] and "`python -m x`" in rows["suppression"]
-  assert "1.68%" in rows["parameter overhead"]
-  assert "`prism model-card --flag=1`" in rows["parameter overhead"]
-  assert "85.4%" in rows["attribution signal"] and "see that section" in rows[
-      "attribution signal"]  # its section has no code block
-  assert "not measured" in rows["controllers"]
+  # the recorded command as it is spelt today, with the commit it ran on
+  assert "0.21" in rows["suppression"] and "commit `aaaaaaaaaaaa`" in rows["suppression"]
+  assert "`prism suppress --workdir=/w --results_json=s.json`" in rows["suppression"]
+  # no number read from the hand-written text: a claim without a JSON row points or says so
+  assert "no results JSON" in rows["parameter overhead"] and "1.7" not in rows[
+      "parameter overhead"].split(" | ")[2]
+  assert "not measured" in rows["controllers"] and "not measured" in rows["grounding"]
   assert "0.125 [0.1, 0.15]" in rows["LDS (prism)"]
   assert list(rows)[-1] == "LDS (prism)"  # claim-less rows follow the headlines
+
+
+def test_summary_from_the_results_json_alone(tmp_path):
+  from experiments import reproduce_summary  # pylint: disable=g-import-not-at-top
+  root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  d = tmp_path / "results"
+  d.mkdir()
+  src = os.path.join(root, "docs", "results", "bank_alive.json")
+  (d / "bank_alive.json").write_text(open(src).read())  # pylint: disable=consider-using-with
+  with open(src) as f:
+    alive = json.load(f)
+  lines = {line.split(" | ")[0].lstrip("| "): line
+           for line in reproduce_summary.summary(str(d)).splitlines()[2:]}
+  assert len(lines) == len(reproduce_summary.SUMMARY)
+  row = lines["`small`-shape bank alive (issue 44)"]
+  assert f"{100 * alive['runs']['revive']['alive_frac']:.1f}%" in row and "**missed**" in row
+  assert f"bank_alive.json (`{alive['commit'][:12]}`)" in row
+  # every other claim has no JSON here: no number, "not measured" or a pointer
+  for claim, line in lines.items():
+    if claim != "`small`-shape bank alive (issue 44)":
+      ours = line.split(" | ")[2]
+      assert ours.startswith(("not measured", "no results JSON")), line
 
 
 def test_markers_replaced_idempotently_or_appended(tmp_path):
@@ -80,7 +100,7 @@ def test_bad_results_files(tmp_path, content, match):
 
 
 def test_cli_writes_between_markers(tmp_path):
-  d = _write(tmp_path, "lds.json", {"rows": [{"metric": "LDS (ekfac)", "ours": 0.3,
+  d = _write(tmp_path, "rows.json", {"rows": [{"metric": "LDS (ekfac)", "ours": 0.3,
                                               "command": "python -m experiments.lds"}]})
   md = tmp_path / "RESULTS.md"
   md.write_text(MD)
@@ -91,6 +111,7 @@ def test_cli_writes_between_markers(tmp_path):
     assert r.returncode == 0, r.stderr
   text = md.read_text()
   assert text.count(reproduce.BEGIN) == 1 and "LDS (ekfac) | – | 0.3" in text
+  assert text.count("<!-- summary:begin -->") == 1
   r = subprocess.run([sys.executable, "-m", "experiments.reproduce", f"--results_dir={d}",
                       f"--results_md={tmp_path / 'missing.md'}"], capture_output=True,
                      text=True, cwd=root)
@@ -99,17 +120,38 @@ def test_cli_writes_between_markers(tmp_path):
 
 def test_recorded_results_all_read():
   """Every recorded file under docs/results is read (through its reader or as schema rows)
-  and the headline claims those experiments measure come from them, with their numbers."""
+  and the headline claims those experiments measure come from them, with their numbers and
+  the caveats the audit of issue 47 asked for."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   rows = reproduce.load_rows(os.path.join(root, "docs", "results"))
   assert all(all(k in r for k in reproduce.REQUIRED) for r in rows)
   by_claim = {r["claim"]: r for r in rows if "claim" in r}
-  assert {"suppression", "controllers", "throughput", "quality"} <= set(by_claim)
+  assert {"suppression", "controllers", "throughput", "quality", "grounding",
+          "attribution_signal", "faithfulness"} <= set(by_claim)
   with open(os.path.join(root, "docs", "results", "suppression_heldout.json")) as f:
     sup = json.load(f)["rows"]
   assert f"rate {sup[0]['rate']['mean']:.3g} [" in by_claim["suppression"]["ours"]
   assert by_claim["suppression"]["file"] == "suppression_heldout.json"
-  assert any(r["metric"] == "suppression (planted)" and "claim" not in r for r in rows)
+  # issue 16's runs stay rows, flagged as the protocol the held-out one replaced
+  old = [r for r in rows if r["file"] in ("suppression.json", "suppression_doctest.json")]
+  assert len(old) == 2 and all("superseded" in r["metric"] and "claim" not in r for r in old)
+  # a CPU measurement beside the paper's H200 figure says so in the row
+  assert "CPU" in reproduce._ours(by_claim["throughput"])  # pylint: disable=protected-access
+  assert "not a GPU" in by_claim["throughput"]["note"]
+  # the controllers' rows name the model and the protocol they were measured with
+  mc = [r for r in rows if r["file"] == "mc_eval.json"]
+  assert all("round-1" in r["note"] and "--too_long=drop" in r["note"] for r in mc)
+  # the frozen retrofit's CE is equal by construction; the full one's compute is not equal
+  retro = {r["metric"]: r for r in rows if r["file"] == "retrofit.json"}
+  frozen = next(r for m, r in retro.items() if "frozen" in m)
+  assert "by construction" in frozen["ours"] and "+0.0%" not in frozen["ours"]
+  full = next(r for m, r in retro.items() if "fully trained" in m)
+  assert "unequal backbone compute" in full["note"]
+  # every shown command is today's: no module that no longer exists
+  for r in rows:
+    assert not reproduce.command(r).startswith(("python -m experiments.suppress ",
+                                                "python -m experiments.bench_train",
+                                                "python -m experiments.evaluate_mc")), r
 
 
 def _mc_row(rng, task, chance, base_acc, delta):
@@ -133,6 +175,7 @@ def test_controller_row_mean_with_and_without_below_chance_tasks():
   for r in rows:
     r["task"] = r["task"].replace("s_", "synthetic_")
   out = reproduce_sources.mc_eval({"rows": rows, "command": "python -m x"})
+  assert all("round-1" in r["note"] for r in out)  # the recorded file's caveat, first
   offline = next(r for r in out if r["metric"].startswith("controllers, offline"))
   with_b = 100 * (deltas[2] + deltas[3] + big) / 3
   without_b = 100 * (deltas[2] + deltas[3]) / 2

@@ -34,7 +34,7 @@ class GpuConfig(NamedTuple):
   num_stages: int
 
 
-# Defaults from the H200 block sweep at the XL shape (docs/RESULTS.md, "GPU (H200)"):
+# Defaults from the H200 block sweep at the XL shape (docs/history/RESULTS-to-2026-12-06.md, "GPU (H200)"):
 # 16-bit inputs run (64, 128, 64) with 4 warps and 4 pipeline stages, 1.9x faster than the
 # first defaults (64, 64, 64, 4 warps, 2 stages). fp32 keeps those first defaults: its tiles
 # take twice the shared memory per stage, and deeper pipelines were not measured for it.

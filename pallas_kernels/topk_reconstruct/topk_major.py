@@ -1,7 +1,7 @@
 """Exact top-k along the major axis by plain reductions: XLA:CPU's fast layout for it.
 
 XLA:CPU runs `lax.top_k` as its TopK custom call, one partial selection per row on one
-thread, 1.4-1.7 ms for 768 x 512 at k 8 (docs/RESULTS.md, "Training throughput", round 4;
+thread, 1.4-1.7 ms for 768 x 512 at k 8 (docs/history/RESULTS-to-2026-12-06.md, round 4;
 this selection: 0.6 ms, benchmarks/bench_topk.py), while a
 max over the major axis of a K x N matrix is an elementwise max of K rows of N, fully
 vectorised. So the prototype layer's CPU forward keeps its similarities as K x N (one

@@ -6,8 +6,8 @@ every gradient) with malloc and frees them when the step ends. glibc serves allo
 above its mmap threshold (dynamic, at most 32 MiB) with fresh mmap()s and gives freed heap
 tops back to the kernel above its trim threshold, so every step touches new pages: one
 minor page fault per 4 KiB, which at the byte-level config (d 128, 12 x 64 tokens) was about
-a third of the dense train step's time on CPU (docs/RESULTS.md, "Training throughput",
-round 3). Raising both thresholds keeps the memory in the heap for the next step.
+a third of the dense train step's time on CPU (docs/history/RESULTS-to-2026-12-06.md,
+"Training throughput", round 3). Raising both thresholds keeps the memory in the heap for the next step.
 
 XLA's worker threads allocate from their own arenas, whose extra heaps (64 MiB address
 ranges) glibc unmaps as soon as one is empty, whatever the thresholds; only a top pad

@@ -25,6 +25,8 @@ COMMANDS = {
     "suppress": ("suppress", "suppress a behaviour by editing prototypes; rates before/after"),
     "evaluate": ("evaluate", "multiple-choice accuracy of a PRISM run, its dense twin and "
                  "sparse controllers"),
+    "lm-eval": ("lm_eval_cli", "lm-evaluation-harness on a run: its model 'prism', then "
+                "lm-eval's own command line after -- (the lm-eval extra)"),
     "model-card": ("model_card", "parameter counts and FLOPs per token of every preset, and "
                    "the GPT-2 presets' training recipes"),
     "import-hf": ("import_hf", "import a Hugging Face GPT-2 directory as a run (dense, or "

@@ -9,6 +9,11 @@
                      (a dry run: the module is imported, nothing runs): every flag named must
                      parse, and the flags the parse sets must be the ones named. One process
                      per script, as two scripts may define the same flag name.
+  today_command(cmd) -> a recorded command as it is spelt today: the module under its
+                     current name (MOVED; a prism_jax.cli module as its `prism` subcommand)
+                     and renamed flags under today's names (for rendering recorded results).
+  check_commands(cmds) -> problems of commands as written (documents: no MOVED, no renames),
+                     each module's commands dry-parsed in a process of their own.
 """
 
 from __future__ import annotations
@@ -88,10 +93,10 @@ def flag_names(args: list[str]) -> set[str]:
   return names
 
 
-def _import_script(module: str):
+def _import_script(module: str, strict: bool = False):
   """The script's module; a script moved to prism_jax/cli/ or benchmarks/ keeps its
-  recorded name (MOVED)."""
-  name = MOVED.get(module, module)
+  recorded name (MOVED) unless `strict` (a command written today must name it as it is)."""
+  name = module if strict else MOVED.get(module, module)
   mod = importlib.import_module(name)
   if hasattr(mod, "define_flags") and name not in _DEFINED:  # flags defined when it runs
     mod.define_flags()
@@ -129,17 +134,71 @@ def today_args(module: str, args: list[str]) -> list[str]:
   return out
 
 
-def dry_parse(module: str, args: list[str]) -> set[str]:
+def dry_parse(module: str, args: list[str], strict: bool = False) -> set[str]:
   """Parse args with `module`'s absl flags in this process (imports it, runs nothing):
-  the names of the flags the parse set. Raises on a flag the script does not define."""
+  the names of the flags the parse set. Raises on a flag the script does not define (and,
+  `strict`, on a module recorded under a name it no longer has)."""
   from absl import flags  # pylint: disable=g-import-not-at-top
-  _import_script(module)
+  _import_script(module, strict)
   fv = flags.FLAGS
   fv.unparse_flags()
   fv(["prog"] + args, known_only=False)
   return {name for name in flag_names(args)
           if (name in fv and fv[name].present)
           or (name.startswith("no") and name[2:] in fv and fv[name[2:]].present)}
+
+
+def today_command(command: str) -> str:
+  """A recorded command as it is written with today's code: the script under its current
+  module (MOVED), a prism_jax.cli module as `prism <subcommand>`, and renamed flags under
+  today's names (today_args). Only for recorded commands: a command already in today's
+  spelling may be renamed again (RENAMED_FLAGS_OF keys today's names too)."""
+  module, args = split_command(command)
+  args, name = today_args(module, args), MOVED.get(module, module)
+  from prism_jax.cli.main import COMMANDS  # pylint: disable=g-import-not-at-top
+  sub = {f"prism_jax.cli.{mod}": cmd for cmd, (mod, _) in COMMANDS.items()}.get(name)
+  program = ["prism", sub] if sub else ["python", "-m", name]
+  return " ".join(program + [shlex.quote(a) for a in args])
+
+
+def parse_problems(module: str, commands: list[str]) -> list[str]:
+  """Problems of commands of one module as written (strict dry parse, in this process): an
+  unknown module or flag, a required flag missing. A command without arguments is a name
+  (`prism evaluate`): only its module must exist."""
+  problems = []
+  for cmd in commands:
+    try:
+      args = split_command(cmd)[1]
+      if not args:  # a command named, not run (`prism evaluate`): the module must exist
+        _import_script(module, strict=True)
+        continue
+      named, parsed = flag_names(args), dry_parse(module, args, strict=True)
+    except Exception as e:  # pylint: disable=broad-except
+      why = " ".join(str(e).split())
+      problems.append(f"{cmd!r}: {module} does not parse it: {type(e).__name__}: {why}")
+      continue
+    if parsed != named:
+      problems.append(f"{cmd!r}: flags named {sorted(named)} but parsed {sorted(parsed)}")
+  return problems
+
+
+def check_commands(commands: list[str]) -> list[str]:
+  """Problems of `python -m module ...` / `prism <subcommand> ...` commands as written
+  (a document's): each module's commands parsed in a process of its own."""
+  problems, by_module = [], {}
+  for cmd in commands:
+    try:
+      by_module.setdefault(split_command(cmd)[0], []).append(cmd)
+    except ValueError as e:
+      problems.append(str(e))
+  for module, cmds in sorted(by_module.items()):
+    r = subprocess.run([sys.executable, "-m", "prism_jax.cli.provenance", "--parse", module],
+                       input=json.dumps(cmds), capture_output=True, text=True, cwd=ROOT,
+                       env=dict(os.environ, PYTHONPATH=ROOT, JAX_PLATFORMS="cpu"))
+    problems += [line for line in r.stdout.splitlines() if line.strip()]
+    if r.returncode not in (0, 1):
+      problems.append(f"{module}: checker failed: {r.stderr.strip().splitlines()[-1:]}")
+  return problems
 
 
 def records(data) -> list[dict]:
@@ -218,8 +277,12 @@ def main(argv: list[str]) -> int:
     problems = [p for path in argv[2:] for p in check_file(path, argv[1])]
   elif argv[:1] == ["--check"]:
     problems = check(argv[1:])
+  elif argv[:1] == ["--parse"] and len(argv) == 2:
+    problems = parse_problems(argv[1], json.load(sys.stdin))
   else:
-    print("usage: python -m prism_jax.cli.provenance --check FILE.json ...", file=sys.stderr)
+    print("usage: python -m prism_jax.cli.provenance --check FILE.json ...\n"
+          "       python -m prism_jax.cli.provenance --parse MODULE < commands.json",
+          file=sys.stderr)
     return 2
   for p in problems:
     print(p)

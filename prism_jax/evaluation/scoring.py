@@ -3,7 +3,12 @@ batched and jitted over ragged options, for PrismLM and DenseLM with any project
 
     enc = encode_items(items, tok, max_len=cfg.model.max_len)
     scores = score_options(model, enc)                  # Scores: logprob per option
-    acc, acc_norm = accuracy(items, scores.logprob_O)
+    acc, acc_norm = correct(items, scores.logprob_O), correct(items, scores.logprob_O, True)
+
+`encode_token_pairs` takes pairs already tokenised (the lm-eval adapter's requests and
+rolling windows, evaluation/lm_eval_adapter.py); `score_options(..., gains_K=g)` scores a
+PrismLM's logits after the prototype-gain edit of model/logit_edit.py, and every score
+says whether its continuation is the greedy one (lm-eval's is_greedy).
 
 Per option: trailing whitespace of the context moves to the continuation; continuation
 tokens are tok(ctx + cont)[len(tok(ctx)):] (an empty context is EOS); the score is the sum
@@ -30,6 +35,7 @@ from flax import nnx
 from prism_jax.data import batch as batch_lib
 from prism_jax.evaluation.tasks import Item
 from prism_jax.losses import token_nll
+from prism_jax.model.logit_edit import controlled_logits
 
 
 class OptionTooLongError(ValueError):
@@ -77,7 +83,7 @@ def encode_items(items: Sequence[Item], tok, max_len: int,
   longer than max_len instead of scoring its last max_len tokens."""
   if too_long not in TOO_LONG:
     raise ValueError(f"too_long={too_long!r}: expected one of {TOO_LONG}")
-  inputs, targets, num_cont, item_of, cut, cont_cut = [], [], [], [], [], []
+  pairs, item_of = [], []
   for i, it in enumerate(items):
     for ctx, cont in zip(it.contexts, it.continuations):
       ctx_ids, cont_ids = encode_pair(tok, ctx, cont)
@@ -88,16 +94,31 @@ def encode_items(items: Sequence[Item], tok, max_len: int,
         raise OptionTooLongError(
             f"{it.task} item {it.doc_id}: the continuation is {len(cont_ids)} tokens, "
             f"longer than the model's max_len {max_len}; it cannot be scored")
-      seq = (ctx_ids + cont_ids)[-(max_len + 1):]  # left truncation
-      scored = min(len(cont_ids), len(seq) - 1)
-      inputs.append(np.asarray(seq[:-1], np.int32))
-      targets.append(np.asarray(seq[1:], np.int32))
-      num_cont.append(scored)
+      pairs.append((ctx_ids, cont_ids))
       item_of.append(i)
-      cut.append(len(ctx_ids) + len(cont_ids) > max_len + 1)
-      cont_cut.append(len(cont_ids) - scored)
-  return Encoded(inputs, targets, np.asarray(num_cont), np.asarray(item_of), np.asarray(cut),
-                 np.asarray(cont_cut))
+  return encode_token_pairs(pairs, max_len, item_of)
+
+
+def encode_token_pairs(pairs: Sequence[tuple[Sequence[int], Sequence[int]]], max_len: int,
+                       item_of: Sequence[int] | None = None) -> Encoded:
+  """The windows of (context ids, continuation ids) pairs already tokenised (lm-eval's
+  requests after its _encode_pair, or its rolling windows), left-truncated as in the
+  module doc; `item_of` (default: one item per pair) groups them."""
+  inputs, targets, num_cont, cut, cont_cut = [], [], [], [], []
+  for ctx_ids, cont_ids in pairs:
+    if not len(ctx_ids) or not len(cont_ids):
+      raise ValueError("a scored pair needs a context token and a continuation token, got "
+                       f"{len(ctx_ids)} and {len(cont_ids)}")
+    seq = (list(ctx_ids) + list(cont_ids))[-(max_len + 1):]  # left truncation
+    scored = min(len(cont_ids), len(seq) - 1)
+    inputs.append(np.asarray(seq[:-1], np.int32))
+    targets.append(np.asarray(seq[1:], np.int32))
+    num_cont.append(scored)
+    cut.append(len(ctx_ids) + len(cont_ids) > max_len + 1)
+    cont_cut.append(len(cont_ids) - scored)
+  item_of = np.arange(len(pairs)) if item_of is None else np.asarray(item_of)
+  return Encoded(inputs, targets, np.asarray(num_cont, np.int64), item_of,
+                 np.asarray(cut, bool), np.asarray(cont_cut, np.int64))
 
 
 def drop_too_long(items: Sequence[Item], tok, max_len: int) -> tuple[list[Item], int]:
@@ -112,7 +133,8 @@ def drop_too_long(items: Sequence[Item], tok, max_len: int) -> tuple[list[Item],
 
 @dataclasses.dataclass
 class Scores:
-  """logprob_O per option; with `collect`, the continuation tokens' rows (C of them, in
+  """logprob_O per option and greedy_O (every scored token is its position's argmax, as
+  lm-eval's is_greedy); with `collect`, the continuation tokens' rows (C of them, in
   option order): unedited logits, targets, their option, z, and the prototype codes."""
   logprob_O: np.ndarray
   option_C: np.ndarray | None = None
@@ -121,6 +143,7 @@ class Scores:
   z_CxD: np.ndarray | None = None
   idx_Cxk: np.ndarray | None = None
   act_Cxk: np.ndarray | None = None
+  greedy_O: np.ndarray | None = None
 
 
 def _buckets(max_len: int) -> list[int]:
@@ -131,31 +154,40 @@ def _buckets(max_len: int) -> list[int]:
   return sizes + [max_len]
 
 
-def _forward_fn(model):
-  graphdef, state = nnx.split(model)
-
-  @jax.jit
-  def fwd(state, inputs_BxT, targets_BxT, mask_BxT):
-    out = nnx.merge(graphdef, state)(inputs_BxT)
-    b, t, v = out.logits_BxTxV.shape
-    logp_BxT = -token_nll(out.logits_BxTxV.reshape(b * t, v),
-                          targets_BxT.reshape(-1)).reshape(b, t)
-    return jnp.where(mask_BxT, logp_BxT, 0.0).sum(1), out
-
-  return lambda *a: fwd(state, *a)
+# One program per (model graph, gains or not, bucket shape), reused across calls.
+@jax.jit(static_argnames=("graphdef",))
+def _forward(graphdef, state, gains_K, inputs_BxT, targets_BxT, mask_BxT):
+  model = nnx.merge(graphdef, state)
+  out = model(inputs_BxT)
+  logits_BxTxV = out.logits_BxTxV
+  if gains_K is not None:  # PRISM.md §6's edit, r_t kept from this pass
+    logits_BxTxV = controlled_logits(model, out, gains_K)
+  b, t, v = logits_BxTxV.shape
+  logp_BxT = -token_nll(logits_BxTxV.reshape(b * t, v),
+                        targets_BxT.reshape(-1)).reshape(b, t)
+  greedy_B = jnp.all((jnp.argmax(logits_BxTxV, axis=-1) == targets_BxT) | ~mask_BxT, axis=1)
+  return jnp.where(mask_BxT, logp_BxT, 0.0).sum(1), greedy_B, out
 
 
 def score_options(model, enc: Encoded, *, batch_rows: int = 32, collect: bool = False,
-                  progress=None) -> Scores:
-  """Sum of continuation log-probabilities per option (fp32), options bucketed by length
-  (powers of two up to max_len) into fixed (batch_rows, bucket) shapes."""
+                  progress=None, gains_K=None) -> Scores:
+  """Sum of continuation log-probabilities per option (fp32) and whether each continuation
+  is the greedy one, options bucketed by length (powers of two up to max_len) into fixed
+  (batch_rows, bucket) shapes. `gains_K` (a PrismLM's (K,) prototype gains) scores the
+  edited logits of model/logit_edit.py's controlled_logits instead (not with `collect`,
+  whose rows are the unedited pass the controllers are fit on)."""
+  if gains_K is not None and collect:
+    raise ValueError("score_options: collect=True gathers the unedited pass; score with "
+                     "gains_K without collect")
   max_len = model.cfg.max_len
-  fwd = _forward_fn(model)
+  graphdef, state = nnx.split(model)
+  gains_K = None if gains_K is None else jnp.asarray(gains_K, jnp.float32)
   lengths = np.asarray([len(x) for x in enc.inputs])
   if lengths.size and lengths.max() > max_len:
     raise OptionTooLongError(f"an encoded option has {lengths.max()} tokens > max_len "
                              f"{max_len}: encode with this model's max_len")
   logprob = np.zeros(len(lengths), np.float64)
+  greedy = np.zeros(len(lengths), bool)
   rows = {k: [] for k in ("option", "logits", "targets", "z", "idx", "act")}
   bucket_of = np.searchsorted(np.asarray(_buckets(max_len)), lengths)
   for b, size in enumerate(_buckets(max_len)):
@@ -169,8 +201,10 @@ def score_options(model, enc: Encoded, *, batch_rows: int = 32, collect: bool = 
         batch["inputs"][r, :n], batch["targets"][r, :n] = enc.inputs[o], enc.targets[o]
         batch["mask"][r, n - enc.num_cont_O[o]:n] = True  # the continuation's targets
       batch = batch_lib.pad_batch(batch, batch_rows)
-      lp_B, out = fwd(batch["inputs"], batch["targets"], batch["mask"])
+      lp_B, greedy_B, out = _forward(graphdef, state, gains_K, batch["inputs"],
+                                     batch["targets"], batch["mask"])
       logprob[opts] = np.asarray(lp_B, np.float64)[:len(opts)]
+      greedy[opts] = np.asarray(greedy_B)[:len(opts)]
       if collect:
         mask = batch["mask"][:len(opts)]
         sel = mask.reshape(-1)
@@ -185,11 +219,11 @@ def score_options(model, enc: Encoded, *, batch_rows: int = 32, collect: bool = 
       if progress is not None:
         progress(len(opts))
   if not collect:
-    return Scores(logprob)
+    return Scores(logprob, greedy_O=greedy)
   order = np.argsort(np.concatenate(rows["option"]), kind="stable")
   cat = lambda k: np.concatenate(rows[k])[order] if rows[k] else None
   return Scores(logprob, cat("option"), cat("logits"), cat("targets"), cat("z"), cat("idx"),
-                cat("act"))
+                cat("act"), greedy)
 
 
 def per_item(items: Sequence[Item], values_O: np.ndarray) -> list[np.ndarray]:

@@ -82,7 +82,7 @@ def materialize(x: jax.Array) -> jax.Array:
   Without it XLA:CPU fuses the backward pass's running sum of residual-stream cotangents
   (every LayerNorm's backward terms, across layers) into each of its consumers, including
   the transposes of the weight gradients, and so recomputes that chain several times per
-  layer (~20% of the dense CPU step at d 128; docs/RESULTS.md "Training throughput").
+  layer (~20% of the dense CPU step at d 128; docs/history/RESULTS-to-2026-12-06.md "Training throughput").
   optimization_barrier has JVP and transpose rules, so the cotangent is materialised too.
   Chosen when the program is lowered (platform_dependent), not by the default backend."""
   return _on_cpu(jax.lax.optimization_barrier, _identity, x)
