@@ -63,14 +63,13 @@ def common_direction(workdir: str) -> float:
   """Mean cosine of the val hidden states to their mean direction (final parameters)."""
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   from prism_jax import data as data_lib  # pylint: disable=g-import-not-at-top
+  from prism_jax.grounding import common_direction_cos  # pylint: disable=g-import-not-at-top
   from prism_jax.loading import load_for_inference  # pylint: disable=g-import-not-at-top
   model, cfg, _ = load_for_inference(workdir)
   packed = data_lib.prepare_data(cfg.data, cfg.model.vocab_size, workdir)
   b = data_lib.make_loader(packed, "val", 8, 0).batch_at(0)
   z = np.asarray(model.backbone(jnp.asarray(b["inputs"]))[0], np.float64)[b["mask"]]
-  unit = z / np.linalg.norm(z, axis=-1, keepdims=True)
-  mean = unit.mean(0) / np.linalg.norm(unit.mean(0))
-  return float((unit @ mean).mean())
+  return common_direction_cos(z)
 
 
 def start_from_donor(workdir: str, donor: str, step: int) -> bool:
@@ -108,6 +107,13 @@ def measure(name: str, donor: str | None) -> dict:
 def main(argv):
   del argv
   bad = sorted(set(FLAGS.runs) - set(RUNS))
+  if not FLAGS.runs:
+    raise ValueError("--runs is empty: name at least one of " + ", ".join(RUNS))
+  if FLAGS.revive_every < 1:
+    raise ValueError(f"--revive_every={FLAGS.revive_every}: the revive run needs >= 1")
+  out_dir = os.path.dirname(FLAGS.results_json or "") or "."
+  if not os.path.isdir(out_dir):
+    raise FileNotFoundError(f"--results_json: no directory {out_dir!r} to write it in")
   if bad:
     raise ValueError(f"--runs: unknown {bad}; choose from {list(RUNS)}")
   if not 0 < FLAGS.init_step < FLAGS.steps or not 0 < FLAGS.late_init_step < FLAGS.steps:

@@ -1,6 +1,7 @@
 """Streaming grounding metrics against a brute-force float64 pass over all batches."""
 
 import dataclasses
+import secrets
 
 import jax
 import jax.numpy as jnp
@@ -8,6 +9,7 @@ import numpy as np
 import pytest
 from flax import nnx
 
+from prism_jax import grounding
 from prism_jax.grounding import (GroundingAccumulator, grounding_finalize,
                                  grounding_init, grounding_merge, grounding_update)
 from prism_jax.config import ModelConfig
@@ -121,3 +123,24 @@ def test_accumulator_on_a_prism_model_and_errors():
     grounding_update(grounding_init(7), out.protos, out.z_BxTxD.reshape(16, -1))
   with pytest.raises(ValueError, match="num_prototypes must be a positive int"):
     grounding_init(0)
+
+
+def test_common_direction_cosine_and_the_collapse_warning():
+  """The shared-direction diagnostic the bank's init reports (train/recipe.py): the mean
+  cosine of states to their mean direction, against a float64 loop by hand; spread states
+  pass silently, states near one direction get the one-line warning."""
+  rng = np.random.default_rng(secrets.randbits(32))
+  spread = rng.normal(size=(300, 24))
+  e = rng.normal(size=24)
+  shared = 20.0 * e / np.linalg.norm(e) + rng.normal(size=(300, 24))
+  for z in (spread, shared):
+    units = [row / np.sqrt(sum(v * v for v in row)) for row in z]
+    mean = sum(units) / len(units)
+    mean = mean / np.sqrt(sum(v * v for v in mean))
+    want = sum(float(np.dot(u, mean)) for u in units) / len(units)
+    assert grounding.common_direction_cos(z.astype(np.float32)) == pytest.approx(want,
+                                                                                 abs=1e-6)
+  assert grounding.shared_direction_warning(grounding.common_direction_cos(spread)) == ""
+  warning = grounding.shared_direction_warning(grounding.common_direction_cos(shared))
+  assert "share one direction" in warning and "train.proto_init_step" in warning
+  assert "\n" not in warning

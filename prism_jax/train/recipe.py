@@ -21,8 +21,10 @@ from typing import Callable
 
 import jax
 import numpy as np
+from absl import logging
 from flax import nnx
 
+from prism_jax import grounding
 from prism_jax.config import Config
 from prism_jax.model.lm import init_prototypes_from_hidden
 from prism_jax.train import revive
@@ -79,9 +81,12 @@ class Recipe:
     if not proto_init_due(cfg, step):
       return state, ""
     toks, mask = proto_init_tokens(source, cfg, step)
-    state = init_prototypes(self.graphdef, state, self.shardings, cfg, toks, mask)
+    state, cos = _init_prototypes(self.graphdef, state, self.shardings, cfg, toks, mask)
+    warning = grounding.shared_direction_warning(cos)
+    if warning:
+      logging.warning("step %d: %s", step, warning)
     return state, (f"step {step}: prototypes set from {int(mask.sum())} hidden states "
-                   "(k-means++)")
+                   f"(k-means++; mean cosine to their mean direction {cos:.2f})")
 
 
 def proto_init_due(cfg: Config, step: int) -> bool:
@@ -95,6 +100,12 @@ def init_prototypes(graphdef, state: TrainState, shardings: TrainState, cfg: Con
 
   Deterministic in (train.seed, state.step) and the parameters, so a resume reproduces it.
   """
+  return _init_prototypes(graphdef, state, shardings, cfg, tokens_BxT, mask_BxT)[0]
+
+
+def _init_prototypes(graphdef, state: TrainState, shardings: TrainState, cfg: Config,
+                     tokens_BxT: np.ndarray, mask_BxT: np.ndarray) -> tuple[TrainState, float]:
+  """(init_prototypes' state, the states' mean cosine to their mean direction)."""
   step = int(jax.device_get(state.step))
   seed = int(np.random.SeedSequence([cfg.train.seed, step]).generate_state(1)[0])
   module = nnx.merge(graphdef, state.params)
@@ -115,7 +126,9 @@ def init_prototypes(graphdef, state: TrainState, shardings: TrainState, cfg: Con
   params[PROTO_PATH[0]][PROTO_PATH[1]] = jax.device_put(
       protos, shardings.params[PROTO_PATH[0]][PROTO_PATH[1]])
   opt_state = jax.device_put(reset_moments(state.opt_state), shardings.opt_state)
-  return TrainState(state.step, params, opt_state)
+  valid = np.asarray(mask_BxT, bool).reshape(-1)
+  cos = grounding.common_direction_cos(z_BxTxD.reshape(-1, z_BxTxD.shape[-1])[valid])
+  return TrainState(state.step, params, opt_state), cos
 
 
 def proto_init_tokens(loader, cfg: Config, step: int) -> tuple[np.ndarray, np.ndarray]:
