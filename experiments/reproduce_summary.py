@@ -140,11 +140,15 @@ def frozen_bank(d: dict) -> str:
           f"{d['half']} half): decisive and CE ratio met, agreement **missed**")
 
 
-def alive(d: dict) -> str:
-  runs = d["runs"]
-  best = max(r["alive_frac"] for r in runs.values())
-  return (", ".join(f"{name} {_pct(r['alive_frac'])}" for name, r in runs.items())
-          + f" ({next(iter(runs.values()))['steps']} cut steps): " + _verdict(best >= 0.95))
+def alive(cut: dict, trained: dict) -> str:
+  """The bank set on a young backbone (the rehearsal's cut) and on a trained one."""
+  def part(d):
+    runs = d["runs"]
+    first = next(iter(runs.values()))
+    return (f"bank set at step {first['init_step']} of {first['steps']}: "
+            + ", ".join(f"{name} {_pct(r['alive_frac'])}" for name, r in runs.items()))
+  best = max(r["alive_frac"] for r in trained["runs"].values())
+  return f"{part(cut)}; {part(trained)}: " + _verdict(best >= 0.95)
 
 
 def rehearsal(d: dict) -> str:
@@ -234,8 +238,8 @@ SUMMARY: tuple = (
      "CE ratio ≤ 1.05", ("prototype_defaults",), faithfulness),
     ("faithfulness of a frozen-backbone bank (issue 44)", "the same", ("bank_capacity_128x4",),
      frozen_bank),
-    ("`small`-shape bank alive (issue 44)", "≥ 95% of prototypes selected", ("bank_alive",),
-     alive),
+    ("`small`-shape bank alive (issue 44)", "≥ 95% of prototypes selected",
+     ("bank_alive", "bank_alive_trained"), alive),
     ("CPU pod rehearsal, `small` shape (issue 26)", "every stage and check passes",
      ("rehearsal",), rehearsal),
     ("`make demo` from a fresh clone (issue 45)", "≤ 3 min", ("demo_time", "demo_time_cold"),
