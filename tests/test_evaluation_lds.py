@@ -16,15 +16,10 @@ from scipy import stats
 
 from prism_jax import losses
 from prism_jax.attribution.scoring import grad_dot
-from prism_jax.config import preset
-from prism_jax.data import prepare_data
 from prism_jax.evaluation import lds, methods, retrain
 from prism_jax.train import apply_overrides
 
-MICRO = ("model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.num_prototypes=32",
-         "model.k=4", "model.max_len=16", "data.seq_len=16", "train.steps=12",
-         "train.batch_size=8", "train.warmup_steps=2", "train.proto_init_step=4")
-ROWS = 32  # training sequences of the micro run
+from micro_lds import ROWS, micro_setting
 
 
 def _reference_lds(scores_QxE, keep_MxE, measured_QxM):
@@ -101,15 +96,7 @@ def test_bad_inputs(call, match):
 
 @pytest.fixture(scope="module")
 def micro(tmp_path_factory):
-  cfg = apply_overrides(preset("tiny"), list(MICRO))
-  packed = prepare_data(cfg.data, cfg.model.vocab_size, str(tmp_path_factory.mktemp("lds")))
-  rows = packed.rows("val")
-  toks = np.asarray(rows["tokens"][:3])
-  mask = np.zeros((3, packed.seq_len), bool)
-  mask[:, [4, 9, 14]] = True
-  queries = retrain.Queries(toks, mask & (np.asarray(rows["offset"][:3, 1:]) > 0))
-  model, _ = retrain.retrain(cfg, packed, np.arange(ROWS), 0)
-  return cfg, packed, queries, model
+  return micro_setting(str(tmp_path_factory.mktemp("lds")))
 
 
 def test_subset_batches_draw_only_kept_rows(micro):
