@@ -79,6 +79,8 @@ def gcs():
 LONGEST_FIRST = ("test_kernels.py", "test_faults.py", "test_preemption.py",
                  "test_ekfac.py", "test_report_browser.py", "test_throughput.py",
                  "test_sharding.py", "test_head.py", "test_evaluation_lds.py",
+                 "test_lm_eval.py", "test_attribution_methods.py", "test_tracking.py",
+                 "test_results_commands.py", "test_script_flags.py",
                  "test_hessian.py", "test_control_suppression.py", "test_cli.py",
                  "test_hf.py", "test_kernels_backward.py", "test_train_extend.py",
                  "test_multihost.py", "test_generate.py", "test_sharding_aot.py",
