@@ -31,6 +31,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 from absl import flags  # noqa: E402
 
+from benchmarks import flag_checks as check  # noqa: E402
 from prism_jax.cli import launcher
 
 FLAGS = flags.FLAGS
@@ -103,12 +104,14 @@ def topology_devices(name: str):
 def lower_train_step(preset_name: str, topology: str, mesh_sizes=(1, -1, 1),
                      per_device_batch: int = 1, seq_len: int = 0, dtype: str = "bfloat16",
                      remat: bool = False, kind: str = "prism", implementation: str | None = None,
-                     n_layers: int = 0):
+                     n_layers: int = 0, grad_accum: int = 1):
   """The train step of a preset lowered for `topology`: (lowered, cfg, state, devices).
 
   `implementation` None is the model's default, resolved for the platform being compiled
   (the Mosaic kernel on TPU), as a TPU run gets it: no CPU path is lowered. `n_layers` > 0
-  keeps the preset's widths with fewer blocks (a cheaper compile of the same layers)."""
+  keeps the preset's widths with fewer blocks (a cheaper compile of the same layers).
+  `grad_accum` N > 1: the step takes per_device_batch rows a chip as N microbatches
+  (train.grad_accum, prism_jax/train/accumulate.py)."""
   import jax  # pylint: disable=import-outside-toplevel
   import jax.numpy as jnp  # pylint: disable=import-outside-toplevel
   from prism_jax import sharding  # pylint: disable=import-outside-toplevel
@@ -127,7 +130,8 @@ def lower_train_step(preset_name: str, topology: str, mesh_sizes=(1, -1, 1),
   batch = per_device_batch * len(devices)
   cfg = dataclasses.replace(cfg, model=model, mesh=mesh_cfg,
                             data=dataclasses.replace(cfg.data, seq_len=seq),
-                            train=dataclasses.replace(cfg.train, batch_size=batch))
+                            train=dataclasses.replace(cfg.train, batch_size=batch,
+                                                      grad_accum=grad_accum))
   mesh = sharding.make_mesh(mesh_cfg, devices)
   tx = make_optimizer(cfg.train)
   state = state_lib.abstract_state(cfg, mesh, tx)
@@ -214,11 +218,26 @@ def format_table(reports: list[Report]) -> str:
   return "\n".join(lines)
 
 
+def check_flags() -> tuple[int, int, int]:
+  """Every flag combination, before libtpu loads or anything compiles (one `error:`
+  line); returns --mesh's sizes."""
+  from prism_jax.config import preset_names, slice_name  # pylint: disable=import-outside-toplevel
+  check.not_empty(topology=FLAGS.topology, config=FLAGS.config)
+  for topology in FLAGS.topology:
+    slice_name(topology)  # refuses a spelling other than <generation>:<AxB[xC]>
+  check.known("config", FLAGS.config, preset_names())
+  mesh_sizes = tuple(check.numbers("mesh", FLAGS.mesh.split(","), int, low=-1))
+  if len(mesh_sizes) != 3 or 0 in mesh_sizes or mesh_sizes.count(-1) > 1:
+    raise ValueError(f"--mesh needs data,fsdp,model (positive, at most one -1); got "
+                     f"{FLAGS.mesh!r}")
+  check.at_least(1, per_device_batch=FLAGS.per_device_batch)
+  check.at_least(0, seq_len=FLAGS.seq_len)
+  return mesh_sizes
+
+
 def main(argv: list[str]) -> None:
   del argv
-  mesh_sizes = tuple(int(x) for x in FLAGS.mesh.split(","))
-  if len(mesh_sizes) != 3:
-    raise ValueError(f"--mesh needs data,fsdp,model; got {FLAGS.mesh!r}")
+  mesh_sizes = check_flags()
   reports: list[Any] = []
   for topology in FLAGS.topology:
     for name in FLAGS.config:

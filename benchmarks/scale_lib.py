@@ -7,10 +7,11 @@ extrapolated in depth from 2- and 4-block compiles, then a search of full-depth 
 from it: libtpu's compile-only devices, benchmarks/scale_measure.py), and records from the
 full-depth compile at that batch: the per-chip HBM peak (memory_analysis), FLOPs and bytes
 accessed (cost_analysis), the collectives of the step's HLO (benchmarks/hlo_collectives.py)
-and whether any moves a (tokens x K) matrix. Rows then add the roofline step time
-max(FLOPs / peak, bytes / HBM bandwidth) from the chip's published figures (CHIPS),
-tokens/s/chip, MFU (the analytic FLOPs of prism_jax/flops.py over that time and the peak)
-and PRISM/dense throughput at each one's largest batch.
+and whether any moves a (tokens x K) matrix. Rows then add the step time from the
+chip's published figures (benchmarks/scale_roofline.py: compute, memory and collective
+terms, collectives at full overlap and at none), tokens/s/chip, MFU (the analytic FLOPs of
+prism_jax/flops.py over that time and the peak) and PRISM/dense throughput at each one's
+largest batch; benchmarks/scale_accum.py derives the recipes' accumulated steps from them.
 
 The command is benchmarks/scale_table.py; this is its library (importable without flags).
 Every compile result is cached (Cache: keyed by the lowered program itself), so an
@@ -19,7 +20,6 @@ interrupted run resumes, and a rerun compiles only programs that changed.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import time
@@ -27,49 +27,9 @@ from typing import Any, Callable
 
 from benchmarks import scale_measure  # sets the compile-only environment before jax loads
 
-from benchmarks import hlo_collectives  # noqa: E402  pylint: disable=wrong-import-order
+from benchmarks.scale_roofline import (  # noqa: E402,F401  (the table's names, re-exported)
+    CHIPS, DEFAULT_TARGETS, GIB, TARGETS, Chip, Target, ratios, row_for)
 from prism_jax.config import preset  # noqa: E402  pylint: disable=wrong-import-order
-
-GIB = 1024 ** 3
-
-
-@dataclasses.dataclass(frozen=True)
-class Chip:
-  peak_flops: float  # dense bf16 FLOP/s
-  hbm_bandwidth: float  # bytes/s
-  hbm_bytes: int
-  source: str
-
-
-# Google Cloud TPU docs (cloud.google.com/tpu/docs/v5e, /v5p): bf16 peak, HBM bandwidth, HBM.
-CHIPS = {
-    "v5e": Chip(197e12, 819e9, 16 * GIB, "Google Cloud TPU docs, v5e: 197 TFLOP/s bf16, "
-                "819 GB/s HBM, 16 GiB HBM per chip"),
-    "v5p": Chip(459e12, 2765e9, 95 * GIB, "Google Cloud TPU docs, v5p: 459 TFLOP/s bf16, "
-                "2765 GB/s HBM, 95 GiB HBM per chip"),
-}
-
-
-@dataclasses.dataclass(frozen=True)
-class Target:
-  name: str
-  topology: str
-  mesh: tuple[int, int, int]  # data, fsdp, model (compile_check's --mesh)
-  chip: str
-
-  @property
-  def model_axis(self) -> int:
-    return self.mesh[2]
-
-
-TARGETS = {t.name: t for t in (
-    Target("v5e-16 fsdp", "v5e:4x4", (1, -1, 1), "v5e"),
-    Target("v5p-8 fsdp+K/2", "v5p:2x2x2", (1, -1, 2), "v5p"),
-    # small shapes for the script's own test
-    Target("v5e-4 fsdp", "v5e:2x2", (1, -1, 1), "v5e"),
-    Target("v5p-4 fsdp+K/2", "v5p:2x2x1", (1, -1, 2), "v5p"),
-)}
-DEFAULT_TARGETS = ("v5e-16 fsdp", "v5p-8 fsdp+K/2")
 
 
 def largest_fitting(probe: Callable[[int], tuple[bool, float | None]], limit: float,
@@ -164,6 +124,7 @@ class Cache:
     self.index: dict[str, str] = {}
     self._merge(self._read())
     self.new = 0
+    self.fresh: set[str] = set()  # the programs compiled by this process
 
   def _read(self) -> dict:
     if not os.path.exists(self.path):
@@ -206,6 +167,7 @@ class Cache:
           raise BudgetSpent
         self.programs[program] = compile_()
         self.new += 1
+        self.fresh.add(program)
       self.index[key] = program
       self._save()
     return self.programs[self.index[key]]
@@ -213,55 +175,6 @@ class Cache:
 
 class BudgetSpent(Exception):
   pass
-
-
-def row_for(target: Target, preset_name: str, kind: str, remat: bool, seq_len: int,
-            batch: int | None, m: dict | None) -> dict[str, Any]:
-  """A table row from the compile at the largest fitting batch (figures named by source)."""
-  from prism_jax import flops  # pylint: disable=import-outside-toplevel
-  chip = CHIPS[target.chip]
-  row = {"target": target.name, "topology": target.topology, "preset": preset_name,
-         "kind": kind, "remat": remat, "seq_len": seq_len, "per_chip_batch": batch}
-  if batch is None or m is None:
-    return dict(row, fits=False)
-  cfg = preset(preset_name)
-  model = dataclasses.replace(cfg.model, kind=kind)
-  tokens_per_chip = batch * seq_len  # global batch = per-chip batch x chips
-  analytic = flops.flops_per_token(model, seq_len, cfg.loss)["train"] * tokens_per_chip
-  with_k = [hlo_collectives.Collective(op, tuple(map(tuple, ins)), tuple(map(tuple, outs)), n)
-            for op, ins, outs, n in m["proto_collectives"]]
-  nxk = hlo_collectives.moves_tokens_by_protos(with_k, set(m["proto_dims"]), seq_len,
-                                               m["d_model"])
-  t_compute = m["flops"] / chip.peak_flops
-  t_memory = m["bytes_accessed"] / chip.hbm_bandwidth
-  t_step = max(t_compute, t_memory)
-  tokens_s = tokens_per_chip / t_step
-  return dict(row, fits=True, mesh_shape=m["mesh_shape"], chips=m["chips"],
-              device_kind=m["device_kind"], params=m["params"],
-              peak_GiB=m["peak_bytes"] / GIB, hbm_GiB=chip.hbm_bytes / GIB,
-              compiled_TFLOP=m["flops"] / 1e12, analytic_TFLOP=analytic / 1e12,
-              bytes_accessed_GB=m["bytes_accessed"] / 1e9, collectives=m["collectives"],
-              proto_collectives=m["proto_collectives"][:24],
-              nxk_collectives=[[op.kind, op.operands, op.results] for op in nxk],
-              optimization_barriers=m["optimization_barriers"],
-              roofline_compute_ms=1e3 * t_compute, roofline_memory_ms=1e3 * t_memory,
-              roofline_step_ms=1e3 * t_step,
-              bound="compute" if t_compute >= t_memory else "memory",
-              tokens_per_s_per_chip=tokens_s, mfu=analytic / t_step / chip.peak_flops)
-
-
-def ratios(rows: list[dict]) -> list[dict]:
-  """PRISM/dense predicted tokens/s/chip, each at its largest batch, per target x preset x
-  remat (the paper: 97.3% at XL on H200, measured)."""
-  by = {(r["target"], r["preset"], r["remat"], r["kind"]): r for r in rows if r["fits"]}
-  out = []
-  for (target, name, remat, kind), r in by.items():
-    dense = by.get((target, name, remat, "dense"))
-    if kind == "prism" and dense is not None:
-      out.append({"target": target, "preset": name, "remat": remat,
-                  "prism_over_dense": r["tokens_per_s_per_chip"]
-                  / dense["tokens_per_s_per_chip"]})
-  return out
 
 
 def _fits_and_peak(m: dict) -> tuple[bool, float | None]:
@@ -378,6 +291,9 @@ def build(cache: Cache, targets, presets, kinds, remats, seq_len, start, max_bat
             return rows
           row = row_for(target, name, kind, remat, seq_len, batch,
                         None if batch is None else result(batch, full))
+          if batch is not None:  # which compile the row reads, and whether it is new
+            row["program"] = cache.index[key_of(batch, full)]
+            row["compiled_this_run"] = row["program"] in cache.fresh
           if use_shallow and batch is not None:
             row["batch_search"] = (f"full-depth compiles from the batch where peaks "
                                    f"extrapolated in depth from {shallow} blocks meet the HBM")

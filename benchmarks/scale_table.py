@@ -9,7 +9,9 @@ figure is and where it comes from.
 Every compile result is cached in --cache, so an interrupted run resumes. Needs libtpu
 (`pip install -e ".[tpu-aot]"`). A full table (4 presets x 2 kinds x 2 remat x 2 targets)
 is 32 searches, each a few 2- and 4-block compiles (--shallow) and one or two at full depth
-(xl: ~250 s each on 2 cores): --config/--targets/--remat/--max_compiles cut it.
+(xl: ~250 s each on 2 cores): --config/--targets/--remat/--max_compiles cut it. Then the
+recipes' accumulated steps are derived from the rows (benchmarks/scale_accum.py) and one
+per target is compiled (--accum_check).
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ import os
 import time
 
 from benchmarks import scale_lib  # sets the compile-only environment before jax loads
+from benchmarks import scale_accum
 from benchmarks import scale_render
 
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-order
@@ -45,16 +48,28 @@ flags.DEFINE_integer("max_compiles", 0, "stop after this many new compiles (0: n
                      "none, the table from the cache alone, up to the first search not in it)")
 flags.DEFINE_string("cache", "benchmarks/scale_table_cache.json",
                     "every compile's result (tracked: commit it, searches resume from it)")
+flags.DEFINE_string("accum_check", "auto", "the preset whose accumulated recipe step is "
+                    "compiled on each target (auto: the smallest recipe that accumulates there, "
+                    "else the smallest; none: no check)")
 flags.DEFINE_string("results_json", None, "write the table's rows here")
 
 FLAGS = flags.FLAGS
+
+
+def _may_compile(cache: scale_lib.Cache) -> bool:
+  return FLAGS.max_compiles >= 0 and not (FLAGS.max_compiles
+                                          and cache.new >= FLAGS.max_compiles)
 
 
 def main(argv: list[str]) -> None:
   del argv
   bad = [t for t in FLAGS.targets if t not in TARGETS]
   if bad:
-    raise ValueError(f"unknown --targets {bad}; choose from {sorted(TARGETS)}")
+    raise ValueError(f"unknown --targets {bad}; choose from {sorted(TARGETS)} (slices by "
+                     "Google's names: the 8-chip v5p:2x2x2 is v5p-16)")
+  if FLAGS.accum_check not in ("auto", "none", *scale_accum.config.RECIPES):
+    raise ValueError(f"--accum_check={FLAGS.accum_check}: auto, none or one of "
+                     f"{list(scale_accum.config.RECIPES)}")
   if set(FLAGS.remat) - {"off", "on"} or set(FLAGS.kinds) - {"prism", "dense"}:
     raise ValueError("--remat takes off,on and --kinds prism,dense")
   prov = provenance.record("benchmarks.scale_table")
@@ -65,17 +80,30 @@ def main(argv: list[str]) -> None:
                          [r == "on" for r in FLAGS.remat], FLAGS.seq_len, FLAGS.start_batch,
                          FLAGS.max_batch, FLAGS.resolution, FLAGS.max_compiles,
                          tuple(int(x) for x in FLAGS.shallow) or None)
+  plans = scale_accum.recipe_rows(rows, scale_lib.CHIPS)
+  done = {r["target"] for r in rows}
+  presets = ({} if FLAGS.accum_check == "none" else
+             scale_accum.check_presets(plans, [t for t in FLAGS.targets if t in done])
+             if FLAGS.accum_check == "auto" else
+             {t: FLAGS.accum_check for t in FLAGS.targets if t in done})
+  checks = scale_accum.checks(cache, rows, plans, presets, lambda: _may_compile(cache))
   cpu1 = os.times()
+  fresh = [f"{r['target']} {r['preset']} {r['kind']} remat={'on' if r['remat'] else 'off'}"
+           + (f" grad_accum={r['grad_accum']} (check)" if "grad_accum" in r else "")
+           for r in rows + checks if r.get("compiled_this_run")]
   data = {**prov, "code_key": cache.code,
           "note": "compiler estimates from AOT compiles (libtpu compile-only devices), "
                   "not measurements on a TPU",
           "chips": {k: dataclasses.asdict(v) for k, v in scale_lib.CHIPS.items()},
-          "targets": {t: dataclasses.asdict(TARGETS[t]) for t in FLAGS.targets},
+          "targets": {t: {**dataclasses.asdict(TARGETS[t]), "slice": TARGETS[t].slice}
+                      for t in FLAGS.targets},
           "resolution": FLAGS.resolution, "shallow": [int(x) for x in FLAGS.shallow],
           "max_batch": FLAGS.max_batch,
-          "new_compiles": cache.new, "wall_s": round(time.time() - start),
+          "new_compiles": cache.new, "fresh_rows": fresh, "wall_s": round(time.time() - start),
           "cpu_s": round(cpu1.user + cpu1.system - cpu0.user - cpu0.system),
-          "rows": rows, "ratios": scale_lib.ratios(rows)}
+          "rows": rows, "ratios": scale_lib.ratios(rows),
+          "recipe_rows_per_step": scale_accum.config.RECIPE_ROWS, "recipes": plans,
+          "accum_checks": checks}
   print(scale_render.scale_table_markdown(data))
   if FLAGS.results_json:
     with open(FLAGS.results_json, "w") as f:

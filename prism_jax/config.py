@@ -359,6 +359,35 @@ def recipe_train(name: str, steps: int | None = None) -> TrainConfig:
                      log_every=10)
 
 
+# Google names a slice by its TensorCores on v2-v4 and v5p (two a chip: the 8-chip
+# v5p:2x2x2 is "v5p-16") and by its chips on v5e and v6e (v5e:4x4 is "v5e-16") (Cloud TPU
+# docs, /tpu/docs/v5p and /v5e "Configurations"). The scale table and `prism model-card`
+# use these names.
+_CORES_IN_NAME = {"v2": 2, "v3": 2, "v4": 2, "v5p": 2}
+
+
+def slice_name(topology: str) -> str:
+  """Google's name of the slice of a topology such as "v5p:2x2x2" (-> "v5p-16")."""
+  gen, _, dims = topology.partition(":")
+  sizes = dims.split("x")
+  _check(bool(gen) and all(d.isdigit() and int(d) > 0 for d in sizes),
+         f"topology {topology!r} is not <generation>:<AxB[xC]> (e.g. v5e:4x4)")
+  chips = 1
+  for d in sizes:
+    chips *= int(d)
+  return f"{gen}-{chips * _CORES_IN_NAME.get(gen, 1)}"
+
+
+def grad_accum_for(rows_per_chip: int, fits_per_chip: int) -> int:
+  """train.grad_accum N for a step of `rows_per_chip` rows on every chip where at most
+  `fits_per_chip` fit: the fewest microbatches, N dividing the rows (each microbatch
+  spreads over every chip), with rows_per_chip / N <= fits_per_chip."""
+  _check(rows_per_chip >= 1 and fits_per_chip >= 1,
+         f"rows per chip {rows_per_chip} and rows that fit {fits_per_chip} must be >= 1")
+  return next(n for n in range(1, rows_per_chip + 1)
+              if rows_per_chip % n == 0 and rows_per_chip // n <= fits_per_chip)
+
+
 def preset_names() -> list[str]:
   """Every name `preset` takes: the model presets and the GPT-2 smoke runs."""
   return list(MODEL_PRESETS) + [name + SMOKE for name in RECIPES]

@@ -92,8 +92,13 @@ def topk_stats_tpu(z_NpxD, p_KpxD, inv_z_Npx1, inv_p_1xKp, ok_Npx1, sq_z_Npx1, s
   kernel = functools.partial(_kernel, num_protos=num_protos, bn=block_n, bk=block_k,
                              sqeuclid=sqeuclid, precision=precision)
   itemsize = jnp.dtype(z_NpxD.dtype).itemsize
+  # the MXU dots and the two large streams: z once (its block stays across the prototype
+  # axis), the bank once per token block, or once in all when it is one block (the
+  # pipeline copies a block only when its index changes); tests/test_kernel_cost.py counts
+  # both from the grid
+  bank_copies = nb if kb > 1 else 1
   cost = pl.CostEstimate(flops=2 * n_pad * k_pad * d, transcendentals=0,
-                         bytes_accessed=itemsize * (n_pad * d + nb * k_pad * d))
+                         bytes_accessed=itemsize * (n_pad * d + bank_copies * k_pad * d))
   return pl.pallas_call(
       kernel, grid=(nb, kb), in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
       compiler_params=pltpu.CompilerParams(

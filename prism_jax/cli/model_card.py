@@ -1,17 +1,23 @@
 r"""Prints the model card of every preset: parameter counts and forward FLOPs per token,
-then each GPT-2 preset's training recipe with its expected wall time on TPU slices.
+then each GPT-2 preset's training recipe, and its predicted wall time on the scale table's
+TPU slices with the gradient accumulation each needs.
 
-  prism model-card [--config=small,xl] [--seq_len=1024] [--mfu=0.4]
+  prism model-card [--config=small,xl] [--seq_len=1024] [--scale_table=PATH]
 
 Counts are analytic (prism_jax.flops, checked against real NNX models in
 tests/test_flops.py); nothing is instantiated, so the 1.5B preset prints instantly.
-Wall times are analytic too: the recipe's training FLOPs (3 x forward per token, every
-step) plus its evaluations' forward passes, over the slice's published bf16 peak at an
-assumed MFU. They are planning figures, not measurements.
+Wall times come from the scale table (benchmarks/scale_table.py, its JSON
+docs/results/scale_table.json in a checkout): for each named slice, the rows per chip that
+fit, N = train.grad_accum and the predicted MFU of the accumulated recipe step (compiler
+estimates, at full collective overlap and at none); the hours are the recipe's training
+and evaluation FLOPs over the slice's chips x bf16 peak x that MFU. Planning figures, not
+measurements.
 """
 
 from __future__ import annotations
 
+import json
+import os
 from collections.abc import Sequence
 
 from absl import flags
@@ -57,20 +63,31 @@ def define_flags() -> None:
                     "comma-separated (prism_jax.config.MODEL_PRESETS)")
   flags.DEFINE_integer("seq_len", None, "sequence length for the attention FLOPs "
                        "(default: each preset's max_len)")
-  flags.DEFINE_float("mfu", ASSUMED_MFU, "MFU assumed for the recipes' wall-time estimates")
+  flags.DEFINE_string("scale_table", None, "the scale table's JSON whose predicted MFU "
+                      "times the recipes (default: docs/results/scale_table.json of this "
+                      "checkout, when there is one)")
 
 
-# Slices the wall time is given for: (label, prism_jax.flops.PEAK_BF16_FLOPS key, chips).
-# Peaks per chip, dense bf16: v5e 197 TFLOP/s, v5p 459 TFLOP/s (Google Cloud TPU docs,
-# cloud.google.com/tpu/docs/v5e and /v5p). v5p-32 counts TensorCores: 16 chips, 2x2x4.
-SLICES = (("v5e:4x4", "TPU v5e", 16), ("v5p-32", "TPU v5p", 16))
-ASSUMED_MFU = 0.4
+def default_scale_table() -> str:
+  """docs/results/scale_table.json beside the package (a checkout; absent when installed)."""
+  here = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+  return os.path.join(here, "docs", "results", "scale_table.json")
 
 
-def recipe_rows(preset_names: Sequence[str], mfu: float = ASSUMED_MFU) -> list[dict]:
+def read_scale_table(path: str | None) -> dict | None:
+  """The scale table's data; None when the default file is absent or predates the recipe
+  plans (an explicit path that is missing is an error)."""
+  if path is None:
+    path = default_scale_table()
+    if not os.path.exists(path):
+      return None
+  with open(path) as f:
+    data = json.load(f)
+  return data if "recipes" in data else None
+
+
+def recipe_rows(preset_names: Sequence[str]) -> list[dict]:
   """The training recipe of each GPT-2 preset in `preset_names` (others are skipped)."""
-  if not 0 < mfu <= 1:
-    raise ValueError(f"--mfu={mfu}: an MFU is a fraction in (0, 1]")
   rows = []
   for name in preset_names:
     if name not in config.RECIPES:
@@ -84,49 +101,79 @@ def recipe_rows(preset_names: Sequence[str], mfu: float = ASSUMED_MFU) -> list[d
     eval_flops = evals * 2 * tc.eval_batches * batch_tokens * fl["fwd"]
     total = tc.steps * batch_tokens * fl["train"] + eval_flops
     params = flops.param_counts(cfg.model)["prism"]
-    hours = {label: total / (chips * flops.PEAK_BF16_FLOPS[kind] * mfu) / 3600
-             for label, kind, chips in SLICES}
     rows.append({"preset": name, "params": params, "tokens": tc.steps * batch_tokens,
                  "tokens_per_param": tc.steps * batch_tokens / params,
                  "batch_size": tc.batch_size, "seq_len": seq, "batch_tokens": batch_tokens,
                  "steps": tc.steps, "lr": tc.lr, "warmup_steps": tc.warmup_steps,
                  "proto_init_step": tc.proto_init_step, "eval_every": tc.eval_every,
                  "ckpt_every": tc.ckpt_every, "train_flops": total,
-                 "eval_share": eval_flops / total, "hours": hours})
+                 "eval_share": eval_flops / total})
   return rows
 
 
-def format_recipes(rows: Sequence[dict], mfu: float = ASSUMED_MFU) -> str:
-  slices = [label for label, _, _ in SLICES]
+def slice_rows(recipes: Sequence[dict], data: dict) -> list[dict]:
+  """Each recipe on each named slice of the scale table: its chosen PRISM plan (rows per
+  chip that fit, N, microbatch, remat, predicted MFU) and the hours it gives."""
+  out = []
+  for r in recipes:
+    for p in data["recipes"]:
+      if p["chosen"] and p["kind"] == "prism" and p["preset"] == r["preset"]:
+        peak = data["chips"][data["targets"][p["target"]]["chip"]]["peak_flops"]
+        hours = [r["train_flops"] / (p["chips"] * peak * mfu) / 3600
+                 for mfu in (p["mfu"], p["mfu_no_overlap"])]
+        out.append({**{k: p[k] for k in ("preset", "slice", "chips", "remat", "fits_per_chip",
+                                         "rows_per_chip", "grad_accum", "microbatch", "mfu",
+                                         "mfu_no_overlap")},
+                    "hours": hours[0], "hours_no_overlap": hours[1]})
+  return out
+
+
+def format_recipes(rows: Sequence[dict]) -> str:
   lines = ["| preset | PRISM params | tokens (per param) | batch (rows x T = tokens) | steps "
            "| peak LR | warm-up | bank from data at | eval / ckpt every | training FLOPs "
-           "(evals) | " + " | ".join(f"hours on {s}" for s in slices) + " |",
-           "|" + " --- |" * (10 + len(slices))]
+           "(evals) |", "|" + " --- |" * 10]
   for r in rows:
     lines.append(
         f"| {r['preset']} | {r['params'] / 1e6:,.1f}M | {r['tokens'] / 1e9:.2f}B "
         f"({r['tokens_per_param']:.1f}) | {r['batch_size']} x {r['seq_len']} = "
         f"{r['batch_tokens']:,} | {r['steps']:,} | {r['lr']:.1e} | {r['warmup_steps']} | "
         f"step {r['proto_init_step']} | {r['eval_every']} / {r['ckpt_every']} | "
-        f"{r['train_flops']:.3g} ({100 * r['eval_share']:.1f}%) | "
-        + " | ".join(f"{r['hours'][s]:.1f}" for s in slices) + " |")
-  peaks = ", ".join(f"{label}: {chips} x {flops.PEAK_BF16_FLOPS[kind] / 1e12:.0f} TFLOP/s"
-                    for label, kind, chips in SLICES)
+        f"{r['train_flops']:.3g} ({100 * r['eval_share']:.1f}%) |")
   lines.append(
-      f"\nHours: analytic training + evaluation FLOPs (prism_jax.flops, 3 x forward per "
-      f"trained token) / (chips x dense bf16 peak x an ASSUMED MFU of {100 * mfu:.0f}%), not "
-      f"a measurement. Peaks per chip from the Google Cloud TPU docs "
-      f"(cloud.google.com/tpu/docs/v5e, /v5p): {peaks}. Schedule: linear warm-up, cosine "
-      f"decay to 10% of the peak LR; --set train.steps=N rescales warm-up, bank init, evals "
-      f"and checkpoints (prism_jax.config.recipe_train).")
+      "\nSchedule: linear warm-up, cosine decay to 10% of the peak LR; --set train.steps=N "
+      "rescales warm-up, bank init, evals and checkpoints (prism_jax.config.recipe_train).")
+  return "\n".join(lines)
+
+
+def format_slices(rows: Sequence[dict], data: dict) -> str:
+  lines = ["| preset | slice | chips | remat | rows/chip that fit | N (train.grad_accum) "
+           "| microbatch rows/chip | predicted MFU (full overlap – none) "
+           "| predicted hours (full overlap – none) |", "|" + " --- |" * 9]
+  for r in rows:
+    lines.append(
+        f"| {r['preset']} | {r['slice']} | {r['chips']} | {'on' if r['remat'] else 'off'} "
+        f"| {r['fits_per_chip']} | {r['grad_accum']} | {r['microbatch']} "
+        f"| {100 * r['mfu']:.0f}% – {100 * r['mfu_no_overlap']:.0f}% "
+        f"| {r['hours']:.1f} – {r['hours_no_overlap']:.1f} |")
+  peaks = ", ".join(f"{k}: {v['peak_flops'] / 1e12:.0f} TFLOP/s" for k, v in
+                    data["chips"].items())
+  lines.append(
+      f"\nHours: the recipe's analytic training + evaluation FLOPs / (chips x dense bf16 "
+      f"peak x the scale table's predicted MFU of the accumulated recipe step, at full "
+      f"collective overlap and at none): compiler estimates (`{data['command']}`, commit "
+      f"{data['commit'][:12]}), not measurements; the table lists its assumptions. Slices "
+      f"by Google's names (v5p by TensorCores, v5e by chips). Peaks per chip (Google Cloud "
+      f"TPU docs): {peaks}. Train one with --set train.grad_accum=N --set model.remat=... "
+      f"as listed.")
   return "\n".join(lines)
 
 
 def main(argv: Sequence[str], presets: Sequence[str] | None = None,
-         seq_len: int | None = None, mfu: float = ASSUMED_MFU) -> None:
+         seq_len: int | None = None, scale_table: str | None = None) -> None:
   del argv
   if presets is None and flags.FLAGS.is_parsed() and "config" in flags.FLAGS:  # prism model-card
-    presets, seq_len, mfu = flags.FLAGS.config, flags.FLAGS.seq_len, flags.FLAGS.mfu
+    presets, seq_len = flags.FLAGS.config, flags.FLAGS.seq_len
+    scale_table = flags.FLAGS.scale_table
   presets = list(presets or config.MODEL_PRESETS)
   unknown = [p for p in presets if p not in config.MODEL_PRESETS]
   if unknown:
@@ -135,10 +182,19 @@ def main(argv: Sequence[str], presets: Sequence[str] | None = None,
   if seq_len is not None and seq_len < 1:
     raise ValueError(f"--seq_len must be >= 1, got {seq_len}")
   print(format_card(card_rows(presets, seq_len)))
-  rows = recipe_rows(presets, mfu)
-  if rows:
-    print("\nTraining recipes (prism train --config=NAME):\n")
-    print(format_recipes(rows, mfu))
+  rows = recipe_rows(presets)
+  if not rows:
+    return
+  print("\nTraining recipes (prism train --config=NAME):\n")
+  print(format_recipes(rows))
+  data = read_scale_table(scale_table)
+  if data is None:
+    print("\nPredicted hours need the scale table with its recipe plans (python -m "
+          "benchmarks.scale_table --results_json=docs/results/scale_table.json in a "
+          "checkout; --scale_table=PATH).")
+    return
+  print("\nOn TPU slices (the scale table's predictions):\n")
+  print(format_slices(slice_rows(rows, data), data))
 
 
 if __name__ == "__main__":
