@@ -6,7 +6,7 @@
     lm = LMEvalAdapter(prism_jax.load("runs/demo").suppress([12, 40]))   # gains optional
     lm_eval.simple_evaluate(model=lm, tasks=["my_task"], task_manager=...)
 
-or `prism lm-eval --workdir=runs/demo -- --tasks ...` (cli/lm_eval.py), which registers the
+or `prism lm-eval --workdir=runs/demo -- --tasks ...` (cli/lm_eval_cli.py), which registers the
 adapter as lm-eval's model "prism" (`register`: lm-eval 0.4 has a model registry but no
 plugin entry point, so the process that runs lm-eval registers it) and then runs lm-eval's
 own command line with `--model prism --model_args workdir=...`.
