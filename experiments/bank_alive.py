@@ -72,17 +72,17 @@ def common_direction(workdir: str) -> float:
   return common_direction_cos(z)
 
 
-def start_from_donor(workdir: str, donor: str, step: int) -> bool:
-  """Copies `donor`'s checkpoint at `step` into an empty `workdir`: whether it did."""
+def start_from_donor(workdir: str, donor: str, step: int) -> None:
+  """Copies `donor`'s checkpoint at `step` into `workdir` unless it holds one already
+  (then the run resumes from its own)."""
   src = os.path.join(donor, "checkpoints", str(step))
   dst = os.path.join(workdir, "checkpoints")
   if os.path.isdir(dst) and os.listdir(dst):
-    return False
+    return
   if not os.path.isdir(src):
     raise FileNotFoundError(f"--share_warmup: {src} is missing (the first run must keep "
                             "its checkpoint at the init step)")
   shutil.copytree(src, os.path.join(dst, str(step)))
-  return True
 
 
 def measure(name: str, donor: str | None) -> dict:

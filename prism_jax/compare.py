@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import hashlib
+import time
 
 import numpy as np
 
@@ -171,7 +172,6 @@ def evaluate_tasks(task_set: TaskSet, prism, dense, tok, packed, *,
   controllers by "<task>.<prism|sae>_controller"; each controller's non-zero weights with
   their prototype's (or SAE latent's) logit signature and top training snippets by
   "<task>/<prism|sae>". `progress(name, seconds)` is called after each task."""
-  import time  # pylint: disable=g-import-not-at-top
   rows, controllers, traces = [], {}, {}
   d_model = dense.cfg.d_model
   for name, items in task_set.items.items():

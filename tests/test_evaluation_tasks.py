@@ -159,3 +159,30 @@ def test_cli_unknown_task_is_a_one_line_error(tmp_path):
   errors = [l for l in proc.stderr.splitlines() if l.startswith("error: ")]
   assert proc.returncode == 2 and len(errors) == 1, proc.stderr[-2000:]
   assert "unknown task 'arc_medium'" in errors[0] and "Traceback" not in proc.stderr
+
+
+def test_cli_dump_requests_without_a_dense_twin_writes_every_request_and_stops(
+    tmp_path, tmp_path_factory):
+  """`prism evaluate --dump_requests` alone: one JSON line per (item, option), equal to
+  scoring.requests of the task read independently, and nothing scored (no output dir)."""
+  import os, subprocess, sys  # pylint: disable=g-import-not-at-top,multiple-imports
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  import tiny_run  # pylint: disable=g-import-not-at-top
+  run = tiny_run.tiny_run(tmp_path_factory)["run"]
+  rng = np.random.default_rng()
+  docs = [{"context": " ".join(rng.choice(tiny_run.WORDS, 4)),
+           "choices": list(rng.choice(tiny_run.WORDS, int(rng.integers(2, 5)))),
+           "gold": 0} for _ in range(7)]
+  task = tmp_path / "user_task.jsonl"
+  task.write_text("\n".join(json.dumps(d) for d in docs) + "\n")
+  dump = tmp_path / "requests.jsonl"
+  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+  proc = subprocess.run([sys.executable, "-m", "prism_jax.cli", "evaluate", f"--workdir={run}",
+                         f"--tasks={task}", f"--dump_requests={dump}"], cwd=repo,
+                        env=dict(os.environ, JAX_PLATFORMS="cpu"), capture_output=True,
+                        text=True, timeout=300)
+  assert proc.returncode == 0, proc.stderr[-2000:]
+  got = [json.loads(line) for line in dump.read_text().splitlines()]
+  assert got == json.loads(json.dumps(requests(tasks.load_task(str(task)))))
+  assert len(got) == sum(len(d["choices"]) for d in docs)
+  assert not os.path.exists(os.path.join(run, "evaluate_mc"))

@@ -73,12 +73,10 @@ def main(argv):
                                 limit=FLAGS.limit, seed=FLAGS.seed)
   all_items = task_set.items
   if FLAGS.dump_requests:
+    requests = [r for items in all_items.values() for r in scoring.requests(items)]
     with open(FLAGS.dump_requests, "w", encoding="utf-8") as f:
-      for items in all_items.values():
-        for r in scoring.requests(items):
-          f.write(json.dumps(r) + "\n")
-    logging.info("wrote %d requests to %s", sum(len(scoring.requests(v))
-                                               for v in all_items.values()), FLAGS.dump_requests)
+      f.writelines(json.dumps(r) + "\n" for r in requests)
+    logging.info("wrote %d requests to %s", len(requests), FLAGS.dump_requests)
   if FLAGS.dense_workdir is None:
     return  # --dump_requests alone: the requests are the output
   dense, dcfg, dtok = load_for_inference(FLAGS.dense_workdir)
