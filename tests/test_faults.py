@@ -135,8 +135,8 @@ def test_flipped_param_bytes_load_silently_without_digests(trained, tmp_path):
         ck.restore_params(4, target)
   finally:
     ck.manager.close()
-  with pytest.raises(CheckpointCorruptError, match=r"Checkpoint 4 is corrupt: load an older "
-                     r"one \(step= one of \[2\]\)"):
+  with pytest.raises(CheckpointCorruptError, match=r"checkpoint 4 is damaged: checksum "
+                     r"mismatch .*params.* load another one \(step= one of \[2\]\)"):
     load_for_inference(run)
   _, good, _, _ = load_params(workdir, step=4)
   assert not all(np.array_equal(np.asarray(a), np.asarray(b))

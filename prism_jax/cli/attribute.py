@@ -51,7 +51,7 @@ def main(argv):
   if not FLAGS.build_only and not FLAGS.prompt:
     raise ValueError("--prompt is required (or --build_only to only build the cache)")
   distributed.initialize_from_flags()  # no-op for a single process
-  from prism_jax import paths  # pylint: disable=g-import-not-at-top
+  from prism_jax import paths, run_lock  # pylint: disable=g-import-not-at-top
   from prism_jax.attribution.caching import cache as cache_lib  # pylint: disable=g-import-not-at-top
   from prism_jax.attribution.caching import cache_build  # pylint: disable=g-import-not-at-top
   from prism_jax.attribution.scoring import influence  # pylint: disable=g-import-not-at-top
@@ -69,7 +69,9 @@ def main(argv):
   cache_cfg = cache_lib.CacheConfig(rank=FLAGS.rank, **(
       {"stat_shards": FLAGS.stat_shards} if FLAGS.stat_shards is not None else {}))
   try:
-    cache_build.write_cache(model, cfg, packed, cache_dir, cache_cfg, overwrite=FLAGS.rebuild)
+    with run_lock.hold(FLAGS.workdir):  # one writer per run (process 0 of a multi-host build)
+      cache_build.write_cache(model, cfg, packed, cache_dir, cache_cfg,
+                              overwrite=FLAGS.rebuild)
   except cache_lib.CacheMismatchError as e:
     raise ValueError(f"{e} (rerun with --rebuild to replace it)") from None
   if not distributed.is_main_process():

@@ -109,6 +109,12 @@ def _condition(model, tokenizer, b, val, gen_kw, **edit):
 
 
 def main(argv):
+  from prism_jax import run_lock  # pylint: disable=g-import-not-at-top
+  with run_lock.hold(FLAGS.workdir):  # one writer per run (cache, cards, report, sets)
+    return _main(argv)
+
+
+def _main(argv):
   del argv
   import numpy as np  # pylint: disable=g-import-not-at-top
   from prism_jax.control import behaviours, stats  # pylint: disable=g-import-not-at-top

@@ -21,7 +21,7 @@ import jax
 import numpy as np
 from flax import nnx
 
-from prism_jax import paths
+from prism_jax import paths, run_lock
 from prism_jax.config import Config, DataConfig, ModelConfig
 from prism_jax.data import pretrained
 from prism_jax.hf import gpt2_config, gpt2_weights, hf_dir
@@ -38,7 +38,8 @@ KINDS = ("dense", "prism")
 
 def _check_empty(path: str, what: str) -> str:
   path = os.path.abspath(path)
-  if os.path.exists(path) and (not os.path.isdir(path) or os.listdir(path)):
+  if os.path.exists(path) and (not os.path.isdir(path)
+                               or set(os.listdir(path)) - {run_lock.LOCK_FILE}):
     raise HFFormatError(f"{what} {path} exists and is not empty; choose a new or empty "
                         "directory")
   return path
@@ -80,15 +81,16 @@ def write_run(workdir: str, cfg: Config, params: dict[str, Any], tokenizer,
   params = jax.tree.map(jax.numpy.asarray, params)
   state = TrainState(jax.numpy.zeros((), jax.numpy.int32), params, tx.init(params))
   os.makedirs(workdir, exist_ok=True)
-  ckpt_lib.write_config(workdir, cfg)
-  tokenizer.save(os.path.join(workdir, "data"))
-  ckpt = ckpt_lib.Checkpointer(workdir, keep=1)
-  try:
-    ckpt.save(0, state, {}, cfg)
-    ckpt.wait()
-  finally:
-    ckpt.close()
-  paths.write_text_atomic(os.path.join(workdir, IMPORT_NOTE), json.dumps(note, indent=2))
+  with run_lock.hold(workdir, "prism import-hf"):
+    ckpt_lib.write_config(workdir, cfg)
+    tokenizer.save(os.path.join(workdir, "data"))
+    ckpt = ckpt_lib.Checkpointer(workdir, keep=1)
+    try:
+      ckpt.save(0, state, {}, cfg)
+      ckpt.wait()
+    finally:
+      ckpt.close()
+    paths.write_text_atomic(os.path.join(workdir, IMPORT_NOTE), json.dumps(note, indent=2))
 
 
 def import_hf(hf_dir_path: str, workdir: str, kind: str = "dense", **head: Any) -> Config:
@@ -129,10 +131,18 @@ files: none are written (token ids are the run's own).
 def export_hf(workdir: str, out: str, step: int | None = None) -> str:
   """Writes `out` (new or empty) from the run's newest (or given) checkpoint; returns it."""
   out = _check_empty(out, "--out")
-  cfg = inference.load_config(workdir)
+  _, params, cfg, step = inference.load_params(workdir, step=step)
+  # The architecture is the checkpoint's (its digest checked), never config.json's alone:
+  # an edited config.json beside unchanged weights would publish a wrong model.
+  diffs = ckpt_lib.model_differences(workdir, cfg)
+  if diffs:
+    raise HFFormatError(
+        f"{workdir}/config.json disagrees with checkpoint {step}'s own config in "
+        + ", ".join(f"{k} (file {a!r}, checkpoint {b!r})" for k, a, b in diffs[:3])
+        + ": refusing to export; restore config.json (the checkpoint's config is the one "
+        "its weights were trained with)")
   mcfg = cfg.model
   hf_cfg = gpt2_config.hf_config(mcfg)  # refuses a backbone GPT-2 cannot express
-  _, params, cfg, step = inference.load_params(workdir, step=step)
   tok = inference.load_tokenizer(workdir, cfg)
   tensors = gpt2_weights.hf_tensors(jax.device_get(params["backbone"]), mcfg)
   hf_cfg.update(bos_token_id=int(tok.eos_id), eos_token_id=int(tok.eos_id))

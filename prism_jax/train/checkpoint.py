@@ -8,7 +8,8 @@ fields; an unreadable checkpoint is reported, moved to <workdir>/corrupt_checkpo
 (never deleted) and the previous one is used.
 
 Integrity (train/integrity.py): every checkpoint carries a `digest` item (per-array
-checksums of params and optimizer state, saved in the same atomic orbax finalize). A
+checksums of params and optimizer state, and a hash of the config and data items, saved
+in the same atomic orbax finalize). A
 restore that does not match it, or restores a non-finite value, is treated exactly like an
 unreadable checkpoint. Checkpoints written before digests existed load with a warning
 (finiteness is still checked). When no checkpoint is left readable but some were
@@ -17,8 +18,10 @@ quarantined, resuming is refused (NoReadableCheckpointError) unless start_over=T
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
+import re
 import time
 from collections.abc import Mapping
 from typing import Any
@@ -101,12 +104,17 @@ class Checkpointer:
     """Starts an async save (device->host copy happens before this returns). `cfg` is the
     run's Config, or a JSON dict for a trainer that has none (prism_jax.train.engine)."""
     opt = {"step": state.step, "opt_state": state.opt_state}
-    digests = {"params": integrity.digest(state.params), "opt": integrity.digest(opt)}
+    config = dict(cfg) if isinstance(cfg, Mapping) else to_dict(cfg)
+    # Every item is covered: the arrays by their checksums, the JSON items (the config the
+    # readers build the model from, the data position) by a hash of their content.
+    digests = {"params": integrity.digest(state.params), "opt": integrity.digest(opt),
+               "config": integrity.json_digest(config),
+               "data": integrity.json_digest(data_state)}
     args = ocp.args.Composite(
         params=ocp.args.StandardSave(state.params),
         opt=ocp.args.StandardSave(opt),
         data=ocp.args.JsonSave(data_state),
-        config=ocp.args.JsonSave(dict(cfg) if isinstance(cfg, Mapping) else to_dict(cfg)),
+        config=ocp.args.JsonSave(config),
         **{DIGEST_ITEM: ocp.args.JsonSave(digests)})
     self.manager.save(int(step), args=args, force=True)
 
@@ -131,8 +139,20 @@ class Checkpointer:
     return steps[-1] if steps else None
 
   def read_config(self, step: int) -> dict[str, Any]:
+    """The config item of `step`, checked against its digest (CheckpointCorruptError when
+    it was edited or damaged; checkpoints older than the config digest load unchecked)."""
     out = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
-    return dict(out["config"])
+    config = dict(out["config"])
+    digests = self._digests_quietly(step)
+    if digests is not None and "config" in digests:
+      integrity.verify_json(config, digests["config"],
+                            paths.join(self.directory, str(step), "config"))
+    return config
+
+  def _digests_quietly(self, step: int) -> dict[str, Any] | None:
+    if not paths.path(self.directory).joinpath(str(step), DIGEST_ITEM).is_dir():
+      return None
+    return self.read_digests(step)
 
   def read_digests(self, step: int) -> dict[str, Any] | None:
     """The saved per-array digests of `step`; None (with a warning) for an older checkpoint
@@ -158,6 +178,8 @@ class Checkpointer:
     where = paths.join(self.directory, str(step))
     integrity.verify(out["params"], digests and digests["params"], f"{where}/params")
     integrity.verify(opt, digests and digests["opt"], f"{where}/opt")
+    if digests and "data" in digests:
+      integrity.verify_json(dict(out["data"]), digests["data"], f"{where}/data")
     return TrainState(opt["step"], out["params"], opt["opt_state"]), dict(out["data"])
 
   def restore_params(self, step: int, target_params: Any) -> Any:
@@ -252,7 +274,10 @@ def load_params(workdir: str, cfg: Config | None = None, step: int | None = None
                 mesh: jax.sharding.Mesh | None = None):
   """(graphdef, params, cfg, step) from the newest (or given) checkpoint, on `mesh`.
 
-  `cfg` defaults to the checkpoint's own config; a given one must agree on model.*.
+  The architecture is the checkpoint's own config item (its digest checked): a config.json
+  that disagrees is reported in one warning. `cfg`, when given, must agree on model.*. A
+  damaged checkpoint (truncated or missing file, wrong shape, changed bytes) raises
+  integrity.CheckpointCorruptError in one line naming it and the steps that load instead.
   """
   workdir = paths.resolve(workdir)
   ckpt = Checkpointer(workdir, read_only=True)
@@ -263,7 +288,9 @@ def load_params(workdir: str, cfg: Config | None = None, step: int | None = None
     step = steps[-1] if step is None else step
     if step not in steps:
       raise FileNotFoundError(f"no checkpoint {step} in {ckpt.directory}; have {steps}")
-    saved = overrides.config_from_dict(ckpt.read_config(step))
+    with _damage_reported(ckpt.directory, step, steps):
+      saved = overrides.config_from_dict(ckpt.read_config(step))
+    warn_if_config_file_differs(workdir, saved, step)
     if cfg is None:
       cfg = saved
     else:
@@ -275,14 +302,64 @@ def load_params(workdir: str, cfg: Config | None = None, step: int | None = None
     mesh = default_mesh(cfg) if mesh is None else mesh
     graphdef, _ = model_template(cfg.model)
     target = abstract_state(cfg, mesh).params
-    with jax.set_mesh(mesh):
-      try:
-        params = ckpt.restore_params(step, target)
-      except integrity.CheckpointCorruptError as e:
-        older = [s for s in steps if s < step]
-        raise integrity.CheckpointCorruptError(
-            f"{e}. Checkpoint {step} is corrupt: load an older one (step= one of {older}) "
-            "or resume training there, which quarantines it and falls back") from e
+    with jax.set_mesh(mesh), _damage_reported(ckpt.directory, step, steps):
+      params = ckpt.restore_params(step, target)
   finally:
     ckpt.manager.close()
   return graphdef, params, cfg, step
+
+
+def model_differences(workdir: str, saved: Config) -> list[tuple[str, Any, Any]]:
+  """model.* fields where <workdir>/config.json disagrees with `saved` (the checkpoint's
+  own config): [(field, config.json's, checkpoint's)]; [] when it agrees or is absent."""
+  try:
+    written = overrides.config_from_dict(read_workdir_config(workdir))
+  except FileNotFoundError:
+    return []
+  except ValueError as e:  # unparsable, or a value no config may hold
+    return [(CONFIG_FILE, f"invalid: {_first_line(e)}", "valid")]
+  diffs = overrides.config_diff(written, saved, RESUMABLE_CHANGES)
+  return [d for d in diffs if d[0].startswith("model.")]
+
+
+def warn_if_config_file_differs(workdir: str, saved: Config, step: int) -> None:
+  diffs = model_differences(workdir, saved)
+  if diffs:
+    logging.warning("%s/%s disagrees with checkpoint %d's own config in %s; using the "
+                    "checkpoint's (the weights were trained with it)", workdir, CONFIG_FILE,
+                    step, ", ".join(f"{k} (file {a!r}, checkpoint {b!r})"
+                                    for k, a, b in diffs[:3]))
+
+
+@contextlib.contextmanager
+def _damage_reported(directory: str, step: int, steps: list[int]):
+  """Any failure to read checkpoint `step` -> one CheckpointCorruptError line naming the
+  checkpoint (and the file, when the reader's message names one) and the other steps."""
+  try:
+    yield
+  except (FileNotFoundError, ConfigMismatchError, MemoryError):
+    raise
+  except Exception as e:  # pylint: disable=broad-except
+    where = paths.join(directory, str(step))
+    others = [s for s in steps if s != step]
+    hint = (f"load another one (step= one of {others}) or resume training, which "
+            "quarantines it and falls back" if others else "no other checkpoint is left")
+    if isinstance(e, integrity.CheckpointCorruptError):
+      what = str(e).splitlines()[0]
+    else:
+      named = _file_named(str(e), where)
+      what = (f"{where} cannot be read" + (f" ({named})" if named else "")
+              + f": {type(e).__name__}: {_first_line(e)}")
+    raise integrity.CheckpointCorruptError(f"checkpoint {step} is damaged: {what}. {hint}"
+                                           ) from e
+
+
+def _file_named(message: str, where: str) -> str | None:
+  """The first path under `where` that a reader's (tensorstore's, orbax's) message names."""
+  found = re.search(re.escape(paths.path(where).as_posix()) + r"[^\s\"',:;]*", message)
+  return found.group(0) if found else None
+
+
+def _first_line(e: Exception) -> str:
+  text = str(e).strip()
+  return (text.splitlines()[0] if text else "")[:200]

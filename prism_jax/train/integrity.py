@@ -15,6 +15,8 @@ item of the same orbax composite, so orbax's atomic finalize covers it.
 
 from __future__ import annotations
 
+import hashlib
+import json
 from typing import Any
 
 import jax
@@ -104,6 +106,20 @@ def verify(tree: Any, saved: dict[str, dict[str, Any]] | None, what: str) -> Non
           f"checksum mismatch in {what}: {_some(wrong)} (the saved bytes changed)")
   if bad_finite:
     raise CheckpointCorruptError(f"non-finite values restored in {what}: {_some(bad_finite)}")
+
+
+def json_digest(obj: Any) -> str:
+  """sha256 of a JSON item's canonical form (sorted keys, no spaces): equal before the
+  save and after orbax's JSON round trip (a tuple saved comes back a list, same text)."""
+  text = json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=True)
+  return hashlib.sha256(text.encode()).hexdigest()
+
+
+def verify_json(obj: Any, saved: str, what: str) -> None:
+  """CheckpointCorruptError when the JSON item `obj` no longer hashes to `saved`."""
+  if json_digest(obj) != saved:
+    raise CheckpointCorruptError(f"checksum mismatch in {what}: the item was edited or "
+                                 "damaged after it was saved")
 
 
 def _some(names: list[str], n: int = 3) -> str:

@@ -15,7 +15,7 @@ from typing import Any
 import jax
 from absl import logging
 
-from prism_jax import paths
+from prism_jax import paths, run_lock
 from prism_jax import sharding as shard_lib
 from prism_jax.config import Config, bank_init_problem
 from prism_jax.io_guard import resolve_config_paths
@@ -116,27 +116,44 @@ def train(cfg: Config, workdir: str, *, mesh: jax.sharding.Mesh | None = None,
     raise ValueError(f"--allow_change {', '.join(unknown)}: only these fields may change "
                      f"on resume: {', '.join(ckpt_lib.CHANGES_ON_REQUEST)}")
   allow = ckpt_lib.RESUMABLE_CHANGES + tuple(allow_config_change)
-  ckpt = ckpt_lib.Checkpointer(workdir, keep=tc.keep_checkpoints)
+  with run_lock.hold(workdir):  # one writer per run: a second one fails here, naming us
+    latest = _check_resume(workdir, cfg, allow)
+    packed, train_loader, val_loader = prepare(cfg, workdir, mesh)
+    if cfg.train.init_from and latest is None:
+      init_from_lib.check_source(cfg, packed.tokenizer)
+    # Created only now: orbax's manager makes checkpoints/ and starts its threads, which a
+    # data error above would leave behind (an empty folder, a traceback at exit).
+    ckpt = ckpt_lib.Checkpointer(workdir, keep=tc.keep_checkpoints)
+    try:
+      return _run(cfg, workdir, mesh, ckpt, packed, train_loader, val_loader, callbacks,
+                  allow, t_start, start_over, preemption)
+    finally:
+      ckpt.close()
+
+
+def _check_resume(workdir: str, cfg: Config, allow: tuple[str, ...]) -> int | None:
+  """The newest checkpoint's step (None: none yet), refusing a config mismatch or a shrunk
+  train.steps before any slow data preparation (an unreadable one: restore_latest reports
+  it and falls back)."""
+  if not paths.path(paths.join(workdir, ckpt_lib.CKPT_DIR)).is_dir():
+    return None
+  reader = ckpt_lib.Checkpointer(workdir, read_only=True)
   try:
-    latest = ckpt.latest_step()
-    if latest is not None and latest > tc.steps:
+    latest = reader.latest_step()
+    if latest is not None and latest > cfg.train.steps:
       raise ckpt_lib.ConfigMismatchError(
-          f"the newest checkpoint in {ckpt.directory} is at step {latest}, past "
-          f"train.steps={tc.steps}: train.steps may grow on resume, not shrink")
-    if latest is not None:  # refuse a mismatch before any slow data preparation
+          f"the newest checkpoint in {reader.directory} is at step {latest}, past "
+          f"train.steps={cfg.train.steps}: train.steps may grow on resume, not shrink")
+    if latest is not None:
       try:
-        ckpt.check_config(latest, cfg, allow)
+        reader.check_config(latest, cfg, allow)
       except ckpt_lib.ConfigMismatchError:
         raise
       except Exception:  # pylint: disable=broad-except
         pass  # unreadable: restore_latest reports it and falls back
-    packed, train_loader, val_loader = prepare(cfg, workdir, mesh)
-    if cfg.train.init_from and latest is None:
-      init_from_lib.check_source(cfg, packed.tokenizer)
-    return _run(cfg, workdir, mesh, ckpt, packed, train_loader, val_loader, callbacks, allow,
-                t_start, start_over, preemption)
+    return latest
   finally:
-    ckpt.close()
+    reader.manager.close()
 
 
 def _train_sample_loader(packed, cfg: Config, mesh):
