@@ -148,9 +148,22 @@ def write_bytes_atomic(p, data: bytes) -> None:
     epath.Path(s).write_bytes(data)
     return
   tmp = f"{s}.tmp-{os.getpid()}-{time.time_ns()}"
-  with open(tmp, "wb") as f:
-    f.write(data)
-  os.replace(tmp, s)
+  try:
+    with open(tmp, "wb") as f:
+      f.write(data)
+    os.replace(tmp, s)
+  except BaseException as e:
+    # A full disk fails at the write or the close, after open made the temp file: remove
+    # it (it would pile up, one per retry, on the very disk that is full).
+    try:
+      os.remove(tmp)
+    except OSError:
+      pass
+    if isinstance(e, OSError) and e.errno is not None:
+      # a failed write or close names no file: name the one being written (OSError() with
+      # an errno makes the matching subclass, PermissionError for EACCES...)
+      raise OSError(e.errno, e.strerror or os.strerror(e.errno), s) from e
+    raise
 
 
 def write_text_atomic(p, text: str) -> None:

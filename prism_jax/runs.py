@@ -21,6 +21,7 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from prism_jax.data.tokenizers import piece
 from prism_jax.generate import SAMPLING, generate as generate_ids, sampling_label
 from prism_jax.model.lm import decompose as decompose_logits
 from prism_jax.model.logit_edit import controlled_logits, edited_trust
@@ -260,7 +261,7 @@ class Run:
       logit = logit - ((1.0 - g_Nxk) * contrib).sum(-1)
       contrib = contrib * g_Nxk
       trust = edited_trust(self.model, out.protos, controlled_logits(self.model, out, g)[0], g)
-    decode = lambda i: self.tokenizer.decode([int(i)])
+    decode = lambda i: piece(self.tokenizer, i)  # a partial UTF-8 byte as <0xNN>
     rows = []
     for j in range(len(ids) - 1):
       order = np.argsort(-np.abs(contrib[j]), kind="stable")

@@ -9,17 +9,21 @@ from collections.abc import Callable, Sequence
 
 import numpy as np
 
+from prism_jax.data.tokenizers import piece_fn
+
 
 def signatures(sig_KxV: np.ndarray, decode: Callable, n: int):
-  """(promoted, demoted) per prototype: the n largest / smallest entries of W p_i."""
+  """(promoted, demoted) per prototype: the n largest / smallest entries of W p_i (each
+  token shown as its tokenizer's piece: a partial UTF-8 byte as <0xNN>, not U+FFFD)."""
+  one = piece_fn(decode)
   part_hi = np.argpartition(-sig_KxV, n - 1, axis=1)[:, :n]
   part_lo = np.argpartition(sig_KxV, n - 1, axis=1)[:, :n]
   out = []
   for i in range(len(sig_KxV)):
     hi = part_hi[i][np.argsort(-sig_KxV[i, part_hi[i]])]
     lo = part_lo[i][np.argsort(sig_KxV[i, part_lo[i]])]
-    out.append((tuple((decode([int(t)]), float(sig_KxV[i, t])) for t in hi),
-                tuple((decode([int(t)]), float(sig_KxV[i, t])) for t in lo)))
+    out.append((tuple((one(t), float(sig_KxV[i, t])) for t in hi),
+                tuple((one(t), float(sig_KxV[i, t])) for t in lo)))
   return out
 
 

@@ -32,6 +32,7 @@ from prism_jax.analysis import report_page
 from prism_jax.analysis.cards import LABEL_METHOD, CardSet
 from prism_jax.attribution.caching import cache_format as fmt
 from prism_jax.config import Config
+from prism_jax.data.tokenizers import piece_fn
 from prism_jax.generate import SAMPLING, sampling_label
 from prism_jax.model.lm import decompose
 from prism_jax.model.token_ids import check_token_ids
@@ -170,6 +171,7 @@ def report_data(model, cfg: Config, decode: Callable, prompt_ids: Sequence[int],
   `detail_cards` caps the cards embedded in full (see `detailed_cards`): at K 8192 all of
   them would make a ~16 MB page.
   """
+  one = piece_fn(decode)  # one token as shown: a partial UTF-8 byte as <0xNN>
   if cfg.model.kind != "prism" or not hasattr(model, "bank"):
     raise ValueError("a PRISM report needs a PRISM run (model.kind='prism'); this one is "
                      f"{cfg.model.kind!r} and has no prototypes")
@@ -201,15 +203,15 @@ def report_data(model, cfg: Config, decode: Callable, prompt_ids: Sequence[int],
   for j in range(len(seq) - 1):
     gen_j = j + 1 - len(prompt)  # index among the generated tokens (< 0: prompt)
     tokens.append({
-        "text": decode([int(seq[j + 1])]), "id": int(seq[j + 1]), "generated": gen_j >= 0,
+        "text": one(seq[j + 1]), "id": int(seq[j + 1]), "generated": gen_j >= 0,
         "logit": float(logit[j]), "residual": float(resid[j]),
         "protos": [{"id": int(i), "act": float(a), "contrib": float(c)}
                    for i, a, c in zip(idx[j], act[j], contrib[j])],
         # the model's prediction at this position (its top-1) and whether the prototypes
         # alone pick it, with their share of its lead (None: an exact tie)
-        "trust": {"top1": int(trust.top1_N[j]), "top1_text": decode([int(trust.top1_N[j])]),
+        "trust": {"top1": int(trust.top1_N[j]), "top1_text": one(trust.top1_N[j]),
                   "proto_top1": int(trust.proto_top1_N[j]),
-                  "proto_top1_text": decode([int(trust.proto_top1_N[j])]),
+                  "proto_top1_text": one(trust.proto_top1_N[j]),
                   "agrees": bool(trust.agrees_N[j]),
                   "share": (float(trust.proto_share_N[j])
                             if np.isfinite(float(trust.proto_share_N[j])) else None)},
@@ -224,7 +226,7 @@ def report_data(model, cfg: Config, decode: Callable, prompt_ids: Sequence[int],
       "faithfulness_line": "this sample: " + faithfulness.format_line(
           {k: float("nan") if v is None else v for k, v in faith.items()})
       + val_faithfulness_line(metrics),
-      "faithfulness": faith, "first_token": decode([int(seq[0])]),
+      "faithfulness": faith, "first_token": one(seq[0]),
       "first_id": int(seq[0]),
       "prompt_len": int(len(prompt)), "tokens": tokens,
       "residual_decided": int(sum(not t["trust"]["agrees"] for t in tokens)),

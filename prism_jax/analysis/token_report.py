@@ -17,6 +17,8 @@ from collections.abc import Callable, Iterable
 
 import numpy as np
 
+from prism_jax.data.tokenizers import piece_fn
+
 from prism_jax.generate import GenerationOutput
 from prism_jax.model.trust import trust_label
 
@@ -24,8 +26,8 @@ Decode = Callable[[Iterable[int]], str]
 
 
 def token_text(decode: Decode, token_id: int) -> str:
-  """One token as a short printable literal (byte-level pieces may be partial UTF-8)."""
-  return repr(decode([int(token_id)]))
+  """One token as a short printable literal (a partial UTF-8 byte as <0xNN>)."""
+  return repr(piece_fn(decode)(token_id))
 
 
 def token_rows(out: GenerationOutput, row: int = 0, top: int = 3) -> list[dict]:

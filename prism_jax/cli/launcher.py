@@ -9,7 +9,9 @@ Used by the `prism` subcommands and by the scripts of experiments/ and benchmark
 """
 
 import atexit
+import errno
 import gc
+import os
 import re
 import sys
 import traceback
@@ -24,10 +26,20 @@ flags.DEFINE_bool("debug", False, "show the full traceback of user errors")
 USER_ERRORS = (ValueError, FileNotFoundError, IsADirectoryError, NotADirectoryError,
                PermissionError, FloatingPointError, ModuleNotFoundError)
 USAGE_EXIT = 2
+# A full or read-only disk is the user's to fix (free space, another --workdir), not a bug:
+# one line naming the file, not a traceback.
+DISK_ERRNOS = (errno.ENOSPC, errno.EDQUOT, errno.EROFS)
+
+
+def _is_disk_error(e: BaseException) -> bool:
+  return isinstance(e, OSError) and e.errno in DISK_ERRNOS
 
 
 def one_line(e: BaseException) -> str:
   text = str(e).strip() or type(e).__name__
+  if _is_disk_error(e):
+    where = f" {e.filename}" if e.filename else ""
+    text = f"cannot write{where}: {os.strerror(e.errno).lower()}"
   return "error: " + " | ".join(line.strip() for line in text.splitlines() if line.strip())
 
 
@@ -36,7 +48,7 @@ def _is_user_error(e: BaseException) -> bool:
   # here (jax, orbax: ~2.4 s) would tax every refused command that never touched it.
   ckpt = sys.modules.get("prism_jax.train.checkpoint")
   extra = (ckpt.NoReadableCheckpointError,) if ckpt is not None else ()
-  return isinstance(e, USER_ERRORS + extra)
+  return isinstance(e, USER_ERRORS + extra) or _is_disk_error(e)
 
 
 def _parse_flags(argv):
@@ -48,9 +60,42 @@ def _parse_flags(argv):
     sys.exit(USAGE_EXIT)
 
 
+HELP_ARGS = ("-h", "--help", "-?", "--helpshort")
+
+
+def _wants_help(argv) -> bool:
+  args = list(argv[1:])
+  if "--" in args:  # what follows is another program's (prism lm-eval ... -- --help)
+    args = args[:args.index("--")]
+  return any(a in HELP_ARGS for a in args)
+
+
+def command_help(main, prog: str) -> str:
+  """`prog`'s module doc and its flags with their help: those its module defines and those
+  of prism_jax's shared modules it registered (sampling, distributed, --debug); not absl's
+  or another library's (--helpfull lists every flag)."""
+  name = main.__module__
+  module = sys.modules.get(name)
+  spec = getattr(module, "__spec__", None)
+  own = sys.argv[0] if name == "__main__" else name  # absl's key for a script's flags
+  tops = {"prism_jax", (spec.name if spec else name).split(".")[0]}
+  keys = [own] + [m for m in flags.FLAGS.flags_by_module_dict()
+                  if m != own and m.split(".")[0] in tops]
+  sections = [flags.FLAGS.module_help(k).strip("\n") for k in keys]
+  doc = ((module.__doc__ if module else None) or "").strip()
+  return "\n\n".join([f"usage: {prog} [--flags]"] + ([doc] if doc else [])
+                     + ["flags:"] + [s for s in sections if s])
+
+
 def run(main, argv=None) -> None:
   """`absl.app.run(main)`, with user errors reported on one line (see module doc); `argv`
-  (default sys.argv) starts with the program name."""
+  (default sys.argv) starts with the program name. `--help` (-h) prints the command's doc
+  and flags (command_help), exit 0: absl's own shows the flags of the module run as the
+  program, which for the `prism` console script defines none."""
+  argv = list(sys.argv if argv is None else argv)
+  if _wants_help(argv):
+    print(command_help(main, argv[0]))
+    sys.exit(0)
   def guarded(argv):
     try:
       return main(argv)

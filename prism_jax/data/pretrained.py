@@ -122,8 +122,12 @@ def hf_cache_files() -> dict[str, str] | None:
   for folder in hf_cache_snapshots():
     vocab, merges = os.path.join(folder, "vocab.json"), os.path.join(folder, "merges.txt")
     if os.path.isfile(vocab) and os.path.isfile(merges):
-      with open(vocab, encoding="utf-8") as f:
-        ids = json.load(f)
+      try:
+        with open(vocab, encoding="utf-8") as f:
+          ids = json.load(f)
+      except ValueError as e:  # JSON or UTF-8: name the file (the error names none)
+        raise ValueError(f"{vocab}: not a valid tokenizer file ({type(e).__name__}: "
+                         f"{' '.join(str(e).split())[:200]})") from e
       with open(merges, encoding="utf-8") as f:
         num_merges = sum(1 for line in f if line.strip() and not line.startswith("#version"))
       if len(ids) != 50257 or ids.get("<|endoftext|>") != 50256 or num_merges != 50000:

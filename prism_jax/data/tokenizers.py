@@ -11,7 +11,7 @@ text to an id; a character it never saw maps to `<unk>` (id 2).
 from __future__ import annotations
 
 import json
-from typing import Iterable, Protocol, Sequence
+from typing import Callable, Iterable, Protocol, Sequence
 
 import numpy as np
 
@@ -31,7 +31,59 @@ class Tokenizer(Protocol):
   def encode(self, text: str) -> list[int]: ...
   def encode_batch(self, texts: Sequence[str]) -> list[list[int]]: ...
   def decode(self, ids: Iterable[int], skip_special: bool = True) -> str: ...
+  def piece(self, token_id: int) -> str: ...
   def save(self, directory: str) -> str: ...
+
+
+def show_bytes(raw: bytes) -> str:
+  """Bytes as text for a person: each valid UTF-8 character as itself, every byte that is
+  not part of one as `<0xNN>` (a byte-level token is often part of a character: decoded
+  alone it would print as U+FFFD, every such token the same "\ufffd")."""
+  out, i = [], 0
+  while i < len(raw):
+    for j in range(min(len(raw), i + 4), i, -1):  # the longest valid character at i
+      try:
+        out.append(raw[i:j].decode("utf-8"))
+        i = j
+        break
+      except UnicodeDecodeError:
+        continue
+    else:
+      out.append(f"<0x{raw[i]:02X}>")
+      i += 1
+  return "".join(out)
+
+
+def piece(tokenizer, token_id: int) -> str:
+  """One token as a person should see it (`Tokenizer.piece`; a tokenizer without the method,
+  a user's own, falls back to decoding the id alone)."""
+  show = getattr(tokenizer, "piece", None)
+  return show(int(token_id)) if show is not None else tokenizer.decode([int(token_id)])
+
+
+def piece_fn(decode: Callable) -> Callable[[int], str]:
+  """How one token id is shown, given what a caller holds: a tokenizer's bound `decode`
+  gives that tokenizer's `piece`; any other decode function, decode([id])."""
+  owner = getattr(decode, "__self__", None)
+  if owner is not None and hasattr(owner, "piece"):
+    return lambda i: owner.piece(int(i))
+  return lambda i: decode([int(i)])
+
+
+def _byte_level_table() -> dict[str, int]:
+  """GPT-2's byte-level alphabet (Radford et al. 2019, `bytes_to_unicode`), reversed:
+  the character a byte-level BPE vocabulary writes for each byte -> that byte."""
+  keep = (list(range(ord("!"), ord("~") + 1)) + list(range(ord("\xa1"), ord("\xac") + 1))
+          + list(range(ord("\xae"), ord("\xff") + 1)))
+  chars, n = {b: b for b in keep}, 0
+  for b in range(256):
+    if b not in chars:
+      chars[b] = 256 + n
+      n += 1
+  return {chr(c): b for b, c in chars.items()}
+
+
+_BYTE_OF = _byte_level_table()
 
 
 def _check_vocab(vocab_size: int, kind: str) -> None:
@@ -68,6 +120,9 @@ class ByteTokenizer:
         parts.append(EOS if i == self.eos_id else PAD if i == self.pad_id else f"<{i}>")
     parts.append(out.decode("utf-8", errors="replace"))
     return "".join(parts)
+
+  def piece(self, token_id: int) -> str:
+    return show_bytes(bytes([token_id])) if 0 <= token_id < 256 else self.decode([token_id])
 
   def save(self, directory: str) -> str:
     return _save_json(directory, {"prism_tokenizer": "byte", "vocab_size": self.vocab_size,
@@ -121,6 +176,9 @@ class CharTokenizer:
         out.append(names.get(i, f"<{i}>"))
     return "".join(out)
 
+  def piece(self, token_id: int) -> str:
+    return self.decode([token_id])
+
   def save(self, directory: str) -> str:
     return _save_json(directory, {"prism_tokenizer": "char", "vocab_size": self.vocab_size,
                                   "chars": "".join(self.chars)})
@@ -154,6 +212,15 @@ class BpeTokenizer:
   def decode(self, ids: Iterable[int], skip_special: bool = True) -> str:
     ids = np.asarray(list(ids) if not isinstance(ids, np.ndarray) else ids).tolist()
     return self._tok.decode(ids, skip_special_tokens=skip_special)
+
+  def piece(self, token_id: int) -> str:
+    text = self.decode([token_id])
+    if "\ufffd" not in text:
+      return text
+    name = self._tok.id_to_token(int(token_id)) or ""
+    if not name or any(c not in _BYTE_OF for c in name):
+      return text  # not a byte-level entry: its own decoding is all there is
+    return show_bytes(bytes(_BYTE_OF[c] for c in name))
 
   def save(self, directory: str) -> str:
     return _save_json(directory, json.loads(self._tok.to_str()))
@@ -235,8 +302,22 @@ def load_tokenizer(path_or_dir: str):
     path = paths.join(path, TOKENIZER_FILE)
   if not paths.path(path).is_file():
     raise FileNotFoundError(f"no tokenizer at {path_or_dir!r} (expected {TOKENIZER_FILE})")
-  text = paths.path(path).read_text(encoding="utf-8")
+  try:
+    return _from_text(paths.path(path).read_text(encoding="utf-8"))
+  except (OSError, ImportError):  # unreadable, or `tokenizers` missing: their own errors
+    raise
+  except Exception as e:  # pylint: disable=broad-except  (tokenizers raises bare Exception)
+    # JSON, UTF-8, a missing key or the tokenizers library's own parse error: one line that
+    # names the file (a traceback ending in "line 1 column 1" names none).
+    why = " ".join(str(e).split())[:200] or type(e).__name__
+    raise ValueError(f"{path}: not a valid tokenizer file ({type(e).__name__}: {why})"
+                     ) from e
+
+
+def _from_text(text: str):
   spec = json.loads(text)
+  if not isinstance(spec, dict):
+    raise TypeError(f"a JSON {type(spec).__name__}, not an object")
   if spec.get("prism_tokenizer") == "byte":
     return ByteTokenizer(spec["vocab_size"])
   if spec.get("prism_tokenizer") == "char":
@@ -247,4 +328,4 @@ def load_tokenizer(path_or_dir: str):
     kind = "bpe" if hf.token_to_id(EOS) is not None else (
         "neox" if hf.token_to_id("<|padding|>") is not None else "gpt2")
     return BpeTokenizer(hf, kind)
-  raise ValueError(f"{path}: not a tokenizer file written by prism_jax")
+  raise ValueError("not written by prism_jax (no prism_tokenizer, no model)")

@@ -91,7 +91,9 @@ def read_tokenizer(hf_dir: str):
   except HFFormatError:
     raise
   except Exception as e:  # pylint: disable=broad-except
-    raise HFFormatError(f"the tokenizer files of {hf_dir} cannot be read: {e}") from e
+    which = tok_json if os.path.isfile(tok_json) else f"{vocab} + {merges}"
+    why = " ".join(str(e).split())[:200] or type(e).__name__
+    raise HFFormatError(f"{which}: not a valid tokenizer file ({why})") from e
 
 
 def write_dir(out: str, config: dict[str, Any], tensors: dict[str, np.ndarray], tokenizer,

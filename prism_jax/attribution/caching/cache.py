@@ -11,8 +11,9 @@ proto_acts their activations, each prototype's tokens sorted by decreasing activ
 token index), so a query can keep the top-M tokens per prototype. `AttributionCache` reads it.
 
 Identity: metadata.json holds the model fingerprint (SHA-256 of every parameter), the config,
-cache options and sizes. Building into a directory of another identity, or opening a cache
-with a model/config it was not built from, raises CacheMismatchError.
+cache options, the packed data's content digest (cache_format.data_digest: not its path, so
+a copied run keeps its cache) and sizes. Building into a directory of another identity, or
+opening a cache with a model/config it was not built from, raises CacheMismatchError.
 """
 
 from __future__ import annotations

@@ -103,8 +103,12 @@ def _claim(out_dir, ident, overwrite, records_only, meta_path) -> None:
   # Claimed before any write: never a run's or the packed data's directory.
   io_guard.claim_output_dir(out_dir, fmt.CACHE_KIND, rebuild=overwrite,
                             legacy=fmt.is_cache_dir)
-  if fmt.exists(meta_path) and not overwrite:
-    meta = fmt.read_json(meta_path)
+  meta = fmt.read_json(meta_path) if fmt.exists(meta_path) and not overwrite else None
+  if meta is not None and fmt.keyed_on_path(meta["identity"], ident):
+    logging.info("%s: rebuilding the attribution cache: it names its data by path (an older "
+                 "prism_jax), which cannot be checked against the data's content", out_dir)
+    meta = None
+  if meta is not None:
     diffs = fmt.diff(meta["identity"], ident)
     if diffs:
       raise fmt.CacheMismatchError(f"{out_dir} holds a cache of another model/config "

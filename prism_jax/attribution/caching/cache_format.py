@@ -78,10 +78,34 @@ def relevant_config(cfg: Config) -> dict[str, Any]:
   return {k: d[k] for k in ("model", "loss", "data")}
 
 
+# What in a pack's metadata.json determines its rows: the corpus bytes' sha256, the pack
+# config, the tokenizer, the counts and rows per piece; not seconds_last_run.
+_PACK_CONTENT = ("format_version", "config", "source_hash", "tokenizer", "counts", "pieces")
+
+
+def data_digest(packed) -> str:
+  """SHA-256 of the pack's content manifest (_PACK_CONTENT of its metadata.json): the data's
+  identity whatever directory holds it, so a copied or moved run keeps its cache, while
+  data re-packed from other text (or with other settings) does not. Read from metadata
+  alone: hashing the rows would read the whole pack on every open."""
+  meta = {k: packed.metadata[k] for k in _PACK_CONTENT if k in packed.metadata}
+  return hashlib.sha256(json.dumps(meta, sort_keys=True).encode()).hexdigest()
+
+
 def identity(model, cfg: Config, cache_cfg: CacheConfig, packed) -> dict[str, Any]:
   return {"format": FORMAT_VERSION, "model_fingerprint": model_fingerprint(model),
           "config": relevant_config(cfg), "cache": dataclasses.asdict(cache_cfg),
-          "data": {"path": packed.path, "pack": packed.metadata.get("config")}}
+          "data": {"content": data_digest(packed), "pack": packed.metadata.get("config")}}
+
+
+def keyed_on_path(stored: dict[str, Any], wanted: dict[str, Any]) -> bool:
+  """A cache whose identity names its data by path (before data_digest) and otherwise
+  equals `wanted`: it cannot be checked against the data's content, so it is rebuilt."""
+  data = stored.get("data")
+  if not isinstance(data, dict) or "path" not in data or "content" in data:
+    return False
+  strip = lambda ident: {**ident, "data": {"pack": ident.get("data", {}).get("pack")}}
+  return not diff(strip(stored), strip(wanted))
 
 
 def diff(a: Any, b: Any, prefix: str = "") -> list[str]:
