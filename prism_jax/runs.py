@@ -297,7 +297,11 @@ def _cache(run: "Run", packed, build: bool):
   if not build and not cache_format.is_cache_dir(cache_dir):
     raise ValueError(f"no attribution cache in {cache_dir}; pass build=True (or run `prism "
                      f"attribute --workdir={run.workdir} --build_only`)")
-  return cache_lib.open_or_build(run.model, run.config, packed, cache_dir)
+  if cache_format.is_cache_dir(cache_dir):
+    return cache_lib.open_or_build(run.model, run.config, packed, cache_dir)
+  from prism_jax import run_lock  # pylint: disable=g-import-not-at-top
+  with run_lock.hold(run.workdir, "prism_jax.load(...): the attribution cache build"):
+    return cache_lib.open_or_build(run.model, run.config, packed, cache_dir)
 
 
 def attribute(run: "Run", text, position: int | None = None, *, top: int = 5,
@@ -333,8 +337,10 @@ def run_cards(run: "Run", cache=None):
   cards_dir = paths.join(run.workdir, "cards")
   if paths.path(paths.join(cards_dir, cards_lib.CARDS_FILE)).is_file():
     return cards_lib.CardSet.load(cards_dir, model=run.model)
-  return cards_lib.build_cards(run.model, run.config, _packed(run), cache=cache,
-                               decode=run.tokenizer.decode, out_dir=cards_dir)
+  from prism_jax import run_lock  # pylint: disable=g-import-not-at-top
+  with run_lock.hold(run.workdir, "prism_jax.load(...): building the cards"):
+    return cards_lib.build_cards(run.model, run.config, _packed(run), cache=cache,
+                                 decode=run.tokenizer.decode, out_dir=cards_dir)
 
 
 def hessian_block(run: "Run", i: int, j: int, *, rows: int = 4, path: str = "full",
