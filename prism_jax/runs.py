@@ -355,6 +355,9 @@ def hessian_block(run: "Run", i: int, j: int, *, rows: int = 4, path: str = "ful
   if rows < 1:
     raise ValueError(f"rows must be >= 1, got {rows}")
   val = _packed(run).rows("val")
+  if not len(val["tokens"]):
+    raise ValueError(f"{run.workdir} has no validation rows (data.val_fraction=0): the "
+                     "Hessian block is measured on them")
   take = slice(0, min(rows, len(val["tokens"])))
   b = batch_lib.from_rows(np.asarray(val["tokens"][take]), np.asarray(val["example_id"][take]),
                           np.asarray(val["offset"][take]), None)

@@ -15,7 +15,7 @@ from typing import Any, Literal
 from pallas_kernels.topk_reconstruct.api import IMPLEMENTATIONS, Implementation
 
 ResidualRouting = Literal["straight_through", "plain"]
-Mixture = Literal["raw", "normalized"]
+Mixture = Literal["raw", "normalized", "nnls"]
 Distance = Literal["cosine", "sqeuclidean"]
 RecKind = Literal["relative", "plain"]
 MixtureScale = Literal["none", "learned"]
@@ -51,6 +51,8 @@ class ModelConfig:
   residual_routing: ResidualRouting = "straight_through"
   # Convex mixture by default: the raw one overshoots z about k-fold (residual share ~3-7),
   # which makes the per-prototype logit decomposition hard to read (docs/RESULTS.md).
+  # "nnls": the weights are the non-negative least-squares fit of z on the k active
+  # prototypes (prism_jax/model/nnls.py; issue 53), the same top-k by cosine.
   mixture: Mixture = "normalized"
   distance: Distance = "cosine"  # for the clustering terms R1/R2
   # Faithfulness levers (issue 11; beyond the paper, which has neither). "learned": one
@@ -90,7 +92,7 @@ class ModelConfig:
            f"model.k={self.k} exceeds model.num_prototypes={self.num_prototypes} (k <= K)")
     _check_choice("model.residual_routing", self.residual_routing,
                   ("straight_through", "plain"))
-    _check_choice("model.mixture", self.mixture, ("raw", "normalized"))
+    _check_choice("model.mixture", self.mixture, ("raw", "normalized", "nnls"))
     _check_choice("model.distance", self.distance, ("cosine", "sqeuclidean"))
     _check_choice("model.mixture_scale", self.mixture_scale, ("none", "learned"))
     _check(isinstance(self.residual_dropout, (int, float)) and 0.0 <= self.residual_dropout < 1.0,

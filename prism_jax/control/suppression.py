@@ -28,6 +28,7 @@ from prism_jax import io_guard, paths
 from prism_jax.generate import GenerationOutput, generate
 from prism_jax.model.lm import LMOutput, PrismLM
 from prism_jax.model.logit_edit import controlled_logits, suppression_gains
+from prism_jax.model import nnls
 from prism_jax.model.prototypes import PrototypeOutput, similarity, topk_mixture
 
 SETS_DIR = "suppression_sets"  # beside a run: <workdir>/suppression_sets/<name>.json
@@ -133,7 +134,11 @@ def refilled_logits(model: PrismLM, protos: PrototypeOutput, in_G_K: jax.Array) 
   z_NxD = protos.z_hat_NxD + protos.residual_NxD  # = z in value
   cos_NxK = similarity(z_NxD.astype(jnp.float32), protos_KxD.astype(jnp.float32)).cos_NxK
   cos_NxK = jnp.where(in_G_K[None, :], -jnp.inf, cos_NxK)
-  z_hat_NxD = topk_mixture(cos_NxK, protos_KxD, model.cfg.k, model.cfg.mixture).z_hat_NxD
+  if model.cfg.mixture == "nnls":  # the least-squares weights on the refilled active set
+    idx_Nxk = jax.lax.top_k(cos_NxK, model.cfg.k)[1].astype(jnp.int32)
+    z_hat_NxD = nnls.nnls_mixture(z_NxD.astype(jnp.float32), protos_KxD, idx_Nxk)[1]
+  else:
+    z_hat_NxD = topk_mixture(cos_NxK, protos_KxD, model.cfg.k, model.cfg.mixture).z_hat_NxD
   return model.backbone.lm_head((z_hat_NxD + protos.residual_NxD)[None])[0]
 
 

@@ -2,7 +2,9 @@
 
     s_NxK   = cos(z_NxD, protos_KxD)            computed once
     idx_Nxk = top-k of s per row                ties go to the lower prototype id
-    act_Nxk = ReLU(s[idx])                      (optionally normalised to sum to 1)
+    act_Nxk = ReLU(s[idx])                      (optionally normalised to sum to 1; or,
+                                                 mixture "nnls", the non-negative
+                                                 least-squares fit of z on p[idx]: nnls.py)
     z_hat   = sum_j act_j protos[idx_j]
     r       = z - stop_gradient(z_hat)          (straight-through, default) | z - z_hat
 
@@ -29,12 +31,16 @@ from pallas_kernels.topk_reconstruct.reference import (  # re-exported: the one 
     EPS, Similarity, first_max, first_min, inv_norm, mixture_weights, similarity,
     sparse_mixture, topk_mixture, topk_reconstruct_xla)
 from prism_jax import sharding
+from prism_jax.model import nnls
 from prism_jax.model.params import normal_param
 
 __all__ = ["EPS", "IMPLEMENTATIONS", "PrototypeBank", "PrototypeOutput", "Similarity",
            "first_max", "first_min", "inv_norm", "mixture_weights", "prototype_layer",
            "route_residual", "similarity", "sparse_mixture", "topk_mixture", "topk_reconstruct_on_mesh",
            "topk_reconstruct_xla", "validate_inputs"]
+
+
+MIXTURES = ("raw", "normalized", "nnls")
 
 
 class PrototypeOutput(NamedTuple):
@@ -68,8 +74,8 @@ def validate_inputs(z_NxD: jax.Array, protos_KxD: jax.Array, k: int, *,
     raise ValueError(f"k must be an int in [1, K={num_protos}], got {k!r}")
   if residual_routing not in ("straight_through", "plain"):
     raise ValueError(f"residual_routing={residual_routing!r}; use 'straight_through' or 'plain'")
-  if mixture not in ("raw", "normalized"):
-    raise ValueError(f"mixture={mixture!r}; use 'raw' or 'normalized'")
+  if mixture not in MIXTURES:
+    raise ValueError(f"mixture={mixture!r}; use one of {', '.join(MIXTURES)}")
   if distance not in ("cosine", "sqeuclidean"):
     raise ValueError(f"distance={distance!r}; use 'cosine' or 'sqeuclidean'")
   if implementation not in IMPLEMENTATIONS:
@@ -92,8 +98,9 @@ def prototype_layer(z_NxD: jax.Array, protos_KxD: jax.Array, k: int, *,
     k: active prototypes per token, an int in [1, K].
     residual_routing: "straight_through" (default: r = z - stop_gradient(z_hat), so the
       CE reaches the bank only through z_hat) or "plain" (r = z - z_hat).
-    mixture: "raw" (default: act = ReLU(cos) of the k active prototypes) or "normalized"
-      (those activations divided by their sum, so each row sums to 1).
+    mixture: "raw" (default: act = ReLU(cos) of the k active prototypes), "normalized"
+      (those activations divided by their sum, so each row sums to 1) or "nnls" (the
+      non-negative least-squares fit of z on the k active prototypes: model/nnls.py).
     distance: the distance of the `*_min_dist` outputs: "cosine" (default: 1 - cos) or
       "sqeuclidean" (squared Euclidean distance).
     implementation: the op's kernel, one of `IMPLEMENTATIONS`: None (default) picks the
@@ -111,9 +118,12 @@ def prototype_layer(z_NxD: jax.Array, protos_KxD: jax.Array, k: int, *,
   validate_inputs(z_NxD, protos_KxD, k, residual_routing=residual_routing, mixture=mixture,
                   distance=distance, implementation=implementation, mask_N=mask_N)
   (idx, act, sim, z_hat, row_max_cos, col_max_cos, row_min_dist,
-   col_min_dist) = topk_reconstruct_on_mesh(z_NxD, protos_KxD, k, mixture=mixture,
+   col_min_dist) = topk_reconstruct_on_mesh(z_NxD, protos_KxD, k,
+                                            mixture="raw" if mixture == "nnls" else mixture,
                                             distance=distance, mask_N=mask_N,
                                             implementation=implementation)
+  if mixture == "nnls":  # the op's selection and statistics; the weights fitted after it
+    act, z_hat = nnls.nnls_mixture(z_NxD, protos_KxD, idx)
   residual = route_residual(z_NxD.astype(z_hat.dtype), z_hat, residual_routing)
   return PrototypeOutput(idx, act, sim, z_hat, residual, row_max_cos, col_max_cos,
                          row_min_dist, col_min_dist)
