@@ -32,6 +32,7 @@ RECIPE = {
     "train.steps": 150, "train.batch_size": 16, "train.lr": 3e-3, "train.warmup_steps": 15,
     "train.min_lr_ratio": 0.1, "train.weight_decay": 0.1, "train.b1": 0.9, "train.b2": 0.95,
     "train.grad_clip": 1.0, "train.seed": 0, "train.proto_init_step": 30,
+    "train.proto_init_cos": 0.6, "train.proto_init_latest": 0,
     "train.init_from": "", "train.trainable": "all", "train.revive_every": 0,
     "train.grad_accum": 1,
 }

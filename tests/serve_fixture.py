@@ -1,6 +1,6 @@
 """One tiny trained PRISM run behind the explorer (prism_jax/serve), built once per test
-process and shared by test_serve_api, test_serve_safety and test_serve_browser. Context 64:
-two length buckets (32, 64), so bucketing is exercised."""
+process and shared by test_serve_api, test_serve_safety, test_serve_browser and
+test_serve_fuzz. Context 64: two length buckets (32, 64), so bucketing is exercised."""
 
 import asyncio
 
@@ -42,9 +42,10 @@ def random_text(seed: int, words: int = 4) -> str:
 
 
 def call(app, method: str, path: str, **kw) -> httpx.Response:
-  """One request to the ASGI app in process (httpx's ASGI transport, no socket)."""
+  """One request to the ASGI app in process (httpx's ASGI transport, no socket), as a
+  loopback client sends it (Host: 127.0.0.1, which the explorer answers to)."""
   async def go():
     async with httpx.AsyncClient(transport=httpx.ASGITransport(app=app),
-                                 base_url="http://test") as c:
+                                 base_url="http://127.0.0.1") as c:
       return await c.request(method, path, **kw)
   return asyncio.run(go())

@@ -2,7 +2,9 @@
 prompt, generate, click a token (its slices sum to W z of a plain forward pass, computed
 here), open its top prototype, set its gain to 0, regenerate: the side-by-side diff, and the
 prototype gone from the steered tokens' slices. A screenshot of each view
-($PRISM_SCREENSHOTS=<dir> keeps them: docs/images/serve_*.png were made so)."""
+($PRISM_SCREENSHOTS=<dir> keeps them: docs/images/serve_*.png were made so). Also (issue 57):
+a page of another origin on localhost reads nothing and starts no generation; the token
+page (a non-loopback bind) loads fully with its cookie."""
 
 import os
 import secrets
@@ -13,6 +15,7 @@ import pytest
 
 from prism_jax.analysis import browser
 from prism_jax.serve import server
+from prism_jax.serve.app import create_app
 
 import serve_fixture
 
@@ -94,3 +97,82 @@ def test_generate_explain_steer_in_the_browser(srv, tmp_path):
     _shot(view, tmp_path, "steer")
     assert not view.errors, view.errors
     assert not view.requests, view.requests  # nothing but the explorer's own origin
+
+
+def _recording(app, seen: list):
+  """`app` with each answer's (method, path, status) appended to `seen`."""
+  async def wrapped(scope, receive, send):
+    async def sending(message):
+      if message["type"] == "http.response.start":
+        seen.append((scope["method"], scope["path"], message["status"]))
+      await send(message)
+    await app(scope, receive, sending)
+  return wrapped
+
+
+_ATTACKER = """<!doctype html><title>another origin</title><script>
+// What any page the user visits could do against the explorer on another port of localhost.
+async function probe(name, url, opts) {
+  try {
+    const r = await fetch(url, opts);
+    return [name, r.status, r.type, await r.text()];
+  } catch (e) { return [name, "failed", String(e)]; }
+}
+const post = (mode) => ({ method: "POST", mode, headers: { "Content-Type": "text/plain" },
+  body: JSON.stringify({ prompt: "for the", max_new_tokens: 3 }) });
+window.attack = (E) => Promise.all([
+  probe("status", E + "/api/status"), probe("prototype", E + "/api/prototype/0"),
+  probe("generate", E + "/api/generate", post("cors")),
+  probe("generate no-cors", E + "/api/generate", post("no-cors")),
+  probe("decompose no-cors", E + "/api/decompose", { ...post("no-cors"),
+    body: JSON.stringify({ prompt: "for the" }) }),
+  probe("status no-cors", E + "/api/status", { mode: "no-cors" })]);
+</script>"""
+
+
+def test_a_page_of_another_origin_can_neither_read_nor_generate(srv):
+  # issue 57: cross-origin text/plain POSTs ran generations; nothing checked Origin
+  from starlette.applications import Starlette  # pylint: disable=g-import-not-at-top
+  from starlette.responses import HTMLResponse  # pylint: disable=g-import-not-at-top
+  from starlette.routing import Route  # pylint: disable=g-import-not-at-top
+  attacker = Starlette(routes=[Route("/", lambda request: HTMLResponse(_ATTACKER))])
+  seen, jobs = [], srv["explorer"].engine.submitted
+  with server.running(_recording(srv["app"], seen)) as url, \
+       server.running(attacker) as evil, browser.open_url(evil + "/") as view:
+    view.page.route("**/*", lambda r: r.continue_())  # over open_url's: let it reach us
+    got = view.page.evaluate("E => attack(E)", url)
+  readable = [g for g in got if g[1] not in ("failed", 0)]
+  assert not readable, got  # no answer reached the page: failed, or opaque (no-cors)
+  assert all(g[3] == "" for g in got if g[1] == 0), got
+  assert srv["explorer"].engine.submitted == jobs  # the model never ran
+  assert {p for _, p, _ in seen} >= {"/api/status", "/api/prototype/0", "/api/generate",
+                                     "/api/decompose"}, seen
+  assert all(status == 403 for _, _, status in seen), seen  # refused at the door
+
+
+def test_the_token_page_loads_fully_in_the_browser(srv):
+  # issue 57: on --host=0.0.0.0, /?token=T fetched static/app.js and style.css without the
+  # token: 401, a page with no script. The token's cookie now carries them
+  token = server.access_token("0.0.0.0", None)
+  seen = []
+  app = _recording(create_app(srv["explorer"], token=token, host="0.0.0.0"), seen)
+  with server.running(app) as url, browser.open_url(f"{url}/?token={token}") as view:
+    page = view.page
+    page.wait_for_function("document.getElementById('runinfo').textContent.includes('K 16')",
+                           timeout=20_000)
+    assert token not in page.url  # out of the address bar and history
+    cookies = view.page.context.cookies()
+    assert [(c["httpOnly"], c["sameSite"]) for c in cookies] == [(True, "Strict")], cookies
+    assert page.evaluate("document.cookie") == ""  # HttpOnly: no script reads it
+    page.fill("#prompt", "for the")
+    page.fill("#max_new", "3")
+    page.click("#generate")
+    page.wait_for_function("document.getElementById('genmsg').textContent.includes('tokens')")
+    page.reload()  # no ?token= now: the cookie alone
+    page.wait_for_function("document.getElementById('runinfo').textContent.includes('K 16')",
+                           timeout=20_000)
+    assert not view.errors, view.errors
+    assert not view.requests, view.requests
+  assert {p for _, p, _ in seen} >= {"/", "/static/app.js", "/static/style.css",
+                                     "/api/status", "/api/generate"}, seen
+  assert all(status == 200 for _, _, status in seen), seen

@@ -212,7 +212,13 @@ class TrainConfig:
   b2: float = 0.95
   grad_clip: float = 1.0
   seed: int = 0
-  proto_init_step: int = 50  # dense warm-up steps before prototypes are set from data
+  # Dense warm-up steps before prototypes are set from data; or "auto": the bank is set at
+  # the first eval step (train.eval_every) where the hidden states' mean cosine to their
+  # mean direction falls below proto_init_cos (a bank set from states that share one
+  # direction collapses: issue 44), and at proto_init_latest anyway (train/recipe.py).
+  proto_init_step: int | Literal["auto"] = 50
+  proto_init_cos: float = 0.6  # "auto"'s threshold
+  proto_init_latest: int = 0  # "auto"'s latest step; 0 = half of train.steps
   # every this many steps after the init, prototypes no token of a window of the coming
   # training tokens selects are set anew from hidden states (prism_jax/train/revive.py);
   # 0 = never
@@ -250,6 +256,13 @@ class TrainConfig:
            f"train.batch_size={self.batch_size} must be divisible by train.grad_accum="
            f"{self.grad_accum}")
     _check_choice("train.trainable", self.trainable, ("all", "prototypes"))
+    _check(self.proto_init_step == "auto" or (isinstance(self.proto_init_step, int)
+                                               and self.proto_init_step >= 0),
+           f"train.proto_init_step must be a step >= 0 or 'auto', got {self.proto_init_step!r}")
+    _check(0 < self.proto_init_cos <= 1,
+           f"train.proto_init_cos must be in (0, 1], got {self.proto_init_cos}")
+    _check(int(self.proto_init_latest) >= 0, "train.proto_init_latest must be >= 0 (0: half "
+           "of train.steps)")
     for name in (n.strip() for n in self.log_to.split(",") if n.strip()):
       _check_choice("train.log_to", name, ("tensorboard", "wandb"))
 
@@ -293,14 +306,24 @@ def to_json(cfg: Any) -> str:
   return json.dumps(to_dict(cfg), indent=2, sort_keys=True)
 
 
+def latest_proto_init(tc: TrainConfig) -> int:
+  """The step where train.proto_init_step="auto" sets the bank whatever the statistic."""
+  return int(tc.proto_init_latest) or max(tc.steps // 2, 1)
+
+
 def bank_init_problem(cfg: Config) -> str | None:
   """Why a run of `cfg` would never set its prototype bank from data, or None.
 
   A PRISM run with model.proto_init="data" trains dense until train.proto_init_step; at or
   past train.steps the bank stays random and the run is not the PRISM it claims to be."""
   tc = cfg.train
+  if (cfg.model.kind == "prism" and cfg.model.proto_init == "data" and tc.proto_init_step == "auto"
+      and latest_proto_init(tc) >= tc.steps):
+    return (f"train.proto_init_latest={tc.proto_init_latest} >= train.steps={tc.steps}: with "
+            "train.proto_init_step=auto the bank might never be set from data; lower it (0: "
+            "half of train.steps)")
   if (cfg.model.kind == "prism" and cfg.model.proto_init == "data"
-      and tc.proto_init_step >= tc.steps):
+      and tc.proto_init_step != "auto" and tc.proto_init_step >= tc.steps):
     return (f"train.proto_init_step={tc.proto_init_step} >= train.steps={tc.steps}: the "
             "prototype bank would never be set from data; lower train.proto_init_step or "
             "raise train.steps (a GPT-2 recipe places it by its steps: preset(name, steps) "

@@ -84,6 +84,7 @@ def retrain(cfg: Config, packed, rows, seed: int, *, progress: bool = False):
   cfg = dataclasses.replace(cfg, train=dataclasses.replace(cfg.train, seed=int(seed)))
   tc = cfg.train
   recipe, init = _recipe(cfg)
+  recipe.restore_bank_state({})  # a shared recipe: "auto" finds this retrain's own init step
   source = SubsetBatches(packed, rows, tc.batch_size, seed)
   with jax.set_mesh(recipe.mesh):
     state = jax.tree.map(jnp.copy, init)  # the step donates its state: keep the cached one

@@ -10,8 +10,17 @@
   GET  /api/search?q=          prototypes by id, token or text
 
 Bad requests get a 4xx whose JSON body is {"error": "<one line>"}; the server keeps serving.
-With `token` set (any bind that is not loopback), every request must carry it
-(`Authorization: Bearer <token>` or `?token=`).
+Before any route, the Guard checks, in order (the explorer answers its own page only):
+  - `Host` names the bound address (any port): on loopback localhost, 127.0.0.1 or [::1];
+    plus the names given with --allow_host; on a wildcard bind with a token, any name unless
+    names were given. Else 403: a DNS-rebinding page reaches us under its own name.
+  - `Origin`, when sent, is this server's own (scheme://Host; `null` is not); on /api also
+    `Sec-Fetch-Site` is not same-site or cross-site. Else 403: no other page, another port
+    of localhost included, may drive the model or read the run. No CORS headers, ever.
+  - With `token` set (any bind that is not loopback), every request carries it:
+    `Authorization: Bearer <token>`, `?token=`, or the cookie that an authorised `?token=`
+    request sets (HttpOnly, SameSite=Strict, named by port), so the page's own assets load.
+    Cookies are not port-scoped: another server on the same host name sees it.
 """
 
 from __future__ import annotations
@@ -20,7 +29,9 @@ import hmac
 import importlib.resources
 import json
 import logging
+import re
 import time
+import urllib.parse
 
 from starlette.applications import Starlette
 from starlette.middleware import Middleware
@@ -29,10 +40,15 @@ from starlette.responses import JSONResponse, Response, StreamingResponse
 from starlette.routing import Route
 
 from prism_jax.serve import requests as rq
+from prism_jax.serve.server import host_names
 from prism_jax.serve.state import Explorer
 
 ASSETS = {"app.js": "text/javascript", "style.css": "text/css"}
 log = logging.getLogger("prism_jax.serve")
+# host[:port] of a Host header or an origin; an IPv6 address in brackets; no userinfo or path
+_AUTHORITY = re.compile(r"(\[[0-9A-Fa-f:.]+\]|[^\[\]:/@\s]+)(?::([0-9]{1,5}))?")
+_ORIGIN = re.compile(r"(https?)://(.+)")
+_DEFAULT_PORT = {"http": 80, "https": 443}
 
 
 def _asset(name: str) -> bytes:
@@ -43,18 +59,38 @@ def _error(message: str, status: int) -> JSONResponse:
   return JSONResponse({"error": message}, status_code=status)
 
 
-class Guard:
-  """Pure ASGI middleware: the access token, the body-size bound, one-line errors."""
+def _authority(text: str, scheme: str) -> tuple[str, int] | None:
+  """(hostname, port) of "host[:port]", lowercased, brackets off; None when malformed."""
+  m = _AUTHORITY.fullmatch(text)
+  if m is None:
+    return None
+  port = int(m.group(2)) if m.group(2) else _DEFAULT_PORT.get(scheme, 80)
+  return m.group(1).strip("[]").lower(), port
 
-  def __init__(self, app, token: str | None):
-    self.app, self.token = app, token
+
+class Guard:
+  """Pure ASGI middleware: Host and Origin, the access token, the body-size bound, one-line
+  errors. `hosts`: the Host names answered (None: any; prism_jax/serve/server.host_names)."""
+
+  def __init__(self, app, token: str | None, hosts: frozenset[str] | None):
+    self.app, self.hosts = app, hosts
+    self.token = token.encode() if token is not None else None  # compared as bytes
 
   async def __call__(self, scope, receive, send):
     if scope["type"] != "http":
       return await self.app(scope, receive, send)
-    if self.token is not None and not self._authorised(scope):
-      return await _error("missing or wrong access token", 401)(scope, receive, send)
-    length = dict(scope.get("headers") or []).get(b"content-length")
+    headers = dict(scope.get("headers") or [])
+    host = _authority(headers.get(b"host", b"").decode("latin-1"), scope.get("scheme", "http"))
+    refused = self._refusal(scope, headers, host)
+    if refused is not None:
+      return await _error(*refused)(scope, receive, send)
+    if self.token is not None:
+      how = self._credential(scope, headers, host[1])
+      if how is None:
+        return await _error("missing or wrong access token", 401)(scope, receive, send)
+      if how == "query":  # the page's assets and calls carry no ?token=: the cookie does
+        send = _with_cookie(send, self._cookie_header(scope, host[1]))
+    length = headers.get(b"content-length")
     if length is not None and (not length.isdigit() or int(length) > rq.LIMITS["body_bytes"]):
       return await _error(f"request body over {rq.LIMITS['body_bytes']} bytes", 413)(
           scope, receive, send)
@@ -68,16 +104,55 @@ class Guard:
       except RuntimeError:
         pass  # the response had started: nothing more can be sent
 
-  def _authorised(self, scope) -> bool:
-    headers = dict(scope.get("headers") or [])
-    got = headers.get(b"authorization", b"").decode("latin-1")
-    if got.startswith("Bearer "):
-      return hmac.compare_digest(got[7:], self.token)
-    query = scope.get("query_string", b"").decode("latin-1")
-    for part in query.split("&"):
-      if part.startswith("token="):
-        return hmac.compare_digest(part[6:], self.token)
-    return False
+  def _refusal(self, scope, headers, host) -> tuple[str, int] | None:
+    """(one line, status) when Host, Origin or Sec-Fetch-Site say another page sent it."""
+    if host is None:
+      return "missing or malformed Host header", 400
+    if self.hosts is not None and host[0] not in self.hosts:
+      return (f"Host {host[0][:60]!r} is not this explorer's name (prism serve "
+              f"--allow_host={host[0][:60]} adds it)", 403)
+    origin = headers.get(b"origin")
+    if origin is not None:
+      m = _ORIGIN.fullmatch(origin.decode("latin-1"))
+      scheme = scope.get("scheme", "http")
+      if m is None or m.group(1) != scheme or _authority(m.group(2), scheme) != host:
+        return f"cross-origin request refused (Origin {origin.decode('latin-1')[:60]!r})", 403
+    site = headers.get(b"sec-fetch-site", b"")
+    if scope.get("path", "").startswith("/api/") and site in (b"same-site", b"cross-site"):
+      return "cross-origin request refused (Sec-Fetch-Site)", 403  # no-cors fetches too
+    return None
+
+  def _credential(self, scope, headers, port: int) -> str | None:
+    """How the token came ("bearer", "query", "cookie"), None when missing or wrong."""
+    got = headers.get(b"authorization", b"")
+    if got.startswith(b"Bearer "):
+      return "bearer" if hmac.compare_digest(got[7:], self.token) else None
+    for part in scope.get("query_string", b"").split(b"&"):
+      if part.startswith(b"token="):
+        given = urllib.parse.unquote_to_bytes(part[6:].replace(b"+", b" "))
+        return "query" if hmac.compare_digest(given, self.token) else None
+    name = f"prism_token_{port}".encode()
+    for part in headers.get(b"cookie", b"").split(b";"):
+      key, _, value = part.strip().partition(b"=")
+      if key == name:
+        return ("cookie" if hmac.compare_digest(urllib.parse.unquote_to_bytes(value),
+                                                self.token) else None)
+    return None
+
+  def _cookie_header(self, scope, port: int) -> bytes:
+    # named by port: two explorers on one host keep their own; Strict: no other site sends it
+    value = urllib.parse.quote_from_bytes(self.token, safe="")
+    secure = "; Secure" if scope.get("scheme") == "https" else ""
+    return (f"prism_token_{port}={value}; Path=/; HttpOnly; SameSite=Strict{secure}"
+            .encode("latin-1"))
+
+
+def _with_cookie(send, cookie: bytes):
+  async def sending(message):
+    if message["type"] == "http.response.start":
+      message = {**message, "headers": [*message.get("headers", []), (b"set-cookie", cookie)]}
+    await send(message)
+  return sending
 
 
 async def _body(request: Request) -> dict:
@@ -98,14 +173,18 @@ def _handles_bad_requests(fn):
   return wrapped
 
 
-def create_app(explorer: Explorer, *, token: str | None = None) -> Starlette:
-  """The application over a prepared Explorer (prism_jax/serve/state.py)."""
+def create_app(explorer: Explorer, *, token: str | None = None, host: str = "127.0.0.1",
+               allow_hosts=()) -> Starlette:
+  """The application over a prepared Explorer (prism_jax/serve/state.py). `host`: the
+  address bound; `allow_hosts`: more Host names to answer (server.host_names)."""
+  hosts = host_names(host, token, allow_hosts)
 
   async def page(request: Request):
     html = _asset("index.html").decode()
     return Response(html, media_type="text/html; charset=utf-8",
                     headers={"Content-Security-Policy": "default-src 'self'; style-src 'self' "
-                             "'unsafe-inline'; img-src 'self' data:"})
+                             "'unsafe-inline'; img-src 'self' data:",
+                             "Referrer-Policy": "no-referrer"})  # the URL may hold ?token=
 
   async def static(request: Request):
     name = request.path_params["name"]
@@ -163,7 +242,7 @@ def create_app(explorer: Explorer, *, token: str | None = None) -> Starlette:
       Route("/api/prototype/{pid}", _handles_bad_requests(prototype)),
       Route("/api/search", _handles_bad_requests(search)),
   ]
-  app = Starlette(routes=routes, middleware=[Middleware(Guard, token=token)],
+  app = Starlette(routes=routes, middleware=[Middleware(Guard, token=token, hosts=hosts)],
                   exception_handlers={404: not_found, 405: not_found})
   app.state.explorer = explorer
   app.state.started = time.time()

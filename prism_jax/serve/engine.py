@@ -111,11 +111,13 @@ class Engine:
     self.buckets = buckets(self.cfg.max_len)
     self._pool = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="prism-model")
     self._lock = threading.Lock()
+    self.submitted = 0  # model jobs asked for: what a refused request must leave unchanged
     protos = np.asarray(run.model.bank.protos[...], np.float64)
     self.unit_protos = protos / np.maximum(np.linalg.norm(protos, axis=1, keepdims=True), 1e-12)
 
   def submit(self, fn, *args):
     """Runs fn(*args) on the model thread; returns a concurrent future."""
+    self.submitted += 1
     return self._pool.submit(fn, *args)
 
   def close(self):

@@ -1,7 +1,10 @@
 """The explorer's request checks: every bound in one place, each refusal one line.
 
 A request body is a JSON object with known fields only (an unknown field, a path among them,
-is refused by name); strings are UTF-8; numbers are finite and inside LIMITS. Steering sets
+is refused by name); strings are UTF-8; numbers are finite and inside LIMITS. The parse itself
+is bounded: nesting at most LIMITS["json_depth"] levels, integers at most
+LIMITS["int_digits"] digits, no key twice in an object (and no prototype twice in `gains`,
+"5" and "05" alike), so no body reaches Python's recursion or int-string limits. Steering sets
 travel as JSON content (the explorer's `{"gains": {id: g}}` or the set `prism suppress`
 writes, `{"format": "prism_jax.suppression_set/1", "ids": [...]}`), never as a path.
 """
@@ -10,6 +13,7 @@ from __future__ import annotations
 
 import json
 import math
+import re
 from typing import Any
 
 from prism_jax.control.suppression import FORMAT as SUPPRESSION_FORMAT
@@ -23,14 +27,18 @@ LIMITS = {
     "seed_max": 2**31 - 1,
     "top_attributions": 20,
     "search_chars": 200,
+    "json_depth": 16,  # nested arrays/objects: the API's own bodies nest 3 deep
+    "int_digits": 20,  # every integer field is far below 10**20
 }
+_PROTO_KEY = re.compile(r"\s*[+-]?[0-9]{1,10}\s*")  # ASCII digits: not "5_0" nor "٥"
 
 
 class BadRequest(ValueError):
   """A refused request: `status` (4xx) and a one-line reason."""
 
   def __init__(self, message: str, status: int = 400):
-    super().__init__(message.splitlines()[0] if message else "bad request")
+    # one line, and short: a message may quote the request
+    super().__init__(message.splitlines()[0][:300] if message else "bad request")
     self.status = status
 
 
@@ -41,23 +49,71 @@ def parse_body(raw: bytes) -> dict[str, Any]:
     text = raw.decode("utf-8")
   except UnicodeDecodeError as e:
     raise BadRequest(f"request body is not UTF-8 (byte {e.start})") from None
+  _check_depth(text)  # before json.loads, whose recursion would fail deep down
   try:
-    obj = json.loads(text or "{}", parse_constant=_no_constant)
+    obj = json.loads(text or "{}", parse_constant=_no_constant, parse_int=_int,
+                     object_pairs_hook=_no_duplicates)
   except json.JSONDecodeError as e:
     raise BadRequest(f"malformed JSON: {e.msg} at line {e.lineno} column {e.colno}") from None
+  except RecursionError:  # a backstop: _check_depth bounds the nesting first
+    raise BadRequest(f"JSON nested deeper than {LIMITS['json_depth']} levels") from None
   if not isinstance(obj, dict):
     raise BadRequest(f"request body must be a JSON object, got {type(obj).__name__}")
+  try:  # a "\ud800" escape decodes to a lone surrogate: no tokenizer or reply can encode it
+    json.dumps(obj, ensure_ascii=False).encode("utf-8")
+  except UnicodeEncodeError as e:
+    raise BadRequest(f"a string in the body holds a lone surrogate "
+                     f"({ascii(e.object[e.start])}): not Unicode text") from None
   return obj
+
+
+def _check_depth(text: str) -> None:
+  """Refuses nesting over LIMITS["json_depth"]: brackets outside strings, one pass."""
+  depth, in_string, escaped = 0, False, False
+  for ch in text:
+    if in_string:
+      if escaped:
+        escaped = False
+      elif ch == "\\":
+        escaped = True
+      elif ch == '"':
+        in_string = False
+    elif ch == '"':
+      in_string = True
+    elif ch in "[{":
+      depth += 1
+      if depth > LIMITS["json_depth"]:
+        raise BadRequest(f"JSON nested deeper than {LIMITS['json_depth']} levels")
+    elif ch in "]}":
+      depth -= 1
 
 
 def _no_constant(name: str):
   raise BadRequest(f"malformed JSON: {name} is not a number JSON allows")
 
 
+def _int(digits: str) -> int:
+  # int() of over 4300 digits raises ValueError; a float() of a huge int, OverflowError
+  if len(digits.lstrip("-")) > LIMITS["int_digits"]:
+    raise BadRequest(f"an integer of {len(digits.lstrip('-'))} digits: at most "
+                     f"{LIMITS['int_digits']} here")
+  return int(digits)
+
+
+def _no_duplicates(pairs: list) -> dict:
+  seen = set()
+  for key, _ in pairs:
+    if key in seen:  # json.loads would keep the last silently
+      raise BadRequest(f"duplicate key {key[:40]!r} in a JSON object")
+    seen.add(key)
+  return dict(pairs)
+
+
 def only_fields(body: dict, allowed: set[str]) -> None:
   unknown = sorted(set(body) - allowed)
   if unknown:
-    raise BadRequest(f"unknown field {unknown[0]!r}; allowed: {', '.join(sorted(allowed))}")
+    raise BadRequest(f"unknown field {unknown[0][:40]!r}; allowed: "
+                     f"{', '.join(sorted(allowed))}")
 
 
 def integer(body: dict, name: str, default: int, lo: int, hi: int) -> int:
@@ -123,8 +179,13 @@ def gains(body: dict, num_prototypes: int, fingerprint: dict) -> dict[int, float
     raise BadRequest("gains must be an object {prototype id: gain}")
   if len(raw) > num_prototypes:
     raise BadRequest(f"gains has {len(raw)} entries, the bank has {num_prototypes} prototypes")
+  named: dict[int, str] = {}
   for key, g in raw.items():
     i = _proto_id(key, num_prototypes)
+    if i in named:  # "5" and "05" are distinct keys naming one prototype: which gain holds?
+      raise BadRequest(f"gains names prototype {i} twice ({named[i][:20]!r} and "
+                       f"{str(key)[:20]!r})")
+    named[i] = str(key)
     out[i] = number({"gain": g}, "gain", 1.0, 0.0, LIMITS["gain_max"])
   if "steering_set" in body:
     for i, g in steering_set(body["steering_set"], num_prototypes, fingerprint).items():
@@ -133,10 +194,13 @@ def gains(body: dict, num_prototypes: int, fingerprint: dict) -> dict[int, float
 
 
 def _proto_id(key, num_prototypes: int) -> int:
-  try:
+  # int() alone would take 1.7, True, "5_0" and "٥": only an int or ASCII digits name one
+  if isinstance(key, str) and _PROTO_KEY.fullmatch(key):
     i = int(key)
-  except (TypeError, ValueError):
-    raise BadRequest(f"prototype id must be an integer, got {str(key)[:40]!r}") from None
+  elif isinstance(key, int) and not isinstance(key, bool):
+    i = key
+  else:
+    raise BadRequest(f"prototype id must be an integer, got {str(key)[:40]!r}")
   if not 0 <= i < num_prototypes:
     raise BadRequest(f"unknown prototype id {i}: the bank has ids 0..{num_prototypes - 1}")
   return i
@@ -150,6 +214,8 @@ def steering_set(obj, num_prototypes: int, fingerprint: dict) -> dict[int, float
     raise BadRequest("steering_set must be a JSON object")
   if obj.get("format") == SUPPRESSION_FORMAT:
     have = obj.get("fingerprint", {})
+    if not isinstance(have, dict):
+      raise BadRequest("the suppression set's fingerprint must be a JSON object")
     diff = [k for k in fingerprint if have.get(k) != fingerprint[k]]
     if diff:
       raise BadRequest(f"this suppression set was saved for another model ({', '.join(diff)} "

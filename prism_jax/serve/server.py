@@ -3,6 +3,11 @@
 Loopback (127.0.0.1, ::1, localhost) is the default and needs no token. Any other host is
 served only with an access token (given, or generated and printed), checked on every request,
 after a warning: the explorer runs the model for whoever can reach it.
+
+Whatever the bind, the explorer answers only requests whose `Host` is a name of the address
+it bound (`host_names`: on loopback localhost, 127.0.0.1, ::1; on a wildcard with a token, any
+name unless --allow_host lists some) and whose `Origin`, when sent, is its own: a web page
+elsewhere (DNS rebinding, another port of localhost) can neither read the run nor generate.
 """
 
 from __future__ import annotations
@@ -15,6 +20,8 @@ import threading
 import time
 
 LOOPBACK_NAMES = ("localhost",)
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})  # a loopback bind's Host names
+WILDCARDS = ("0.0.0.0", "::", "")
 
 
 def is_loopback(host: str) -> bool:
@@ -35,6 +42,28 @@ def access_token(host: str, token: str | None) -> str | None:
   return token or secrets.token_urlsafe(24)
 
 
+def allowed_name(name: str) -> str:
+  """A --allow_host entry as a Host header's hostname: lowercased, IPv6 without brackets."""
+  n = name.strip().lower()
+  bare = n[1:-1] if n.startswith("[") and n.endswith("]") else n
+  ipv6 = ":" in bare and all(c in "0123456789abcdef:." for c in bare)
+  if not bare or any(c in bare for c in "/@[]* \t") or (":" in bare and not ipv6):
+    raise ValueError(f"--allow_host: {name[:60]!r} is not a host name (give names without "
+                     "scheme, port or path)")
+  return bare
+
+
+def host_names(bind: str, token: str | None, allow=()) -> frozenset[str] | None:
+  """The Host names the explorer answers to, None for any: loopback names always (a page
+  served from another name never sends them), the bound address, the `allow` names; a
+  wildcard bind with a token takes any name unless `allow` gives some."""
+  names = frozenset(allowed_name(a) for a in allow)
+  bind = bind.strip("[]").lower()
+  if bind in WILDCARDS and token is not None and not names:
+    return None  # reachable under any name of the machine; the token guards it
+  return names | LOOPBACK_HOSTS | ({bind} if bind not in WILDCARDS else set())
+
+
 def warm(explorer) -> float:
   """Compiles every length bucket's programs once (seconds spent); requests never compile."""
   t0 = time.perf_counter()
@@ -48,8 +77,9 @@ def warm(explorer) -> float:
 
 
 def build(workdir: str, *, build_cache: bool = True, build_cards: bool = True,
-          token: str | None = None, step: int | None = None, do_warm: bool = True):
-  """(app, explorer): the loaded run behind a ready ASGI application."""
+          token: str | None = None, step: int | None = None, do_warm: bool = True,
+          host: str = "127.0.0.1", allow_hosts=()):
+  """(app, explorer): the loaded run behind a ready ASGI application bound to `host`."""
   from prism_jax.runs import load  # pylint: disable=g-import-not-at-top
   from prism_jax.serve.app import create_app  # pylint: disable=g-import-not-at-top
   from prism_jax.serve.state import Explorer  # pylint: disable=g-import-not-at-top
@@ -57,20 +87,22 @@ def build(workdir: str, *, build_cache: bool = True, build_cards: bool = True,
                       build_cards=build_cards)
   if do_warm:
     warm(explorer)
-  return create_app(explorer, token=token), explorer
+  return create_app(explorer, token=token, host=host, allow_hosts=allow_hosts), explorer
 
 
 def serve(workdir: str, *, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
-          build_cache: bool = True, build_cards: bool = True, step: int | None = None) -> None:
+          build_cache: bool = True, build_cards: bool = True, step: int | None = None,
+          allow_hosts=()) -> None:
   import uvicorn  # pylint: disable=g-import-not-at-top
   token = access_token(host, token)
+  host_names(host, token, allow_hosts)  # a bad --allow_host fails before the run loads
   if not is_loopback(host):
     print(f"warning: serving on {host}, reachable from other machines; every request must "
           f"carry the access token (Authorization: Bearer … or ?token=…)", file=sys.stderr)
   print(f"loading {workdir} (cards and programs are prepared before serving)…",
         file=sys.stderr)
   app, explorer = build(workdir, build_cache=build_cache, build_cards=build_cards,
-                        token=token, step=step)
+                        token=token, step=step, host=host, allow_hosts=allow_hosts)
   shown = f"[{host}]" if ":" in host else host
   query = f"/?token={token}" if token else "/"
   print(f"PRISM explorer: http://{shown}:{port}{query}  ({explorer.engine.compiles()} programs "

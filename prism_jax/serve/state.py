@@ -17,6 +17,7 @@ import threading
 import numpy as np
 
 from prism_jax import paths
+from prism_jax.data.tokenizers import piece
 from prism_jax.generate import SAMPLING, sampling_label
 from prism_jax.model.trust import RESIDUAL_DECIDED, trust_label
 from prism_jax.serve import requests as rq
@@ -123,7 +124,7 @@ class Explorer:
     return await asyncio.wrap_future(self.engine.submit(fn, *args))
 
   def decode_one(self, i: int) -> str:
-    return self.run.tokenizer.decode([int(i)])
+    return piece(self.run.tokenizer, i)  # a partial UTF-8 byte as <0xNN>
 
   def label(self, i: int) -> str:
     return self.cards.card(int(i)).label if self.cards is not None else f"prototype {i}"

@@ -44,6 +44,8 @@ def valid_keys() -> list[str]:
 def _describe(tp) -> str:
   if typing.get_origin(tp) is typing.Literal:
     return "one of " + ", ".join(repr(c) for c in typing.get_args(tp))
+  if typing.get_origin(tp) in (typing.Union, types.UnionType):
+    return " or ".join(_describe(a) for a in typing.get_args(tp) if a is not type(None))
   return getattr(tp, "__name__", None) or str(tp).replace("typing.", "")
 
 

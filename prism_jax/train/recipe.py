@@ -7,7 +7,9 @@ What a PRISM run does besides taking optimiser steps, built once per (config, me
     `train.proto_init_step`, then PRISM's loss; gradient accumulation (`train.grad_accum`)
     lives inside the step (prism_jax/train/accumulate.py);
   - what runs before a step: at `train.proto_init_step` the bank is set from hidden states
-    by k-means++ (PRISM.md §3) with the bank's Adam moments reset; every
+    by k-means++ (PRISM.md §3) with the bank's Adam moments reset ("auto": at the first
+    eval step where those states no longer share one direction, or at
+    `train.proto_init_latest`); every
     `train.revive_every` steps the prototypes no token selected are set anew
     (prism_jax/train/revive.py).
 `train()` (train/run.py: data, checkpoints, evaluation, the loop) and the LDS retrains
@@ -25,7 +27,7 @@ from absl import logging
 from flax import nnx
 
 from prism_jax import grounding
-from prism_jax.config import Config
+from prism_jax.config import Config, latest_proto_init
 from prism_jax.model.lm import init_prototypes_from_hidden
 from prism_jax.train import revive
 from prism_jax.train import step as step_lib
@@ -45,6 +47,10 @@ class Recipe:
     self.shardings = state_shardings(cfg, mesh, self.tx, template)
     self._warm_dense = step_lib.uses_dense_warmup(cfg)
     self._steps: dict[bool, Callable] = {}
+    self.auto_init = cfg.train.proto_init_step == "auto"
+    # The step the bank was set from data at (None: not yet). With "auto" it is found while
+    # training and kept in each checkpoint's data item (with_bank_state / restore_bank_state).
+    self.bank_set_at: int | None = None if self.auto_init else cfg.train.proto_init_step
 
   def init_state(self) -> TrainState:
     """The initial state, a pure function of train.seed, born sharded."""
@@ -58,7 +64,7 @@ class Recipe:
 
   def step_for(self, step: int) -> Callable:
     """The jitted step for `step` (compiled once per phase)."""
-    dense = self._warm_dense and step < self.cfg.train.proto_init_step
+    dense = self._warm_dense and (self.bank_set_at is None or step < self.bank_set_at)
     if dense not in self._steps:
       self._steps[dense] = step_lib.make_train_step(self.graphdef, self.cfg, self.tx,
                                                     self.shardings, self.mesh,
@@ -67,7 +73,30 @@ class Recipe:
 
   def due(self, step: int) -> bool:
     """Whether `before_step(step, ...)` changes anything (the loop pauses its clock)."""
-    return revive.revive_due(self.cfg, step) or proto_init_due(self.cfg, step)
+    return (revive.revive_due(self.cfg, step, self.bank_set_at)
+            or self._init_check_due(step))
+
+  def _init_check_due(self, step: int) -> bool:
+    if not self.auto_init:
+      return proto_init_due(self.cfg, step)
+    tc = self.cfg.train
+    return (self.bank_set_at is None and self.cfg.model.kind == "prism"
+            and self.cfg.model.proto_init == "data"
+            and ((step > 0 and step % tc.eval_every == 0) or step >= latest_proto_init(tc)))
+
+  def with_bank_state(self, data_state: dict) -> dict:
+    """The data state to checkpoint, with the step "auto" set the bank at (if it has)."""
+    if not self.auto_init or self.bank_set_at is None:
+      return data_state
+    return {**data_state, BANK_SET_AT: self.bank_set_at}
+
+  def restore_bank_state(self, data_state: dict) -> dict:
+    """A restored data state without the bank's step, which this recipe takes back."""
+    data_state = dict(data_state)
+    at = data_state.pop(BANK_SET_AT, None)
+    if self.auto_init:
+      self.bank_set_at = None if at is None else int(at)
+    return data_state
 
   def before_step(self, step: int, state: TrainState, source) -> tuple[TrainState, str]:
     """(state, note): revival or the bank's init when due at `step` ('' note: nothing)."""
@@ -78,15 +107,49 @@ class Recipe:
                                           mask)
       return state, (f"step {step}: revived {n} prototypes no token of {seen} selected"
                      if n else "")
-    if not proto_init_due(cfg, step):
+    if not self._init_check_due(step):
       return state, ""
     toks, mask = proto_init_tokens(source, cfg, step)
+    why = ""
+    if self.auto_init:
+      cos = states_common_cos(self.graphdef, state, self.shardings, toks, mask)
+      latest = latest_proto_init(cfg.train)
+      if cos >= cfg.train.proto_init_cos and step < latest:
+        return state, (f"step {step}: bank not set yet (proto_init_step=auto: the hidden "
+                       f"states' mean cosine to their mean direction {cos:.2f} >= "
+                       f"{cfg.train.proto_init_cos:g}; set at step {latest} at the latest)")
+      why = (f"; auto: cosine {cos:.2f} < {cfg.train.proto_init_cos:g}"
+             if cos < cfg.train.proto_init_cos else
+             f"; auto: the latest step {latest} reached, cosine {cos:.2f}")
     state, cos = _init_prototypes(self.graphdef, state, self.shardings, cfg, toks, mask)
+    self.bank_set_at = step
     warning = grounding.shared_direction_warning(cos)
     if warning:
       logging.warning("step %d: %s", step, warning)
     return state, (f"step {step}: prototypes set from {int(mask.sum())} hidden states "
-                   f"(k-means++; mean cosine to their mean direction {cos:.2f})")
+                   f"(k-means++; mean cosine to their mean direction {cos:.2f}{why})")
+
+
+BANK_SET_AT = "proto_init_at"  # the data item's key of the step "auto" set the bank at
+
+
+def states_common_cos(graphdef, state: TrainState, shardings: TrainState,
+                      tokens_BxT: np.ndarray, mask_BxT: np.ndarray) -> float:
+  """The mean cosine of the valid tokens' final hidden states to their mean direction."""
+  z_BxTxD = _hidden_states(graphdef, state, shardings, tokens_BxT)
+  valid = np.asarray(mask_BxT, bool).reshape(-1)
+  return grounding.common_direction_cos(z_BxTxD.reshape(-1, z_BxTxD.shape[-1])[valid])
+
+
+def _hidden_states(graphdef, state: TrainState, shardings: TrainState,
+                   tokens_BxT: np.ndarray) -> np.ndarray:
+  # The forward jitted with a replicated result: on several processes the parameters span
+  # devices this process cannot read, and every process must pick the same prototypes.
+  replicated = jax.sharding.NamedSharding(shardings.step.mesh,
+                                          jax.sharding.PartitionSpec())
+  hidden = jax.jit(lambda params, tokens: nnx.merge(graphdef, params).backbone(tokens)[0],
+                   out_shardings=replicated)
+  return np.asarray(hidden(state.params, tokens_BxT))
 
 
 def proto_init_due(cfg: Config, step: int) -> bool:
@@ -109,13 +172,7 @@ def _init_prototypes(graphdef, state: TrainState, shardings: TrainState, cfg: Co
   step = int(jax.device_get(state.step))
   seed = int(np.random.SeedSequence([cfg.train.seed, step]).generate_state(1)[0])
   module = nnx.merge(graphdef, state.params)
-  # The forward jitted with a replicated result: on several processes the parameters span
-  # devices this process cannot read, and every process must pick the same prototypes.
-  replicated = jax.sharding.NamedSharding(shardings.step.mesh,
-                                          jax.sharding.PartitionSpec())
-  hidden = jax.jit(lambda params, tokens: nnx.merge(graphdef, params).backbone(tokens)[0],
-                   out_shardings=replicated)
-  z_BxTxD = np.asarray(hidden(state.params, tokens_BxT))
+  z_BxTxD = _hidden_states(graphdef, state, shardings, tokens_BxT)
   chosen = init_prototypes_from_hidden(module, tokens_BxT, seed=seed, mask_BxT=mask_BxT,
                                        kmeans_pp=True, z_BxTxD=z_BxTxD)
   # the bank's value from the host copy (the same float32 values the module got): under

@@ -31,9 +31,12 @@ from prism_jax.train.state import TrainState
 REVIVE_MIN_TOKENS = 8192  # "alive": selected at least once over this many tokens
 
 
-def revive_due(cfg: Config, step: int) -> bool:
+def revive_due(cfg: Config, step: int, bank_set_at: int | None = None) -> bool:
+  """Whether revival runs before `step`: every train.revive_every steps once the bank is set
+  (at `bank_set_at`; default train.proto_init_step, which "auto" leaves to the recipe)."""
   every = cfg.train.revive_every
-  return (cfg.model.kind == "prism" and every > 0 and step > cfg.train.proto_init_step
+  init = cfg.train.proto_init_step if bank_set_at is None else bank_set_at
+  return (cfg.model.kind == "prism" and every > 0 and init != "auto" and step > init
           and step % every == 0)
 
 

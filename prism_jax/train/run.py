@@ -174,6 +174,7 @@ def _run(cfg, workdir, mesh, ckpt, packed, train_loader, val_loader, callbacks, 
     restored = ckpt.restore_latest(recipe.abstract_state(), cfg, allow, start_over)
     if restored is not None:
       state, data_state, start = restored
+      data_state = recipe.restore_bank_state(data_state)  # "auto": when the bank was set
       logging.info("resumed from checkpoint %d in %s", start, ckpt.directory)
     else:
       state = recipe.init_state()
@@ -191,7 +192,8 @@ def _run(cfg, workdir, mesh, ckpt, packed, train_loader, val_loader, callbacks, 
     thr = metrics_lib.Throughput(cfg.model, cfg.data.seq_len,
                                  tc.batch_size * cfg.data.seq_len, mesh.devices.size,
                                  loss_cfg=cfg.loss)
-    saving = engine.Checkpointing(ckpt, tc.ckpt_every, train_loader.state, cfg)
+    saving = engine.Checkpointing(
+        ckpt, tc.ckpt_every, lambda s: recipe.with_bank_state(train_loader.state(s)), cfg)
     loop = engine.Loop(start=start, steps=tc.steps, log_every=tc.log_every,
                         workdir=workdir, checkpointing=saving, throughput=thr,
                         hint="Lower train.lr or check the data.",

@@ -38,7 +38,7 @@ def device_batch(batch: dict[str, np.ndarray], mesh: jax.sharding.Mesh,
 
 def uses_dense_warmup(cfg: Config) -> bool:
   return (cfg.model.kind == "prism" and cfg.model.proto_init == "data"
-          and cfg.train.proto_init_step > 0)
+          and (cfg.train.proto_init_step == "auto" or cfg.train.proto_init_step > 0))
 
 
 def step_key(cfg: Config, step: jax.Array, stream: int) -> jax.Array:

@@ -3,6 +3,8 @@
 "use strict";
 const $ = (id) => document.getElementById(id);
 const TOKEN = new URLSearchParams(location.search).get("token");
+// The token leaves the address bar and history; the server's HttpOnly cookie carries it on.
+if (TOKEN) history.replaceState(null, "", location.pathname);
 const HEADERS = TOKEN ? { Authorization: "Bearer " + TOKEN } : {};
 const S = { gen: null, steeredGen: null, gains: {}, uploaded: null, selected: null, status: null };
 
