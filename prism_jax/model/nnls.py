@@ -56,11 +56,11 @@ def passive_set(G_Nxkxk: jax.Array, b_Nxk: jax.Array, max_iter: int | None = Non
   tol_N = 10 * k * jnp.finfo(dtype).eps * (jnp.max(jnp.abs(b_Nxk), -1)
                                            + jnp.finfo(dtype).tiny)
 
-  def inner(_, carry):
+  def inner(carry):
     # Solve on P; where a passive weight would go <= 0, step towards the solution as far as
     # feasibility allows and drop the weights that reach 0 (each pass drops >= 1, so k + 1
-    # passes settle every row).
-    x, P, settled, moving = carry
+    # passes settle every row; most rows settle in the first).
+    x, P, settled, moving, it = carry
     s = masked_solve(G_Nxkxk, b_Nxk, P)
     bad = P & (s <= tol_N[:, None])
     any_bad = jnp.any(bad, -1)
@@ -71,7 +71,11 @@ def passive_set(G_Nxkxk: jax.Array, b_Nxk: jax.Array, max_iter: int | None = Non
     x = jnp.where((act & any_bad)[:, None], stepped, jnp.where((act & ~any_bad)[:, None], s, x))
     P = jnp.where((act & any_bad)[:, None], P & (x > tol_N[:, None]), P)
     x = jnp.where(P, x, 0.0)
-    return x, P, settled | (act & ~any_bad), moving
+    return x, P, settled | (act & ~any_bad), moving, it + 1
+
+  def unsettled(carry):
+    _, _, settled, moving, it = carry
+    return jnp.any(moving & ~settled) & (it <= k)
 
   def outer(state):
     x, P, done, it = state
@@ -80,8 +84,8 @@ def passive_set(G_Nxkxk: jax.Array, b_Nxk: jax.Array, max_iter: int | None = Non
     j = jnp.argmax(cand, -1)
     moving = ~done & (jnp.max(cand, -1) > tol_N)  # a zero weight that would lower the loss
     P = P | (moving[:, None] & jax.nn.one_hot(j, k, dtype=bool))
-    x, P, _, _ = jax.lax.fori_loop(0, k + 1, inner,
-                                   (x, P, jnp.zeros(n, bool), moving))
+    x, P, _, _, _ = jax.lax.while_loop(
+        unsettled, inner, (x, P, jnp.zeros(n, bool), moving, jnp.zeros((), jnp.int32)))
     return x, P, ~moving, it + 1
 
   def cond(state):
