@@ -279,6 +279,7 @@ READERS: dict[str, Callable[[dict], list[dict]]] = {
     "demo_time_cold": demo_time_rows,
     "preemption_repeat": repeat_rows,
     "bank_capacity_128x4_seeds": capacity_seed_rows,
+    "bank_capacity_nnls": capacity_rows,
 }
 # Variants recorded beside a headline file (other selections, the dense twin): detail in
 # RESULTS.md's sections, not rows of the table.
@@ -301,6 +302,7 @@ SECTIONS: dict[str, tuple[Callable[[dict], str], str]] = {
     "lds_default_k512": (lds_markdown, "prototype_path_lds_k512"),
     "preemption_repeat": (repeat_markdown, "preemption_repeat"),
     "bank_capacity_128x4_seeds": (capacity_markdown, "prototype_path_capacity_seeds"),
+    "bank_capacity_nnls": (capacity_markdown, "prototype_path_capacity_nnls"),
     "lds": (lds_markdown, "lds_kl1"),
     "lds_lambda_proto1": (lds_markdown, "lds_lambda_proto1"),
     "retrofit": (retrofit_markdown, "retrofit"),

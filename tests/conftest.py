@@ -76,7 +76,7 @@ def gcs():
 # The longest files first (`make test` runs files whole on xdist workers, in collection
 # order): the run then ends on short files, not with one worker alone on a long one.
 # Measured with `--durations=0` (a99c15e); a file missing here keeps its place after them.
-LONGEST_FIRST = ("test_kernels.py", "test_faults.py", "test_preemption.py",
+LONGEST_FIRST = ("test_kernels.py", "test_faults.py", "test_preemption.py", "test_nnls.py",
                  "test_ekfac.py", "test_report_browser.py", "test_throughput.py",
                  "test_sharding.py", "test_head.py", "test_evaluation_lds.py",
                  "test_lm_eval.py", "test_attribution_methods.py", "test_tracking.py",
@@ -85,7 +85,8 @@ LONGEST_FIRST = ("test_kernels.py", "test_faults.py", "test_preemption.py",
                  "test_hf.py", "test_kernels_backward.py", "test_train_extend.py",
                  "test_multihost.py", "test_generate.py", "test_sharding_aot.py",
                  "test_train_resume.py", "test_control_heldout.py", "test_model.py",
-                 "test_cache_multihost.py")
+                 "test_cache_multihost.py", "test_serve_safety.py",
+                 "test_serve_fuzz.py", "test_proto_init_auto.py", "test_run_integrity.py")
 
 
 def pytest_collection_modifyitems(items):

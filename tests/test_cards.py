@@ -94,7 +94,7 @@ def test_signature_neighbours_map_label(setup):
   for i in (0, 7, tiny_run.K - 1):
     card = cards.card(i)
     order = np.argsort(-sig[i])
-    assert [t for t, _ in card.promoted] == [dec([int(t)]) for t in order[:10]]
+    assert [t for t, _ in card.promoted] == [packed.tokenizer.piece(int(t)) for t in order[:10]]
     np.testing.assert_allclose([v for _, v in card.demoted], np.sort(sig[i])[:10], rtol=1e-4)
     nb = np.argsort(-np.where(np.arange(len(cos)) == i, -np.inf, cos[i]))[:8]
     assert card.neighbours["ids"] == nb.tolist()

@@ -29,24 +29,9 @@ from prism_jax.hf import convert
 from prism_jax.hf.gpt2_config import HFFormatError
 from prism_jax.train import CheckpointCorruptError, load_params, train
 from prism_jax.train import integrity
-from test_checkpoint_bad_inputs import _cfg, _corpus
+from test_faults import _copy, trained  # noqa: F401  (the same 4-step run, this module's own)
 
 PRISM = [sys.executable, "-m", "prism_jax.cli.main"]
-
-
-@pytest.fixture(scope="module")
-def trained(tmp_path_factory):
-  root = tmp_path_factory.mktemp("integrity")
-  data = _corpus(root / "corpus.txt")
-  cfg = _cfg(data)
-  assert train(cfg, str(root / "run")).final_step == 4
-  return cfg, str(root / "run"), data
-
-
-def _copy(src, tmp_path, name="copy"):
-  dst = str(tmp_path / name)
-  shutil.copytree(src, dst)
-  return dst
 
 
 def _edit_json(path, edit):

@@ -10,13 +10,14 @@ off). Nothing here takes a path from a request: the run directory, its cards
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
 import os
 import threading
 
 import numpy as np
 
-from prism_jax import paths
+from prism_jax import paths, run_lock
 from prism_jax.data.tokenizers import piece
 from prism_jax.generate import SAMPLING, sampling_label
 from prism_jax.model.trust import RESIDUAL_DECIDED, trust_label
@@ -107,9 +108,10 @@ class Explorer:
       return cards_lib.CardSet.load(cards_dir, model=self.run.model)
     if not build:
       return None
-    return cards_lib.build_cards(self.run.model, self.run.config, self.packed(),
-                                 decode=self.run.tokenizer.decode, out_dir=cards_dir,
-                                 progress=progress)
+    with run_lock.hold(self.run.workdir, "prism serve: building the cards"):
+      return cards_lib.build_cards(self.run.model, self.run.config, self.packed(),
+                                   decode=self.run.tokenizer.decode, out_dir=cards_dir,
+                                   progress=progress)
 
   def _val_usage(self) -> np.ndarray:
     rows = self.packed().rows("val")["tokens"]
@@ -251,6 +253,7 @@ class Explorer:
 
   def _open_cache(self):
     from prism_jax.attribution.caching import cache as cache_lib  # pylint: disable=g-import-not-at-top
+    from prism_jax.attribution.caching import cache_format  # pylint: disable=g-import-not-at-top
     packed = self.packed()
     total = packed.num_rows("train")
 
@@ -259,9 +262,12 @@ class Explorer:
                               "rows": int(total)}
     try:
       self._cache_progress = {"pass": 0, "rows_done": 0, "rows": int(total)}
-      cache = cache_lib.open_or_build(self.run.model, self.run.config, packed,
-                                      paths.join(self.run.workdir, "attribution_cache"),
-                                      progress=False, on_batch=on_batch)
+      cache_dir = paths.join(self.run.workdir, "attribution_cache")
+      building = contextlib.nullcontext() if cache_format.is_cache_dir(cache_dir) else \
+          run_lock.hold(self.run.workdir, "prism serve: the attribution cache build")
+      with building:  # a build writes into the run: one writer at a time
+        cache = cache_lib.open_or_build(self.run.model, self.run.config, packed, cache_dir,
+                                        progress=False, on_batch=on_batch)
       self._cache = cache
     except Exception as e:  # pylint: disable=broad-except
       self._cache_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"

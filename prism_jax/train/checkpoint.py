@@ -19,6 +19,7 @@ quarantined, resuming is refused (NoReadableCheckpointError) unless start_over=T
 from __future__ import annotations
 
 import contextlib
+import io
 import json
 import os
 import re
@@ -347,11 +348,21 @@ def _damage_reported(directory: str, step: int, steps: list[int]):
     if isinstance(e, integrity.CheckpointCorruptError):
       what = str(e).splitlines()[0]
     else:
+      _let_inflight_reads_finish()
       named = _file_named(str(e), where)
       what = (f"{where} cannot be read" + (f" ({named})" if named else "")
               + f": {type(e).__name__}: {_first_line(e)}")
     raise integrity.CheckpointCorruptError(f"checkpoint {step} is damaged: {what}. {hint}"
                                            ) from e
+
+
+def _let_inflight_reads_finish(seconds: float = 1.0) -> None:
+  """After a failed orbax restore, TensorStore reads still in flight complete into orbax's
+  closed event loop and print RuntimeError("Event loop is closed") tracebacks from their
+  thread: a second traceback after the one-line report, about nothing the user can act on.
+  They are given `seconds` to finish with that stream captured (the failure path only)."""
+  with contextlib.redirect_stderr(io.StringIO()):
+    time.sleep(seconds)
 
 
 def _file_named(message: str, where: str) -> str | None:
@@ -362,4 +373,6 @@ def _file_named(message: str, where: str) -> str | None:
 
 def _first_line(e: Exception) -> str:
   text = str(e).strip()
+  # TensorStore appends "See full TensorStore details: <bound method ...>": no detail
+  text = text.split(" See full TensorStore details")[0]
   return (text.splitlines()[0] if text else "")[:200]
