@@ -90,29 +90,43 @@ def _alive(pid) -> bool:
   return True
 
 
-def _acquire(lock_path: str, workdir: str, command: str) -> int:
-  fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+def _acquire(lock_path: str, workdir: str, command: str) -> int | None:
+  """The locked fd; None where the run cannot be written at all (a read-only run: the
+  command then fails at its first write, or only reads)."""
   try:
-    fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
-  except BlockingIOError:
-    holder = _read(fd)
-    os.close(fd)
-    raise RunLockedError(
-        f"{workdir} is being written by {describe(holder)}: one writer per run; wait for it "
-        "to finish, or use another --workdir") from None
-  left = _read(fd)
-  if left:  # its writer died holding it (the kernel released the flock, not the writer)
-    here = left.get("host") == socket.gethostname()
-    gone = "no longer running" if here and not _alive(left.get("pid")) else "not holding it"
-    logging.warning("%s: taking over the lock left by %s (%s)", workdir, describe(left), gone)
-  os.ftruncate(fd, 0)
-  os.lseek(fd, 0, os.SEEK_SET)
-  os.write(fd, json.dumps(_identity(command)).encode())
-  os.fsync(fd)
-  return fd
+    fd = os.open(lock_path, os.O_RDWR | os.O_CREAT, 0o644)
+  except OSError as e:
+    if e.errno in (errno.EACCES, errno.EPERM, errno.EROFS):
+      logging.info("%s is not writable here: no run lock taken (%s)", workdir, e.strerror)
+      return None
+    raise
+  try:
+    try:
+      fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+      holder = _read(fd)
+      raise RunLockedError(
+          f"{workdir} is being written by {describe(holder)}: one writer per run; wait for "
+          "it to finish, or use another --workdir") from None
+    left = _read(fd)
+    if left:  # its writer died holding it (the kernel released the flock, not the writer)
+      here = left.get("host") == socket.gethostname()
+      gone = "no longer running" if here and not _alive(left.get("pid")) else "not holding it"
+      logging.warning("%s: taking over the lock left by %s (%s)", workdir, describe(left),
+                      gone)
+    os.ftruncate(fd, 0)
+    os.lseek(fd, 0, os.SEEK_SET)
+    os.write(fd, json.dumps(_identity(command)).encode())
+    os.fsync(fd)
+    return fd
+  except BaseException:
+    os.close(fd)  # closing releases the flock: a failed acquire holds nothing
+    raise
 
 
-def _release(fd: int) -> None:
+def _release(fd: int | None) -> None:
+  if fd is None:
+    return
   try:
     os.ftruncate(fd, 0)  # empty: released cleanly (a non-empty file means its writer died)
   finally:
@@ -141,7 +155,8 @@ def hold(workdir: str, command: str | None = None) -> Iterator[None]:
     if entry is not None:
       entry[1] += 1
     else:
-      _held[lock_path] = [_acquire(lock_path, workdir, command), 1]
+      fd = _acquire(lock_path, workdir, command)
+      _held[lock_path] = [fd, 1]
   try:
     yield
   finally:

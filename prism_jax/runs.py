@@ -297,7 +297,7 @@ def _cache(run: "Run", packed, build: bool):
   if not build and not cache_format.is_cache_dir(cache_dir):
     raise ValueError(f"no attribution cache in {cache_dir}; pass build=True (or run `prism "
                      f"attribute --workdir={run.workdir} --build_only`)")
-  if cache_format.is_cache_dir(cache_dir):
+  if cache_format.is_complete_cache(cache_dir):
     return cache_lib.open_or_build(run.model, run.config, packed, cache_dir)
   from prism_jax import run_lock  # pylint: disable=g-import-not-at-top
   with run_lock.hold(run.workdir, "prism_jax.load(...): the attribution cache build"):

@@ -44,6 +44,25 @@ def test_weights_equal_scipy_nnls():
   np.testing.assert_allclose(a32, ref, atol=2e-4)
 
 
+@pytest.mark.parametrize("scale", [1.0, 30.0, 300.0])
+def test_converges_at_any_prototype_norm_in_float32(scale):
+  """Banks set from hidden states have norms far from 1: one tolerance in the units of b
+  made an index re-enter and leave every pass, to max_iter, with its weight wrongly 0."""
+  rng = np.random.default_rng(8)
+  n, k, d = 300, 8, 64
+  base = rng.normal(size=(4 * k, d))
+  rows = (base[rng.integers(0, 4 * k, size=(n, k))] + 0.3 * rng.normal(size=(n, k, d)))
+  rows *= scale / np.sqrt(d)
+  z = rows.mean(1) + 0.5 * scale / np.sqrt(d) * rng.normal(size=(n, d))
+  G = jnp.einsum("nid,njd->nij", rows, rows).astype(jnp.float32)
+  b = jnp.einsum("nid,nd->ni", rows, z).astype(jnp.float32)
+  _, iters = nnls.lawson_hanson(G, b)
+  assert int(iters) < 3 * k + 4  # every row converged before the cap
+  a = np.asarray(nnls.nnls_weights(jnp.asarray(z, jnp.float32), jnp.asarray(rows, jnp.float32)))
+  ref = np.stack([scipy_nnls(r.T, t)[0] for r, t in zip(rows, z)])
+  np.testing.assert_allclose(a, ref, atol=1e-4 * np.abs(ref).max())
+
+
 def test_duplicate_prototypes_reach_the_optimum():
   """Two equal rows make the Gram matrix singular: the weights are then not unique, the
   optimum's value is."""

@@ -87,6 +87,19 @@ def command_help(main, prog: str) -> str:
                      + ["flags:"] + [s for s in sections if s])
 
 
+def _let_inflight_reads_finish(seconds: float = 1.0) -> None:
+  """After a failed orbax restore (a damaged checkpoint: one line follows), TensorStore
+  reads still in flight complete into orbax's closed event loop and print
+  RuntimeError("Event loop is closed") tracebacks from their thread, a second traceback
+  about nothing the user can act on: they get `seconds` to finish with stderr captured
+  (2 runs in 18 printed one under load before; 0 in 24 after)."""
+  import contextlib  # pylint: disable=g-import-not-at-top
+  import io  # pylint: disable=g-import-not-at-top
+  import time  # pylint: disable=g-import-not-at-top
+  with contextlib.redirect_stderr(io.StringIO()):
+    time.sleep(seconds)
+
+
 def run(main, argv=None) -> None:
   """`absl.app.run(main)`, with user errors reported on one line (see module doc); `argv`
   (default sys.argv) starts with the program name. `--help` (-h) prints the command's doc
@@ -106,6 +119,8 @@ def run(main, argv=None) -> None:
         _exit_after_failure(e, USAGE_EXIT if user else 1)
       if not user:
         raise
+      if getattr(e, "reads_in_flight", False):
+        _let_inflight_reads_finish()
       print(one_line(e), file=sys.stderr)
       sys.exit(USAGE_EXIT)
   # The interpreter's shutdown then skips its cyclic-garbage passes over the whole heap:

@@ -50,11 +50,18 @@ def masked_solve(G_Nxkxk: jax.Array, b_Nxk: jax.Array, passive_Nxk: jax.Array) -
 def passive_set(G_Nxkxk: jax.Array, b_Nxk: jax.Array, max_iter: int | None = None
                 ) -> jax.Array:
   """Lawson-Hanson's passive set (bool (N, k)) of each row's NNLS problem (module doc)."""
+  return lawson_hanson(G_Nxkxk, b_Nxk, max_iter)[0]
+
+
+def lawson_hanson(G_Nxkxk: jax.Array, b_Nxk: jax.Array, max_iter: int | None = None
+                  ) -> tuple[jax.Array, jax.Array]:
+  """(passive set, outer iterations taken): every row has converged when the count is
+  below max_iter (3k + 4 by default)."""
   n, k = b_Nxk.shape
   max_iter = 3 * k + 4 if max_iter is None else max_iter
   dtype = b_Nxk.dtype
-  tol_N = 10 * k * jnp.finfo(dtype).eps * (jnp.max(jnp.abs(b_Nxk), -1)
-                                           + jnp.finfo(dtype).tiny)
+  eps = 10 * k * jnp.finfo(dtype).eps
+  tol_w_N = eps * (jnp.max(jnp.abs(b_Nxk), -1) + jnp.finfo(dtype).tiny)  # gradient units
 
   def inner(carry):
     # Solve on P; where a passive weight would go <= 0, step towards the solution as far as
@@ -62,14 +69,16 @@ def passive_set(G_Nxkxk: jax.Array, b_Nxk: jax.Array, max_iter: int | None = Non
     # passes settle every row; most rows settle in the first).
     x, P, settled, moving, it = carry
     s = masked_solve(G_Nxkxk, b_Nxk, P)
-    bad = P & (s <= tol_N[:, None])
+    bad = P & (s <= 0)
     any_bad = jnp.any(bad, -1)
     act = moving & ~settled
     ratio = jnp.where(bad, x / jnp.where(bad, x - s, 1.0), jnp.inf)
     alpha = jnp.clip(jnp.min(ratio, -1), 0.0, 1.0)
     stepped = x + alpha[:, None] * (s - x)
+    # weight units: what is left of the weight the step drove to 0 is rounding
+    tol_x_N = eps * (jnp.max(jnp.abs(jnp.where(P, s, 0.0)), -1) + jnp.finfo(dtype).tiny)
     x = jnp.where((act & any_bad)[:, None], stepped, jnp.where((act & ~any_bad)[:, None], s, x))
-    P = jnp.where((act & any_bad)[:, None], P & (x > tol_N[:, None]), P)
+    P = jnp.where((act & any_bad)[:, None], P & (x > tol_x_N[:, None]), P)
     x = jnp.where(P, x, 0.0)
     return x, P, settled | (act & ~any_bad), moving, it + 1
 
@@ -78,22 +87,29 @@ def passive_set(G_Nxkxk: jax.Array, b_Nxk: jax.Array, max_iter: int | None = Non
     return jnp.any(moving & ~settled) & (it <= k)
 
   def outer(state):
-    x, P, done, it = state
+    x, P, blocked, done, it = state
     w = b_Nxk - jnp.einsum("nij,nj->ni", G_Nxkxk, x)  # the negative gradient
-    cand = jnp.where(P, -jnp.inf, w)
+    cand = jnp.where(P | blocked, -jnp.inf, w)
     j = jnp.argmax(cand, -1)
-    moving = ~done & (jnp.max(cand, -1) > tol_N)  # a zero weight that would lower the loss
-    P = P | (moving[:, None] & jax.nn.one_hot(j, k, dtype=bool))
+    moving = ~done & (jnp.max(cand, -1) > tol_w_N)  # a zero weight that would lower the loss
+    added = moving[:, None] & jax.nn.one_hot(j, k, dtype=bool)
     x, P, _, _, _ = jax.lax.while_loop(
-        unsettled, inner, (x, P, jnp.zeros(n, bool), moving, jnp.zeros((), jnp.int32)))
-    return x, P, ~moving, it + 1
+        unsettled, inner, (x, P | added, jnp.zeros(n, bool), moving, jnp.zeros((), jnp.int32)))
+    # An index whose own solve put it back at 0 (a gradient above the tolerance that
+    # rounding cannot turn into a weight) is not offered again until another one enters:
+    # exact Lawson-Hanson never meets it; without this a row would cycle to max_iter.
+    rejected = added & ~P
+    kept = jnp.any(added & P, -1)
+    blocked = jnp.where(kept[:, None], False, blocked | rejected)
+    return x, P, blocked, ~moving, it + 1
 
   def cond(state):
-    return jnp.any(~state[2]) & (state[3] < max_iter)
+    return jnp.any(~state[3]) & (state[4] < max_iter)
 
-  init = (jnp.zeros((n, k), dtype), jnp.zeros((n, k), bool), jnp.zeros(n, bool),
-          jnp.zeros((), jnp.int32))
-  return jax.lax.while_loop(cond, outer, init)[1]
+  init = (jnp.zeros((n, k), dtype), jnp.zeros((n, k), bool), jnp.zeros((n, k), bool),
+          jnp.zeros(n, bool), jnp.zeros((), jnp.int32))
+  out = jax.lax.while_loop(cond, outer, init)
+  return out[1], out[4]
 
 
 def nnls_weights(z_NxD: jax.Array, rows_NxkxD: jax.Array, max_iter: int | None = None

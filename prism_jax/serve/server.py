@@ -18,6 +18,7 @@ import secrets
 import sys
 import threading
 import time
+import urllib.parse
 
 LOOPBACK_NAMES = ("localhost",)
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})  # a loopback bind's Host names
@@ -104,7 +105,7 @@ def serve(workdir: str, *, host: str = "127.0.0.1", port: int = 8000, token: str
   app, explorer = build(workdir, build_cache=build_cache, build_cards=build_cards,
                         token=token, step=step, host=host, allow_hosts=allow_hosts)
   shown = f"[{host}]" if ":" in host else host
-  query = f"/?token={token}" if token else "/"
+  query = f"/?token={urllib.parse.quote(token, safe='')}" if token else "/"
   print(f"PRISM explorer: http://{shown}:{port}{query}  ({explorer.engine.compiles()} programs "
         f"compiled for buckets {list(explorer.engine.buckets)}; Ctrl-C stops)", file=sys.stderr)
   uvicorn.run(app, host=host, port=port, log_level="warning", timeout_graceful_shutdown=2)

@@ -263,7 +263,7 @@ class Explorer:
     try:
       self._cache_progress = {"pass": 0, "rows_done": 0, "rows": int(total)}
       cache_dir = paths.join(self.run.workdir, "attribution_cache")
-      building = contextlib.nullcontext() if cache_format.is_cache_dir(cache_dir) else \
+      building = contextlib.nullcontext() if cache_format.is_complete_cache(cache_dir) else \
           run_lock.hold(self.run.workdir, "prism serve: the attribution cache build")
       with building:  # a build writes into the run: one writer at a time
         cache = cache_lib.open_or_build(self.run.model, self.run.config, packed, cache_dir,

@@ -19,7 +19,6 @@ quarantined, resuming is refused (NoReadableCheckpointError) unless start_over=T
 from __future__ import annotations
 
 import contextlib
-import io
 import json
 import os
 import re
@@ -290,7 +289,8 @@ def load_params(workdir: str, cfg: Config | None = None, step: int | None = None
     if step not in steps:
       raise FileNotFoundError(f"no checkpoint {step} in {ckpt.directory}; have {steps}")
     with _damage_reported(ckpt.directory, step, steps):
-      saved = overrides.config_from_dict(ckpt.read_config(step))
+      raw = ckpt.read_config(step)
+    saved = overrides.config_from_dict(raw)  # a config this version refuses: its own error
     warn_if_config_file_differs(workdir, saved, step)
     if cfg is None:
       cfg = saved
@@ -338,9 +338,10 @@ def _damage_reported(directory: str, step: int, steps: list[int]):
   checkpoint (and the file, when the reader's message names one) and the other steps."""
   try:
     yield
-  except (FileNotFoundError, ConfigMismatchError, MemoryError):
-    raise
+  except (FileNotFoundError, ConfigMismatchError, MemoryError, jax.errors.JaxRuntimeError):
+    raise  # not the checkpoint's damage: a missing step, a mismatch, the device
   except Exception as e:  # pylint: disable=broad-except
+    inflight = False
     where = paths.join(directory, str(step))
     others = [s for s in steps if s != step]
     hint = (f"load another one (step= one of {others}) or resume training, which "
@@ -348,21 +349,16 @@ def _damage_reported(directory: str, step: int, steps: list[int]):
     if isinstance(e, integrity.CheckpointCorruptError):
       what = str(e).splitlines()[0]
     else:
-      _let_inflight_reads_finish()
+      inflight = True
       named = _file_named(str(e), where)
       what = (f"{where} cannot be read" + (f" ({named})" if named else "")
               + f": {type(e).__name__}: {_first_line(e)}")
-    raise integrity.CheckpointCorruptError(f"checkpoint {step} is damaged: {what}. {hint}"
-                                           ) from e
-
-
-def _let_inflight_reads_finish(seconds: float = 1.0) -> None:
-  """After a failed orbax restore, TensorStore reads still in flight complete into orbax's
-  closed event loop and print RuntimeError("Event loop is closed") tracebacks from their
-  thread: a second traceback after the one-line report, about nothing the user can act on.
-  They are given `seconds` to finish with that stream captured (the failure path only)."""
-  with contextlib.redirect_stderr(io.StringIO()):
-    time.sleep(seconds)
+    err = integrity.CheckpointCorruptError(f"checkpoint {step} is damaged: {what}. {hint}")
+    # A failed orbax restore can leave TensorStore reads in flight that complete into its
+    # closed event loop and print tracebacks from their thread: the launcher gives them a
+    # moment before its one-line report (cli/launcher.py).
+    err.reads_in_flight = inflight
+    raise err from e
 
 
 def _file_named(message: str, where: str) -> str | None:

@@ -111,6 +111,9 @@ def verify(tree: Any, saved: dict[str, dict[str, Any]] | None, what: str) -> Non
 def json_digest(obj: Any) -> str:
   """sha256 of a JSON item's canonical form (sorted keys, no spaces): equal before the
   save and after orbax's JSON round trip (a tuple saved comes back a list, same text)."""
+  # Through JSON once first: int keys become the strings orbax's round trip gives back
+  # (sorted as strings, as they will be then).
+  obj = json.loads(json.dumps(obj, allow_nan=True))
   text = json.dumps(obj, sort_keys=True, separators=(",", ":"), allow_nan=True)
   return hashlib.sha256(text.encode()).hexdigest()
 

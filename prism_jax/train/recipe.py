@@ -47,10 +47,14 @@ class Recipe:
     self.shardings = state_shardings(cfg, mesh, self.tx, template)
     self._warm_dense = step_lib.uses_dense_warmup(cfg)
     self._steps: dict[bool, Callable] = {}
-    self.auto_init = cfg.train.proto_init_step == "auto"
+    data_init = cfg.model.kind == "prism" and cfg.model.proto_init == "data"
+    self.auto_init = cfg.train.proto_init_step == "auto" and data_init
     # The step the bank was set from data at (None: not yet). With "auto" it is found while
-    # training and kept in each checkpoint's data item (with_bank_state / restore_bank_state).
-    self.bank_set_at: int | None = None if self.auto_init else cfg.train.proto_init_step
+    # training and kept in each checkpoint's data item (with_bank_state / restore_bank_state);
+    # without an init from data, "auto" has nothing to wait for (0).
+    self.bank_set_at: int | None = (None if self.auto_init else 0
+                                    if cfg.train.proto_init_step == "auto"
+                                    else cfg.train.proto_init_step)
 
   def init_state(self) -> TrainState:
     """The initial state, a pure function of train.seed, born sharded."""
@@ -101,7 +105,7 @@ class Recipe:
   def before_step(self, step: int, state: TrainState, source) -> tuple[TrainState, str]:
     """(state, note): revival or the bank's init when due at `step` ('' note: nothing)."""
     cfg = self.cfg
-    if revive.revive_due(cfg, step):
+    if revive.revive_due(cfg, step, self.bank_set_at):
       toks, mask = revive.window_tokens(source, cfg, step)
       state, n, seen = revive.revive_dead(self.graphdef, state, self.shardings, cfg, toks,
                                           mask)

@@ -17,7 +17,7 @@ from absl import logging
 
 from prism_jax import paths, run_lock
 from prism_jax import sharding as shard_lib
-from prism_jax.config import Config, bank_init_problem
+from prism_jax.config import Config, bank_init_problem, latest_proto_init
 from prism_jax.io_guard import resolve_config_paths
 from prism_jax.train import checkpoint as ckpt_lib
 from prism_jax.train import evaluation
@@ -175,6 +175,8 @@ def _run(cfg, workdir, mesh, ckpt, packed, train_loader, val_loader, callbacks, 
     if restored is not None:
       state, data_state, start = restored
       data_state = recipe.restore_bank_state(data_state)  # "auto": when the bank was set
+      if recipe.auto_init and recipe.bank_set_at is None:
+        _check_auto_schedule(ckpt, start, cfg)
       logging.info("resumed from checkpoint %d in %s", start, ckpt.directory)
     else:
       state = recipe.init_state()
@@ -245,6 +247,22 @@ def _run(cfg, workdir, mesh, ckpt, packed, train_loader, val_loader, callbacks, 
   return TrainResult(workdir, out.start_step, out.final_step, out.checkpoint_step,
                      dict(out.train), last_eval, time.time() - t_start,
                      out.steady_tokens_per_s, out.state, graphdef, out.preempted)
+
+
+def _check_auto_schedule(ckpt, step: int, cfg: Config) -> None:
+  """train.proto_init_step="auto" decides at train.eval_every steps and by its latest step:
+  a resume before it has set the bank must keep both (they may change once it has), or the
+  bank would be set at another step than an uninterrupted run sets it."""
+  saved = overrides.config_from_dict(ckpt.read_config(step)).train
+  was = (saved.eval_every, latest_proto_init(saved))
+  now = (cfg.train.eval_every, latest_proto_init(cfg.train))
+  if was != now:
+    raise ckpt_lib.ConfigMismatchError(
+        f"checkpoint {step} of {ckpt.directory} has not set its bank yet "
+        f"(train.proto_init_step=auto): its checks run every train.eval_every={was[0]} steps "
+        f"and set the bank by step {was[1]}; this resume asks for {now[0]} and {now[1]}. "
+        "Resume with the same train.eval_every and latest step (train.proto_init_latest, or "
+        "the same train.steps when it is 0)")
 
 
 def _record_config_changes(loop: engine.Loop, ckpt, step: int, cfg: Config) -> None:

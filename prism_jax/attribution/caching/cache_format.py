@@ -129,6 +129,16 @@ def is_cache_dir(path: str) -> bool:
     return False
 
 
+def is_complete_cache(path: str) -> bool:
+  """A cache whose build finished (its metadata says complete): opening it writes nothing,
+  so it needs no run lock; an unfinished or stale one is built on, which does."""
+  meta = paths.join(path, METADATA)
+  try:
+    return paths.path(meta).is_file() and bool(read_json(meta).get("complete"))
+  except (OSError, ValueError, AttributeError):
+    return False
+
+
 def exists(path) -> bool:
   return paths.path(path).exists()
 
