@@ -21,6 +21,9 @@ from prism_jax.train import revive
 from prism_jax.train.recipe import BANK_SET_AT, proto_init_tokens
 from test_checkpoint_bad_inputs import SETS, _corpus
 
+# `make test-long` (five short training runs: ~1.5 min); .ci/run runs it after `make test`.
+pytestmark = pytest.mark.long
+
 EVAL = 5
 LATEST = 15
 

@@ -17,6 +17,9 @@ import pytest
 
 import serve_fixture
 
+# `make test-long` (2,500 generated requests: ~35 s); .ci/run runs it after `make test`.
+pytestmark = pytest.mark.long
+
 pytest.importorskip("starlette")
 
 FIELDS = {
