@@ -15,6 +15,8 @@ import sys
 import numpy as np
 import pytest
 
+from prism_jax.model.prototypes import EPS
+
 from prism_jax.config import model_preset
 from prism_jax.control import measure, suppression
 from prism_jax.control.suppression import ProtoSet, suppressed_logits
@@ -41,7 +43,9 @@ def _route(z, p, exclude=()):
   cos[..., list(exclude)] = -np.inf
   idx = np.argsort(-cos, axis=-1, kind="stable")[..., :TOP]
   act = np.maximum(np.take_along_axis(cos, idx, -1), 0.0)
-  return idx, act / act.sum(-1, keepdims=True)  # the tiny preset's normalised mixture
+  # the tiny preset's normalised mixture; a token whose k cosines are all <= 0 (possible once
+  # the refill excludes prototypes) has weights 0, as the library's EPS guard gives
+  return idx, act / np.maximum(act.sum(-1, keepdims=True), EPS)
 
 
 def _reference(model, z_BxTxD, ids, refill):
