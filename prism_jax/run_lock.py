@@ -34,6 +34,7 @@ import os
 import socket
 import sys
 import threading
+import time
 from collections.abc import Iterator
 
 from absl import logging
@@ -75,6 +76,17 @@ def _read(fd: int) -> dict | None:
     return {"command": "unknown (the lock file is not JSON)"}
 
 
+def _holder_identity(fd: int, wait_s: float = 2.0) -> dict | None:
+  """The holder's identity: it writes it just after taking the flock, so a writer refused
+  in between reads an empty file; it waits for it a moment (2 s at most)."""
+  deadline = time.monotonic() + wait_s
+  while True:
+    holder = _read(fd)
+    if holder or time.monotonic() > deadline:
+      return holder
+    time.sleep(0.02)
+
+
 def describe(holder: dict | None) -> str:
   if not holder:
     return "another process (no identity recorded yet)"
@@ -104,7 +116,7 @@ def _acquire(lock_path: str, workdir: str, command: str) -> int | None:
     try:
       fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-      holder = _read(fd)
+      holder = _holder_identity(fd)
       raise RunLockedError(
           f"{workdir} is being written by {describe(holder)}: one writer per run; wait for "
           "it to finish, or use another --workdir") from None
