@@ -231,6 +231,23 @@ def capacity_seed_rows(data: dict) -> list[dict]:
   return out
 
 
+def capacity_setting_rows(data: dict) -> list[dict]:
+  """Chosen capacity settings measured per seed: agreement (decisive, CE(W z_hat)/CE(W z))
+  for each full setting string (the mixture and other overrides kept in its name)."""
+  out = []
+  for backbone, per_setting in data["results"].items():
+    parts = [f"{setting}: " + " / ".join(
+        f"{100 * r['agreement']:.1f}% ({100 * r['agreement_decisive']:.1f}%, "
+        f"{r['proto_ce_ratio']:.3f})" for _, r in sorted(per_seed.items()))
+        for setting, per_seed in per_setting.items()]
+    seeds = ", ".join(sorted(next(iter(per_setting.values()))))
+    out.append({"metric": f"bank capacity {backbone}, frozen twin, {data['half']} half, seeds "
+                          f"{seeds}: agreement (decisive, CE ratio)",
+                "paper": "not reported", "ours": "; ".join(parts),
+                "command": data["command"]})
+  return out
+
+
 def repeat_markdown(data: dict) -> str:
   """experiments/repeat_test.py: a test's runs in a row beside busy cores."""
   walls = [r["wall_s"] for r in data["runs"]]
@@ -280,6 +297,7 @@ READERS: dict[str, Callable[[dict], list[dict]]] = {
     "preemption_repeat": repeat_rows,
     "bank_capacity_128x4_seeds": capacity_seed_rows,
     "bank_capacity_nnls": capacity_rows,
+    "bank_capacity_nnls_test": capacity_setting_rows,
 }
 # Variants recorded beside a headline file (other selections, the dense twin): detail in
 # RESULTS.md's sections, not rows of the table.
@@ -303,6 +321,7 @@ SECTIONS: dict[str, tuple[Callable[[dict], str], str]] = {
     "preemption_repeat": (repeat_markdown, "preemption_repeat"),
     "bank_capacity_128x4_seeds": (capacity_markdown, "prototype_path_capacity_seeds"),
     "bank_capacity_nnls": (capacity_markdown, "prototype_path_capacity_nnls"),
+    "bank_capacity_nnls_test": (capacity_markdown, "prototype_path_capacity_nnls_test"),
     "lds": (lds_markdown, "lds_kl1"),
     "lds_lambda_proto1": (lds_markdown, "lds_lambda_proto1"),
     "retrofit": (retrofit_markdown, "retrofit"),
