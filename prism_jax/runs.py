@@ -291,17 +291,28 @@ def _packed(run: "Run"):
 
 def _cache(run: "Run", packed, build: bool):
   from prism_jax import paths  # pylint: disable=g-import-not-at-top
-  from prism_jax.attribution.caching import cache as cache_lib  # pylint: disable=g-import-not-at-top
   from prism_jax.attribution.caching import cache_format  # pylint: disable=g-import-not-at-top
   cache_dir = paths.join(run.workdir, "attribution_cache")
   if not build and not cache_format.is_cache_dir(cache_dir):
     raise ValueError(f"no attribution cache in {cache_dir}; pass build=True (or run `prism "
                      f"attribute --workdir={run.workdir} --build_only`)")
-  if cache_format.is_complete_cache(cache_dir):
-    return cache_lib.open_or_build(run.model, run.config, packed, cache_dir)
-  from prism_jax import run_lock  # pylint: disable=g-import-not-at-top
-  with run_lock.hold(run.workdir, "prism_jax.load(...): the attribution cache build"):
-    return cache_lib.open_or_build(run.model, run.config, packed, cache_dir)
+  return open_or_build_cache(run, packed)
+
+
+def open_or_build_cache(run: "Run", packed, writer: str = "prism_jax.load(...)",
+                        **build_kwargs):
+  """<workdir>/attribution_cache opened, or built (`build_kwargs`: cache.build_cache's)
+  under the run lock: a build writes into the run; opening a complete cache writes nothing.
+  `writer` names this process in the lock."""
+  import contextlib  # pylint: disable=g-import-not-at-top
+  from prism_jax import paths, run_lock  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.caching import cache as cache_lib  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.caching import cache_format  # pylint: disable=g-import-not-at-top
+  cache_dir = paths.join(run.workdir, "attribution_cache")
+  building = (contextlib.nullcontext() if cache_format.is_complete_cache(cache_dir)
+              else run_lock.hold(run.workdir, f"{writer}: the attribution cache build"))
+  with building:
+    return cache_lib.open_or_build(run.model, run.config, packed, cache_dir, **build_kwargs)
 
 
 def attribute(run: "Run", text, position: int | None = None, *, top: int = 5,
@@ -328,19 +339,25 @@ def attribute(run: "Run", text, position: int | None = None, *, top: int = 5,
       tuple(int(i) for i in att.query_protos), agrees, "" if agrees else RESIDUAL_DECIDED)
 
 
-def run_cards(run: "Run", cache=None):
-  """Run.cards: <workdir>/cards read, or built there (with `cache`'s index when given)."""
-  from prism_jax import paths  # pylint: disable=g-import-not-at-top
+def run_cards(run: "Run", cache=None, *, build: bool = True,
+              writer: str = "prism_jax.load(...)", packed=None, **build_kwargs):
+  """Run.cards: <workdir>/cards read, or built there under the run lock (with `cache`'s
+  index when given; `build_kwargs`: cards.build_cards'); None when absent and not `build`.
+  `writer` names this process in the lock; `packed`: the run's data, when held already."""
+  from prism_jax import paths, run_lock  # pylint: disable=g-import-not-at-top
   from prism_jax.analysis import cards as cards_lib  # pylint: disable=g-import-not-at-top
-  if run.config.model.kind != "prism":
-    raise ValueError(f"{run.workdir} is a dense run: it has no prototype cards")
   cards_dir = paths.join(run.workdir, "cards")
   if paths.path(paths.join(cards_dir, cards_lib.CARDS_FILE)).is_file():
     return cards_lib.CardSet.load(cards_dir, model=run.model)
-  from prism_jax import run_lock  # pylint: disable=g-import-not-at-top
-  with run_lock.hold(run.workdir, "prism_jax.load(...): building the cards"):
-    return cards_lib.build_cards(run.model, run.config, _packed(run), cache=cache,
-                                 decode=run.tokenizer.decode, out_dir=cards_dir)
+  if not build:
+    return None
+  if run.config.model.kind != "prism":
+    raise ValueError(f"{run.workdir} is a dense run: it has no prototype cards")
+  with run_lock.hold(run.workdir, f"{writer}: building the cards"):
+    return cards_lib.build_cards(run.model, run.config,
+                                 _packed(run) if packed is None else packed, cache=cache,
+                                 decode=run.tokenizer.decode, out_dir=cards_dir,
+                                 **build_kwargs)
 
 
 def hessian_block(run: "Run", i: int, j: int, *, rows: int = 4, path: str = "full",

@@ -29,13 +29,8 @@ flags.mark_flag_as_required("workdir")
 FLAGS = flags.FLAGS
 
 
+@launcher.writes_into_run  # one writer per run (its cache, cards, report, sets)
 def main(argv):
-  from prism_jax import run_lock  # pylint: disable=g-import-not-at-top
-  with run_lock.hold(FLAGS.workdir):  # one writer per run (cache, cards, report, sets)
-    return _main(argv)
-
-
-def _main(argv):
   del argv
   if FLAGS.top_m < 1 or FLAGS.show < 0:
     raise ValueError(f"--top_m must be >= 1 and --show >= 0, got {FLAGS.top_m}, {FLAGS.show}")

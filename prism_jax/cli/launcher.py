@@ -10,6 +10,7 @@ Used by the `prism` subcommands and by the scripts of experiments/ and benchmark
 
 import atexit
 import errno
+import functools
 import gc
 import os
 import re
@@ -98,6 +99,17 @@ def _let_inflight_reads_finish(seconds: float = 1.0) -> None:
   import time  # pylint: disable=g-import-not-at-top
   with contextlib.redirect_stderr(io.StringIO()):
     time.sleep(seconds)
+
+
+def writes_into_run(main):
+  """`main` holding the run lock of --workdir (prism_jax/run_lock.py) for the whole command:
+  for the commands that write into a run (its cache, cards, report, suppression sets)."""
+  @functools.wraps(main)
+  def locked(argv):
+    from prism_jax import run_lock  # pylint: disable=g-import-not-at-top
+    with run_lock.hold(flags.FLAGS.workdir):
+      return main(argv)
+  return locked
 
 
 def run(main, argv=None) -> None:

@@ -37,13 +37,8 @@ FLAGS = flags.FLAGS
 sampling_flags.define()
 
 
+@launcher.writes_into_run  # one writer per run (its cache, cards, report, sets)
 def main(argv):
-  from prism_jax import run_lock  # pylint: disable=g-import-not-at-top
-  with run_lock.hold(FLAGS.workdir):  # one writer per run (cache, cards, report, sets)
-    return _main(argv)
-
-
-def _main(argv):
   del argv
   from prism_jax import io_guard, paths  # pylint: disable=g-import-not-at-top
   from prism_jax.analysis import cards as cards_lib  # pylint: disable=g-import-not-at-top

@@ -108,13 +108,8 @@ def _condition(model, tokenizer, b, val, gen_kw, **edit):
   return scores, q
 
 
+@launcher.writes_into_run  # one writer per run (its cache, cards, report, sets)
 def main(argv):
-  from prism_jax import run_lock  # pylint: disable=g-import-not-at-top
-  with run_lock.hold(FLAGS.workdir):  # one writer per run (cache, cards, report, sets)
-    return _main(argv)
-
-
-def _main(argv):
   del argv
   import numpy as np  # pylint: disable=g-import-not-at-top
   from prism_jax.control import behaviours, stats  # pylint: disable=g-import-not-at-top

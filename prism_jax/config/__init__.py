@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import typing
 from typing import Any, Literal
 
 from pallas_kernels.topk_reconstruct.api import IMPLEMENTATIONS, Implementation
@@ -92,7 +93,7 @@ class ModelConfig:
            f"model.k={self.k} exceeds model.num_prototypes={self.num_prototypes} (k <= K)")
     _check_choice("model.residual_routing", self.residual_routing,
                   ("straight_through", "plain"))
-    _check_choice("model.mixture", self.mixture, ("raw", "normalized", "nnls"))
+    _check_choice("model.mixture", self.mixture, typing.get_args(Mixture))
     _check_choice("model.distance", self.distance, ("cosine", "sqeuclidean"))
     _check_choice("model.mixture_scale", self.mixture_scale, ("none", "learned"))
     _check(isinstance(self.residual_dropout, (int, float)) and 0.0 <= self.residual_dropout < 1.0,

@@ -137,10 +137,8 @@ def export_hf(workdir: str, out: str, step: int | None = None) -> str:
   diffs = ckpt_lib.model_differences(workdir, cfg)
   if diffs:
     raise HFFormatError(
-        f"{workdir}/config.json disagrees with checkpoint {step}'s own config in "
-        + ", ".join(f"{k} (file {a!r}, checkpoint {b!r})" for k, a, b in diffs[:3])
-        + ": refusing to export; restore config.json (the checkpoint's config is the one "
-        "its weights were trained with)")
+        f"{ckpt_lib.describe_differences(workdir, step, diffs)}: refusing to export; restore "
+        "config.json (the checkpoint's config is the one its weights were trained with)")
   mcfg = cfg.model
   hf_cfg = gpt2_config.hf_config(mcfg)  # refuses a backbone GPT-2 cannot express
   tok = inference.load_tokenizer(workdir, cfg)

@@ -19,6 +19,7 @@ pure functions the library uses are re-exported here, so each exists once.
 
 from __future__ import annotations
 
+import typing
 from typing import NamedTuple
 
 import jax
@@ -31,6 +32,7 @@ from pallas_kernels.topk_reconstruct.reference import (  # re-exported: the one 
     EPS, Similarity, first_max, first_min, inv_norm, mixture_weights, similarity,
     sparse_mixture, topk_mixture, topk_reconstruct_xla)
 from prism_jax import sharding
+from prism_jax.config import Mixture
 from prism_jax.model import nnls
 from prism_jax.model.params import normal_param
 
@@ -40,7 +42,7 @@ __all__ = ["EPS", "IMPLEMENTATIONS", "PrototypeBank", "PrototypeOutput", "Simila
            "topk_reconstruct_xla", "validate_inputs"]
 
 
-MIXTURES = ("raw", "normalized", "nnls")
+MIXTURES = typing.get_args(Mixture)  # "raw", "normalized", "nnls": the config's one list
 
 
 class PrototypeOutput(NamedTuple):

@@ -10,14 +10,13 @@ off). Nothing here takes a path from a request: the run directory, its cards
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import dataclasses
 import os
 import threading
 
 import numpy as np
 
-from prism_jax import paths, run_lock
+from prism_jax import paths
 from prism_jax.data.tokenizers import piece
 from prism_jax.generate import SAMPLING, sampling_label
 from prism_jax.model.trust import RESIDUAL_DECIDED, trust_label
@@ -102,16 +101,10 @@ class Explorer:
     return self._packed
 
   def _cards(self, build: bool, progress: bool):
-    from prism_jax.analysis import cards as cards_lib  # pylint: disable=g-import-not-at-top
-    cards_dir = paths.join(self.run.workdir, "cards")
-    if paths.path(paths.join(cards_dir, cards_lib.CARDS_FILE)).is_file():
-      return cards_lib.CardSet.load(cards_dir, model=self.run.model)
-    if not build:
-      return None
-    with run_lock.hold(self.run.workdir, "prism serve: building the cards"):
-      return cards_lib.build_cards(self.run.model, self.run.config, self.packed(),
-                                   decode=self.run.tokenizer.decode, out_dir=cards_dir,
-                                   progress=progress)
+    from prism_jax.runs import run_cards  # pylint: disable=g-import-not-at-top
+    # the packed data is read at start-up anyway (the validation usage below)
+    return run_cards(self.run, build=build, writer="prism serve", packed=self.packed(),
+                     progress=progress)
 
   def _val_usage(self) -> np.ndarray:
     rows = self.packed().rows("val")["tokens"]
@@ -252,8 +245,7 @@ class Explorer:
                                                  else "absent, building off")}
 
   def _open_cache(self):
-    from prism_jax.attribution.caching import cache as cache_lib  # pylint: disable=g-import-not-at-top
-    from prism_jax.attribution.caching import cache_format  # pylint: disable=g-import-not-at-top
+    from prism_jax.runs import open_or_build_cache  # pylint: disable=g-import-not-at-top
     packed = self.packed()
     total = packed.num_rows("train")
 
@@ -262,13 +254,8 @@ class Explorer:
                               "rows": int(total)}
     try:
       self._cache_progress = {"pass": 0, "rows_done": 0, "rows": int(total)}
-      cache_dir = paths.join(self.run.workdir, "attribution_cache")
-      building = contextlib.nullcontext() if cache_format.is_complete_cache(cache_dir) else \
-          run_lock.hold(self.run.workdir, "prism serve: the attribution cache build")
-      with building:  # a build writes into the run: one writer at a time
-        cache = cache_lib.open_or_build(self.run.model, self.run.config, packed, cache_dir,
-                                        progress=False, on_batch=on_batch)
-      self._cache = cache
+      self._cache = open_or_build_cache(self.run, packed, "prism serve", progress=False,
+                                        on_batch=on_batch)
     except Exception as e:  # pylint: disable=broad-except
       self._cache_error = f"{type(e).__name__}: {str(e).splitlines()[0][:200] if str(e) else ''}"
     finally:

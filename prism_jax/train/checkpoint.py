@@ -143,24 +143,20 @@ class Checkpointer:
     it was edited or damaged; checkpoints older than the config digest load unchecked)."""
     out = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
     config = dict(out["config"])
-    digests = self._digests_quietly(step)
+    digests = self.read_digests(step, warn=False)  # the array reads warn of an old one
     if digests is not None and "config" in digests:
       integrity.verify_json(config, digests["config"],
                             paths.join(self.directory, str(step), "config"))
     return config
 
-  def _digests_quietly(self, step: int) -> dict[str, Any] | None:
+  def read_digests(self, step: int, warn: bool = True) -> dict[str, Any] | None:
+    """The saved per-array digests of `step`; None (with a warning, unless `warn` is False)
+    for an older checkpoint written before digests existed."""
     if not paths.path(self.directory).joinpath(str(step), DIGEST_ITEM).is_dir():
-      return None
-    return self.read_digests(step)
-
-  def read_digests(self, step: int) -> dict[str, Any] | None:
-    """The saved per-array digests of `step`; None (with a warning) for an older checkpoint
-    written before digests existed."""
-    if not paths.path(self.directory).joinpath(str(step), DIGEST_ITEM).is_dir():
-      logging.warning("checkpoint %d in %s has no checksums (written before they existed); "
-                      "loading it unverified (only finiteness is checked)", step,
-                      self.directory)
+      if warn:
+        logging.warning("checkpoint %d in %s has no checksums (written before they existed); "
+                        "loading it unverified (only finiteness is checked)", step,
+                        self.directory)
       return None
     out = self.manager.restore(step, args=ocp.args.Composite(
         **{DIGEST_ITEM: ocp.args.JsonRestore()}))
@@ -323,13 +319,18 @@ def model_differences(workdir: str, saved: Config) -> list[tuple[str, Any, Any]]
   return [d for d in diffs if d[0].startswith("model.")]
 
 
+def describe_differences(workdir: str, step: int, diffs: list[tuple[str, Any, Any]]) -> str:
+  """'<workdir>/config.json disagrees with checkpoint <step>'s own config in ...': the
+  first three of model_differences' fields."""
+  return (f"{workdir}/{CONFIG_FILE} disagrees with checkpoint {step}'s own config in "
+          + ", ".join(f"{k} (file {a!r}, checkpoint {b!r})" for k, a, b in diffs[:3]))
+
+
 def warn_if_config_file_differs(workdir: str, saved: Config, step: int) -> None:
   diffs = model_differences(workdir, saved)
   if diffs:
-    logging.warning("%s/%s disagrees with checkpoint %d's own config in %s; using the "
-                    "checkpoint's (the weights were trained with it)", workdir, CONFIG_FILE,
-                    step, ", ".join(f"{k} (file {a!r}, checkpoint {b!r})"
-                                    for k, a, b in diffs[:3]))
+    logging.warning("%s; using the checkpoint's (the weights were trained with it)",
+                    describe_differences(workdir, step, diffs))
 
 
 @contextlib.contextmanager

@@ -19,6 +19,7 @@ recipe made here changes both.
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
 import jax
@@ -52,9 +53,9 @@ class Recipe:
     # The step the bank was set from data at (None: not yet). With "auto" it is found while
     # training and kept in each checkpoint's data item (with_bank_state / restore_bank_state);
     # without an init from data, "auto" has nothing to wait for (0).
-    self.bank_set_at: int | None = (None if self.auto_init else 0
-                                    if cfg.train.proto_init_step == "auto"
-                                    else cfg.train.proto_init_step)
+    self.bank_set_at: int | None = cfg.train.proto_init_step
+    if cfg.train.proto_init_step == "auto":
+      self.bank_set_at = None if self.auto_init else 0
 
   def init_state(self) -> TrainState:
     """The initial state, a pure function of train.seed, born sharded."""
@@ -84,9 +85,8 @@ class Recipe:
     if not self.auto_init:
       return proto_init_due(self.cfg, step)
     tc = self.cfg.train
-    return (self.bank_set_at is None and self.cfg.model.kind == "prism"
-            and self.cfg.model.proto_init == "data"
-            and ((step > 0 and step % tc.eval_every == 0) or step >= latest_proto_init(tc)))
+    return self.bank_set_at is None and (
+        (step > 0 and step % tc.eval_every == 0) or step >= latest_proto_init(tc))
 
   def with_bank_state(self, data_state: dict) -> dict:
     """The data state to checkpoint, with the step "auto" set the bank at (if it has)."""
@@ -114,9 +114,10 @@ class Recipe:
     if not self._init_check_due(step):
       return state, ""
     toks, mask = proto_init_tokens(source, cfg, step)
-    why = ""
-    if self.auto_init:
-      cos = states_common_cos(self.graphdef, state, self.shardings, toks, mask)
+    why, z_BxTxD = "", None
+    if self.auto_init:  # the states the bank would be set from decide whether it is now
+      z_BxTxD = _hidden_states(self.graphdef, state, self.shardings, toks)
+      cos = _common_cos(z_BxTxD, mask)
       latest = latest_proto_init(cfg.train)
       if cos >= cfg.train.proto_init_cos and step < latest:
         return state, (f"step {step}: bank not set yet (proto_init_step=auto: the hidden "
@@ -125,7 +126,8 @@ class Recipe:
       why = (f"; auto: cosine {cos:.2f} < {cfg.train.proto_init_cos:g}"
              if cos < cfg.train.proto_init_cos else
              f"; auto: the latest step {latest} reached, cosine {cos:.2f}")
-    state, cos = _init_prototypes(self.graphdef, state, self.shardings, cfg, toks, mask)
+    state, cos = _init_prototypes(self.graphdef, state, self.shardings, cfg, toks, mask,
+                                  z_BxTxD)
     self.bank_set_at = step
     warning = grounding.shared_direction_warning(cos)
     if warning:
@@ -137,23 +139,26 @@ class Recipe:
 BANK_SET_AT = "proto_init_at"  # the data item's key of the step "auto" set the bank at
 
 
-def states_common_cos(graphdef, state: TrainState, shardings: TrainState,
-                      tokens_BxT: np.ndarray, mask_BxT: np.ndarray) -> float:
-  """The mean cosine of the valid tokens' final hidden states to their mean direction."""
-  z_BxTxD = _hidden_states(graphdef, state, shardings, tokens_BxT)
+def _common_cos(z_BxTxD: np.ndarray, mask_BxT: np.ndarray) -> float:
+  """The mean cosine of the valid tokens' hidden states to their mean direction."""
   valid = np.asarray(mask_BxT, bool).reshape(-1)
   return grounding.common_direction_cos(z_BxTxD.reshape(-1, z_BxTxD.shape[-1])[valid])
 
 
+@functools.lru_cache(maxsize=8)
+def _hidden_fn(graphdef, mesh):
+  """The backbone's forward, jitted once per (model, mesh) (an "auto" init checks at every
+  eval step until it sets the bank), with a replicated result: on several processes the
+  parameters span devices this process cannot read, and every process must pick the same
+  prototypes."""
+  replicated = jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())
+  return jax.jit(lambda params, tokens: nnx.merge(graphdef, params).backbone(tokens)[0],
+                 out_shardings=replicated)
+
+
 def _hidden_states(graphdef, state: TrainState, shardings: TrainState,
                    tokens_BxT: np.ndarray) -> np.ndarray:
-  # The forward jitted with a replicated result: on several processes the parameters span
-  # devices this process cannot read, and every process must pick the same prototypes.
-  replicated = jax.sharding.NamedSharding(shardings.step.mesh,
-                                          jax.sharding.PartitionSpec())
-  hidden = jax.jit(lambda params, tokens: nnx.merge(graphdef, params).backbone(tokens)[0],
-                   out_shardings=replicated)
-  return np.asarray(hidden(state.params, tokens_BxT))
+  return np.asarray(_hidden_fn(graphdef, shardings.step.mesh)(state.params, tokens_BxT))
 
 
 def proto_init_due(cfg: Config, step: int) -> bool:
@@ -171,12 +176,15 @@ def init_prototypes(graphdef, state: TrainState, shardings: TrainState, cfg: Con
 
 
 def _init_prototypes(graphdef, state: TrainState, shardings: TrainState, cfg: Config,
-                     tokens_BxT: np.ndarray, mask_BxT: np.ndarray) -> tuple[TrainState, float]:
-  """(init_prototypes' state, the states' mean cosine to their mean direction)."""
+                     tokens_BxT: np.ndarray, mask_BxT: np.ndarray,
+                     z_BxTxD: np.ndarray | None = None) -> tuple[TrainState, float]:
+  """(init_prototypes' state, the states' mean cosine to their mean direction);
+  `z_BxTxD`: the tokens' hidden states when the caller has them already."""
   step = int(jax.device_get(state.step))
   seed = int(np.random.SeedSequence([cfg.train.seed, step]).generate_state(1)[0])
   module = nnx.merge(graphdef, state.params)
-  z_BxTxD = _hidden_states(graphdef, state, shardings, tokens_BxT)
+  if z_BxTxD is None:
+    z_BxTxD = _hidden_states(graphdef, state, shardings, tokens_BxT)
   chosen = init_prototypes_from_hidden(module, tokens_BxT, seed=seed, mask_BxT=mask_BxT,
                                        kmeans_pp=True, z_BxTxD=z_BxTxD)
   # the bank's value from the host copy (the same float32 values the module got): under
@@ -187,9 +195,7 @@ def _init_prototypes(graphdef, state: TrainState, shardings: TrainState, cfg: Co
   params[PROTO_PATH[0]][PROTO_PATH[1]] = jax.device_put(
       protos, shardings.params[PROTO_PATH[0]][PROTO_PATH[1]])
   opt_state = jax.device_put(reset_moments(state.opt_state), shardings.opt_state)
-  valid = np.asarray(mask_BxT, bool).reshape(-1)
-  cos = grounding.common_direction_cos(z_BxTxD.reshape(-1, z_BxTxD.shape[-1])[valid])
-  return TrainState(state.step, params, opt_state), cos
+  return TrainState(state.step, params, opt_state), _common_cos(z_BxTxD, mask_BxT)
 
 
 def proto_init_tokens(loader, cfg: Config, step: int) -> tuple[np.ndarray, np.ndarray]:
