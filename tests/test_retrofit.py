@@ -11,6 +11,8 @@ from prism_jax.config import preset
 from prism_jax.loading import load_for_inference
 from prism_jax.train import apply_overrides, train
 from prism_jax.loading import load_params
+from prism_jax.train.optimizer import make_optimizer
+from prism_jax.train.state import init_fn
 
 WORDS = ["for", "while", "the", "of", "prototype", "token", "mesh", "<x>", "&amp;"]
 SETS = [
@@ -58,6 +60,30 @@ def test_frozen_retrofit_keeps_the_dense_logits_bit_for_bit(dense_run):
   assert np.array_equal(np.asarray(prism(toks).logits_BxTxV), want)
   jitted = [jax.jit(lambda t, m=m: m(t).logits_BxTxV)(toks) for m in (dense, prism)]
   assert np.array_equal(np.asarray(jitted[1]), np.asarray(jitted[0]))  # compiled alike
+
+
+def test_one_run_retrofit_trains_the_backbone_until_the_bank_is_set(dense_run, tmp_path):
+  """trainable=prototypes without init_from: the dense warm-up trains the backbone, which is
+  then frozen from the bank's setting on (the tiny preset's recipe)."""
+  _, sets = dense_run
+  run = str(tmp_path / "one_run")
+  cfg = apply_overrides(preset("tiny"), sets + [
+      "train.trainable=prototypes", "train.proto_init_step=3"])
+  assert np.isfinite(train(cfg, run).eval["agreement"])
+  _, mid, _, _ = load_params(run, step=3)
+  _, end, _, _ = load_params(run, step=6)
+  init = jax.device_get(nnx_init_params(cfg))  # step 0
+  moved = [not np.array_equal(a, b) for (_, a), (_, b) in
+           zip(_leaves(init["backbone"]), _leaves(mid["backbone"]))]
+  assert sum(moved) > len(moved) // 2  # the warm-up trained the backbone
+  for (path, b), (_, c) in zip(_leaves(mid["backbone"]), _leaves(end["backbone"])):
+    assert np.array_equal(b, c), path  # frozen from the bank's setting on
+  assert not np.array_equal(np.asarray(mid["bank"]["protos"]), np.asarray(end["bank"]["protos"]))
+
+
+def nnx_init_params(cfg):
+  """The run's step-0 parameters (a pure function of train.seed)."""
+  return init_fn(cfg, make_optimizer(cfg.train))().params
 
 
 def test_full_retrofit_trains_the_backbone(dense_run):

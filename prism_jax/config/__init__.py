@@ -240,8 +240,10 @@ class TrainConfig:
   # (a dense twin, an imported Hugging Face GPT-2, a PRISM run); the bank is then set from
   # its hidden states at proto_init_step (0: at once). "" = train from scratch.
   init_from: str = ""
-  # "all", or "prototypes": only the prototype head (bank, learned mixture scale) trains;
-  # the backbone is frozen, so the full logits stay the pretrained model's to the bit.
+  # "all", or "prototypes": once the bank is set, only the prototype head (bank, learned
+  # mixture scale) trains and the backbone is frozen, so the full logits stay those of the
+  # backbone the bank was set on, to the bit. The dense warm-up before the bank is set
+  # (proto_init_step > 0) trains the backbone: a retrofit in one run (the tiny preset).
   trainable: Literal["all", "prototypes"] = "all"
 
   def __post_init__(self):

@@ -4,7 +4,8 @@ What a PRISM run does besides taking optimiser steps, built once per (config, me
   - the optimiser, the model template (graphdef) and the state's shardings;
   - the initial state (born sharded) and the abstract state (the restore target);
   - the jitted step of each phase: the dense warm-up (CE through W z) until
-    `train.proto_init_step`, then PRISM's loss; gradient accumulation (`train.grad_accum`)
+    `train.proto_init_step`, then PRISM's loss (`train.trainable=prototypes`: on the head
+    alone, the backbone frozen from the bank's setting on); gradient accumulation (`train.grad_accum`)
     lives inside the step (prism_jax/train/accumulate.py);
   - what runs before a step: at `train.proto_init_step` the bank is set from hidden states
     by k-means++ (PRISM.md §3) with the bank's Adam moments reset ("auto": at the first
@@ -19,6 +20,7 @@ recipe made here changes both.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 from typing import Callable
 
@@ -43,6 +45,9 @@ class Recipe:
   def __init__(self, cfg: Config, mesh: jax.sharding.Mesh):
     self.cfg, self.mesh = cfg, mesh
     self.tx = make_optimizer(cfg.train)
+    # trainable=prototypes freezes the backbone once the bank is set; the dense warm-up before
+    # it (proto_init_step > 0) trains the backbone, through the same optimiser state's shape.
+    self._dense_tx = make_optimizer(dataclasses.replace(cfg.train, trainable="all"))
     template = model_template(cfg.model)
     self.graphdef = template[0]
     self.shardings = state_shardings(cfg, mesh, self.tx, template)
@@ -71,7 +76,8 @@ class Recipe:
     """The jitted step for `step` (compiled once per phase)."""
     dense = self._warm_dense and (self.bank_set_at is None or step < self.bank_set_at)
     if dense not in self._steps:
-      self._steps[dense] = step_lib.make_train_step(self.graphdef, self.cfg, self.tx,
+      tx = self._dense_tx if dense else self.tx
+      self._steps[dense] = step_lib.make_train_step(self.graphdef, self.cfg, tx,
                                                     self.shardings, self.mesh,
                                                     dense_phase=dense)
     return self._steps[dense]

@@ -97,7 +97,7 @@ def make_train_step(graphdef, cfg: Config, tx: optax.GradientTransformation,
   """
 
   def loss_fn(params, batch, step, share=None):
-    if cfg.train.trainable == "prototypes":  # no backward pass through the frozen backbone
+    if cfg.train.trainable == "prototypes" and not dense_phase:  # frozen backbone: no backward
       params = {**params, "backbone": jax.lax.stop_gradient(params["backbone"])}
     model = nnx.merge(graphdef, params)
     if dense_phase:
