@@ -23,8 +23,8 @@ contributions to the sampled token's logit and the residual slice; they sum to
 Control (PRISM.md §6): `proto_gain_K` scales each prototype's share of the logits,
     ℓ' = ℓ − Σ_{i∈S_t} (1 − g_i) a_{t,i} W p_i,
 keeping r_t from the unedited pass (`prism_jax.model.logit_edit.controlled_logits`, the
-edit a teacher-forced scorer uses too); `logit_edit.suppression_gains(K, ids)` gives g = 0
-on a set G (suppression); g_i = 1 + w_i is the gain controller ℓ' = ℓ + Σ_i w_i a W p_i.
+edit a teacher-forced scorer uses too); `control.steering.suppression_gains(K, ids)` gives
+g = 0 on a set G (suppression); g_i = 1 + w_i is the gain controller ℓ' = ℓ + Σ_i w_i a W p_i.
 Contributions are reported after the gains, so they still sum with the residual to the
 logit that was sampled from. Each token's trust (prism_jax/model/trust.py) is that of the
 step's edited logits: whether argmax W z_hat (gains applied) is the model's top-1 and the
@@ -97,16 +97,28 @@ class _Spec:
   logit_hook: LogitHook | None
 
 
-def filter_logits(logits_BxV: jax.Array, top_k: int | None, top_p: float | jax.Array
-                  ) -> jax.Array:
+def top_k_filter(logits_BxV: jax.Array, top_k: int | jax.Array) -> jax.Array:
+  """Sets logits below the k-th largest of their row to the dtype's min (ties at the cut all
+  kept). `top_k` is a Python int (lax.top_k) or a traced integer scalar, clipped to [1, V]
+  (a sort: one program serves every k, as the explorer's does)."""
+  if isinstance(top_k, (int, np.integer)):
+    kth_B = jax.lax.top_k(logits_BxV, int(top_k))[0].min(-1, keepdims=True)  # not [..., -1:]
+  else:
+    k = jnp.clip(top_k, 1, logits_BxV.shape[-1])
+    kth_B = jnp.take(jnp.sort(logits_BxV, axis=-1)[..., ::-1], k - 1, axis=-1)[..., None]
+  return jnp.where(logits_BxV < kth_B, jnp.finfo(logits_BxV.dtype).min, logits_BxV)
+
+
+def filter_logits(logits_BxV: jax.Array, top_k: int | jax.Array | None,
+                  top_p: float | jax.Array) -> jax.Array:
   """Sets logits outside the top-k / nucleus (top-p) to -inf. Ties at a cut are all kept.
 
   The nucleus is the smallest set of most likely tokens whose probability reaches top_p.
+  `top_k` may be traced (`top_k_filter`).
   """
   neg_inf = jnp.finfo(logits_BxV.dtype).min
   if top_k is not None:
-    kth_B = jax.lax.top_k(logits_BxV, top_k)[0].min(-1, keepdims=True)  # not [..., -1:]
-    logits_BxV = jnp.where(logits_BxV < kth_B, neg_inf, logits_BxV)
+    logits_BxV = top_k_filter(logits_BxV, top_k)
   if not isinstance(top_p, (int, float)) or top_p < 1.0:
     sorted_BxV = jnp.sort(logits_BxV, axis=-1)[:, ::-1]
     probs_BxV = jax.nn.softmax(sorted_BxV, axis=-1)
@@ -117,12 +129,46 @@ def filter_logits(logits_BxV: jax.Array, top_k: int | None, top_p: float | jax.A
   return logits_BxV
 
 
+def sample_tokens(logits_BxV: jax.Array, key: jax.Array, temperature: float | jax.Array,
+                  top_k: int | jax.Array | None = None, top_p: float | jax.Array = 1.0
+                  ) -> jax.Array:
+  """(B,) int32 tokens drawn from softmax(filter_logits(logits / temperature)) with `key`
+  (temperature > 0; greedy is argmax). Traced knobs reuse one program."""
+  logits_BxV = filter_logits(logits_BxV / temperature, top_k, top_p)
+  return jax.random.categorical(key, logits_BxV, axis=-1).astype(jnp.int32)
+
+
 def _sample(logits_BxV, key, knobs, spec: _Spec):
   if not spec.sample:
     return jnp.argmax(logits_BxV, axis=-1).astype(jnp.int32)
-  logits_BxV = filter_logits(logits_BxV / knobs["temperature"], spec.top_k,
-                             knobs["top_p"] if spec.use_top_p else 1.0)
-  return jax.random.categorical(key, logits_BxV, axis=-1).astype(jnp.int32)
+  return sample_tokens(logits_BxV, key, knobs["temperature"], spec.top_k,
+                       knobs["top_p"] if spec.use_top_p else 1.0)
+
+
+class Explained(NamedTuple):
+  """Tokens' (edited) logits explained (`explain_tokens`), one row per token."""
+
+  idx_Nxk: jax.Array  # active prototype ids
+  act_Nxk: jax.Array  # activations a_{t,i}, before gains
+  contrib_Nxk: jax.Array  # g_i a_{t,i} <W_y, p_i> for the token y
+  residual_N: jax.Array  # <W_y, r_t>
+  logit_unedited_N: jax.Array  # the token's logit without the gains
+  proto_top1_N: jax.Array  # argmax W z_hat (gains applied)
+  agrees_N: jax.Array  # the prototype path picks the (edited) logits' top-1
+  proto_share_N: jax.Array  # the prototypes' share of the top-1's lead (model/trust.py)
+
+
+def explain_tokens(model: PrismLM, protos: PrototypeOutput, logits_NxV: jax.Array,
+                   tokens_N: jax.Array, gains_K: jax.Array | None = None) -> Explained:
+  """The slices of each token's logit and the trust of `logits_NxV` (the edited logits when
+  `gains_K` is given, `controlled_logits` with those gains): the sampler's trace and the
+  explorer's explanations. The slices sum with the residual to the edited logit."""
+  dec = decompose(model, protos, tokens_N)
+  contrib_Nxk = dec.contrib_Nxk if gains_K is None else dec.contrib_Nxk * gains_K[dec.idx_Nxk]
+  # W z_hat with the gains: the prototype path of the logits that were sampled from
+  trust = edited_trust(model, protos, logits_NxV, gains_K)
+  return Explained(dec.idx_Nxk, protos.act_Nxk, contrib_Nxk, dec.residual_N, dec.logit_N,
+                   trust.proto_top1_N, trust.agrees_N, trust.proto_share_N)
 
 
 def _rows(protos: PrototypeOutput, rows_B: jax.Array) -> PrototypeOutput:
@@ -156,13 +202,10 @@ def _pick(model, logits_BxV, protos, key, knobs, spec: _Spec):
   logit_B = jnp.take_along_axis(logits_BxV, tok_B[:, None], axis=-1)[:, 0]
   if protos is None:
     return tok_B, logit_B, None
-  dec = decompose(model, protos, tok_B)
-  gains_K = knobs["gains_K"] if spec.use_gains else None
-  contrib_Bxk = dec.contrib_Nxk if gains_K is None else dec.contrib_Nxk * gains_K[protos.idx_Nxk]
-  # W z_hat with the gains: the prototype path of the logits that were sampled from
-  trust = edited_trust(model, protos, logits_BxV, gains_K)
-  return tok_B, logit_B, (dec.idx_Nxk, protos.act_Nxk, contrib_Bxk, dec.residual_N,
-                          trust.proto_top1_N, trust.agrees_N, trust.proto_share_N)
+  ex = explain_tokens(model, protos, logits_BxV, tok_B,
+                      knobs["gains_K"] if spec.use_gains else None)
+  return tok_B, logit_B, (ex.idx_Nxk, ex.act_Nxk, ex.contrib_Nxk, ex.residual_N,
+                          ex.proto_top1_N, ex.agrees_N, ex.proto_share_N)
 
 
 def _write(carry, tok_B, logit_B, row, caches, knobs, prompt_len: int):

@@ -21,6 +21,8 @@ from __future__ import annotations
 import jax.numpy as jnp
 import numpy as np
 
+from prism_jax.control.steering import gains_vector
+from prism_jax.control.suppression import model_fingerprint
 from prism_jax.data.tokenizers import piece
 from prism_jax.generate import SAMPLING, generate as generate_ids, sampling_label
 from prism_jax.model.lm import decompose as decompose_logits
@@ -51,34 +53,19 @@ class Run:
     return (f"Run({self.workdir!r}: {m.kind}, d={m.d_model}, layers={m.n_layers}{bank}, "
             f"vocab={m.vocab_size}{steered})")
 
-  def steer(self, gains) -> "Run":
+  def steer(self, gains=None, *, steering_set=None) -> "Run":
     """A view of this run with prototype gains (composes with this view's gains).
 
     Args:
       gains: {prototype id: gain} or a (K,) array of gains; 0 removes a prototype's share
         of the logits, 1 leaves it, > 1 amplifies it.
+      steering_set: a saved set's JSON content (the explorer's or `prism suppress`'s;
+        control/steering.read_set reads a file), checked against this run's bank.
 
     Returns:
       A new Run sharing the model, whose generate and decompose apply the gains.
     """
-    if self.config.model.kind != "prism":
-      raise ValueError(f"{self.workdir} is a dense run: it has no prototypes to steer")
-    big_k = self.config.model.num_prototypes
-    g = np.ones(big_k, np.float32) if self.gains_K is None else np.array(self.gains_K)
-    if isinstance(gains, dict):
-      bad = [i for i in gains if not 0 <= int(i) < big_k]
-      if bad:
-        raise ValueError(f"prototype ids must be in [0, {big_k}), got {bad}")
-      for i, v in gains.items():
-        g[int(i)] *= float(v)
-    else:
-      arr = np.asarray(gains, np.float32)
-      if arr.shape != (big_k,):
-        raise ValueError(f"gains must be a dict or shape ({big_k},), got {arr.shape}")
-      g = g * arr
-    if not np.all(np.isfinite(g)) or (g < 0).any():
-      raise ValueError("gains must be finite and >= 0")
-    return Run(self.workdir, self.model, self.config, self.tokenizer, g)
+    return self._steered(gains=gains, steering_set=steering_set)
 
   def suppress(self, proto_ids) -> "Run":
     """A view with the given prototypes removed (gain 0).
@@ -89,7 +76,16 @@ class Run:
     Returns:
       A new Run (see `steer`).
     """
-    return self.steer({int(i): 0.0 for i in proto_ids})
+    return self._steered(ids=proto_ids)
+
+  def _steered(self, **forms) -> "Run":
+    if self.config.model.kind != "prism":
+      raise ValueError(f"{self.workdir} is a dense run: it has no prototypes to steer")
+    fingerprint = (model_fingerprint(self.model) if forms.get("steering_set") is not None
+                   else None)
+    g = gains_vector(self.config.model.num_prototypes, **forms, fingerprint=fingerprint,
+                     base_K=self.gains_K)
+    return Run(self.workdir, self.model, self.config, self.tokenizer, g)
 
   def attribute(self, text, position: int | None = None, *, top: int = 5,
                 build: bool = True) -> TokenAttribution:

@@ -135,11 +135,11 @@ def test_set_save_load_and_bad_input(tmp_path):
   other = _model(seed=70000)  # outside randbits(16): never the model the set was saved for
   with pytest.raises(ValueError, match="saved for another model: bank_sha256"):
     ProtoSet.load(path, other)
-  with pytest.raises(ValueError, match=r"unknown prototype ids \[16, -1\]"):
+  with pytest.raises(ValueError, match=r"prototype ids must be in \[0, 16\), got \[16, -1\]"):
     ProtoSet.create(model, [0, 16, -1])
   with pytest.raises(ValueError, match="empty prototype selection"):
     ProtoSet.create(model, [])
-  with pytest.raises(ValueError, match="unknown prototype ids"):
+  with pytest.raises(ValueError, match="prototype ids must be in"):
     suppressed_logits(model, model(np.zeros((1, 2), np.int32) + 3), [K])
   with pytest.raises(ValueError, match="duplicate"):
     ProtoSet.create(model, [2, 2])

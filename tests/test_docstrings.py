@@ -13,7 +13,8 @@ from prism_jax.attribution.scoring.influence import attribute_batch
 from prism_jax.config import preset
 from prism_jax.data import prepare_data
 from prism_jax.model.lm import decompose
-from prism_jax.model.logit_edit import controlled_logits, suppression_gains
+from prism_jax.control.steering import gain_map, gains_vector, suppression_gains
+from prism_jax.model.logit_edit import controlled_logits
 from prism_jax.model.prototypes import prototype_layer
 from prism_jax.loading import load_for_inference
 from prism_jax.runs import Run
@@ -22,6 +23,7 @@ from prism_jax.train import Trainer
 RUN_METHODS = [getattr(Run, n) for n in ("generate", "decompose", "attribute", "report",
                                          "steer", "suppress", "hessian_block")]
 FUNCTIONS = [prism_jax.load, load_for_inference, prototype_layer, decompose, controlled_logits, suppression_gains,
+             gains_vector, gain_map,
              hessian_block, build_cache, attribute_batch, prepare_data, preset,
              Trainer.__init__, Trainer.init, Trainer.fit] + RUN_METHODS
 

@@ -7,13 +7,15 @@ float64 NumPy re-computations from the teacher-forced hidden states z.
 
 import secrets
 
+import jax
+import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from prism_jax.analysis.token_report import token_report, token_rows
 from prism_jax.config import model_preset
-from prism_jax.generate import filter_logits, generate
-from prism_jax.model.logit_edit import suppression_gains
+from prism_jax.control.steering import suppression_gains
+from prism_jax.generate import filter_logits, generate, top_k_filter
 from prism_jax.model.lm import build_model, init_prototypes_from_hidden
 
 VOCAB, MAX_LEN, PROMPT, STEPS = 64, 24, 5, 10
@@ -194,6 +196,21 @@ def test_filter_logits_matches_numpy():
     probs /= probs.sum()
     n_keep = int(np.searchsorted(np.cumsum(probs), top_p) + 1)  # smallest set with mass >= p
     assert set(np.flatnonzero(keep)) == set(order[:n_keep].tolist())
+
+
+def test_traced_top_k_filter_is_the_static_one_and_numpys():
+  # the explorer samples with a traced k (one program for every k): same cut as lax.top_k's
+  seed = secrets.randbits(32)
+  rng = np.random.default_rng(seed)
+  logits = rng.permutation(np.arange(120, dtype=np.float32)).reshape(3, 40) / 7  # tie-free
+  traced = jax.jit(top_k_filter)
+  for top_k in (1, int(rng.integers(2, 40)), 40, 55):
+    want = logits >= np.sort(logits, -1)[:, -min(top_k, 40)][:, None]
+    got = np.asarray(traced(logits, jnp.int32(top_k)))
+    np.testing.assert_array_equal(got > -1e30, want, err_msg=f"seed {seed} top_k {top_k}")
+    np.testing.assert_array_equal(got[want], logits[want])
+    if top_k <= 40:
+      np.testing.assert_array_equal(got, np.asarray(top_k_filter(logits, top_k)))
 
 
 def test_sampling_is_reproducible_with_a_fixed_seed(prism):

@@ -14,7 +14,8 @@ import pytest
 
 from prism_jax.config import model_preset
 from prism_jax.model.lm import build_model, init_prototypes_from_hidden
-from prism_jax.model.logit_edit import controlled_logits, suppression_gains
+from prism_jax.control.steering import suppression_gains
+from prism_jax.model.logit_edit import controlled_logits
 
 VOCAB, SEQ, K, TOP = 48, 12, 16, 4
 SEEDS = {}  # model seeds, reported in failure messages
@@ -87,7 +88,7 @@ def test_suppression_gains_and_bad_inputs():
   np.testing.assert_array_equal(np.asarray(suppression_gains(3, [])), [1, 1, 1])
   with pytest.raises(ValueError, match=r"prototype ids must be in \[0, 16\), got \[-1, 16\]"):
     suppression_gains(16, [-1, 3, 16])
-  with pytest.raises(TypeError, match="prototype ids must be integers"):
+  with pytest.raises(ValueError, match="prototype ids must be integers"):
     suppression_gains(16, [1.5])
   model = _model()
   out = model(np.zeros((1, 4), np.int32) + 7)

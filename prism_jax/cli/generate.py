@@ -30,7 +30,7 @@ def main(argv):
   logging.set_verbosity(logging.WARNING)  # keep checkpoint-restore chatter out of the sample
   from prism_jax.analysis.token_report import token_report  # pylint: disable=g-import-not-at-top
   from prism_jax.generate import generate  # pylint: disable=g-import-not-at-top
-  from prism_jax.model.logit_edit import suppression_gains  # pylint: disable=g-import-not-at-top
+  from prism_jax.control import steering  # pylint: disable=g-import-not-at-top
   from prism_jax.loading import load_for_inference  # pylint: disable=g-import-not-at-top
   model, cfg, tokenizer = load_for_inference(FLAGS.workdir, step=FLAGS.step)
   prompt_ids = tokenizer.encode(FLAGS.prompt)
@@ -40,7 +40,8 @@ def main(argv):
   if FLAGS.suppress:
     if cfg.model.kind != "prism":
       raise ValueError("--suppress needs a PRISM model (this run is dense)")
-    gains = suppression_gains(cfg.model.num_prototypes, [int(i) for i in FLAGS.suppress])
+    num = cfg.model.num_prototypes
+    gains = steering.suppression_gains(num, [steering.proto_id(i, num) for i in FLAGS.suppress])
   out = generate(model, [prompt_ids], max_new_tokens=FLAGS.max_new_tokens,
                  top_p=FLAGS.top_p, eos_id=tokenizer.eos_id, **sampling_flags.kwargs(),
                  proto_gain_K=gains)

@@ -41,20 +41,19 @@ def define_flags() -> None:
 
 
 def read_gains(path: str, run) -> dict[int, float]:
-  """{prototype id: gain} of a steering set file, read by the explorer's own checks
-  (serve/requests.py: both formats, ids, bounds, a suppression set's bank fingerprint)."""
-  from prism_jax import paths  # pylint: disable=g-import-not-at-top
+  """{prototype id: gain} of a steering set file, read and checked by control/steering.py
+  (both formats, ids, bounds, a suppression set's bank fingerprint)."""
+  from prism_jax.control import steering  # pylint: disable=g-import-not-at-top
   from prism_jax.control.suppression import model_fingerprint  # pylint: disable=g-import-not-at-top
-  from prism_jax.serve import requests  # pylint: disable=g-import-not-at-top
   if run.config.model.kind != "prism":
     raise ValueError(f"--gains: {run.workdir} is a dense run: it has no prototypes to steer")
-  if not paths.path(path).is_file():
-    raise FileNotFoundError(f"--gains: steering set file {path} does not exist")
   try:
-    obj = json.loads(paths.path(path).read_text())
-    return requests.steering_set(obj, run.config.model.num_prototypes,
-                                 model_fingerprint(run.model))
-  except ValueError as e:  # BadRequest and JSONDecodeError alike
+    return steering.gain_map(run.config.model.num_prototypes,
+                             steering_set=steering.read_set(path),
+                             fingerprint=model_fingerprint(run.model))
+  except FileNotFoundError as e:
+    raise FileNotFoundError(f"--gains: {e}") from None
+  except ValueError as e:  # the set's checks and JSONDecodeError alike
     raise ValueError(f"--gains={path}: {e}") from None
 
 

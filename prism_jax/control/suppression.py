@@ -27,12 +27,14 @@ import numpy as np
 from prism_jax import io_guard, paths
 from prism_jax.generate import GenerationOutput, generate
 from prism_jax.model.lm import LMOutput, PrismLM
-from prism_jax.model.logit_edit import controlled_logits, suppression_gains
+from prism_jax.control import steering
+from prism_jax.control.steering import suppression_gains
+from prism_jax.model.logit_edit import controlled_logits
 from prism_jax.model import nnls
 from prism_jax.model.prototypes import PrototypeOutput, similarity, topk_mixture
 
 SETS_DIR = "suppression_sets"  # beside a run: <workdir>/suppression_sets/<name>.json
-FORMAT = "prism_jax.suppression_set/1"
+FORMAT = steering.SUPPRESSION_FORMAT  # "prism_jax.suppression_set/1"
 
 
 def model_fingerprint(model: PrismLM) -> dict:
@@ -44,20 +46,15 @@ def model_fingerprint(model: PrismLM) -> dict:
 
 
 def check_ids(model: PrismLM, ids: Sequence[int], *, allow_empty: bool = False) -> np.ndarray:
-  """`ids` as sorted unique int64, or ValueError: not a PrismLM, unknown ids, empty set."""
+  """`ids` as sorted unique int64, or ValueError: not a PrismLM, unknown ids (checked by
+  control/steering.check_ids), empty set."""
   if not isinstance(model, PrismLM):
     raise ValueError("suppression needs a PrismLM: the dense model has no prototypes")
-  ids_G = np.asarray(list(ids)).reshape(-1)
-  if ids_G.size and not np.issubdtype(ids_G.dtype, np.integer):
-    raise ValueError(f"prototype ids must be integers, got {ids_G.tolist()[:8]}")
+  ids_G = steering.check_ids(ids, model.cfg.num_prototypes)
   if not ids_G.size and not allow_empty:
     raise ValueError("empty prototype selection: nothing to suppress (did the selection "
                      "match no prototype?)")
-  num = model.cfg.num_prototypes
-  bad = ids_G[(ids_G < 0) | (ids_G >= num)]
-  if bad.size:
-    raise ValueError(f"unknown prototype ids {bad.tolist()[:8]}: the bank has ids 0..{num - 1}")
-  return np.unique(ids_G.astype(np.int64))
+  return np.unique(ids_G)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -73,8 +70,9 @@ class ProtoSet:
   @classmethod
   def create(cls, model: PrismLM, ids: Sequence[int], scores: Sequence[float] | None = None,
              method: str = "manual", query: str = "") -> "ProtoSet":
-    ids_list = [int(i) for i in np.asarray(list(ids)).reshape(-1)]
-    check_ids(model, ids_list)
+    ids = list(ids) if not isinstance(ids, np.ndarray) else ids
+    check_ids(model, ids)  # integers in range: no int() below truncates a 1.5
+    ids_list = [int(i) for i in np.asarray(ids).reshape(-1)]
     scores = [1.0] * len(ids_list) if scores is None else [float(s) for s in scores]
     if len(scores) != len(ids_list):
       raise ValueError(f"{len(ids_list)} ids but {len(scores)} scores")
@@ -104,11 +102,8 @@ class ProtoSet:
       raise ValueError(f"{path} is not a suppression set (format {raw.get('format')!r})")
     pset = cls(tuple(raw["ids"]), tuple(raw["scores"]), raw["method"], raw["query"],
                raw["fingerprint"])
-    have = model_fingerprint(model)
-    diff = [k for k in have if have[k] != pset.fingerprint.get(k)]
-    if diff:
-      raise ValueError(f"suppression set {path} was saved for another model: "
-                       f"{', '.join(diff)} differ from this model's")
+    steering.check_fingerprint(pset.fingerprint, model_fingerprint(model),
+                               f"suppression set {path}")
     check_ids(model, pset.ids)
     return pset
 

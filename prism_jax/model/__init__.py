@@ -2,12 +2,12 @@
 
 from prism_jax.model.lm import (DenseLM, Decomposition, LMOutput, PrismLM, build_model,
                                 decompose, init_prototypes_from_hidden)
-from prism_jax.model.logit_edit import controlled_logits, suppression_gains
+from prism_jax.model.logit_edit import controlled_logits
 from prism_jax.model.prototypes import PrototypeBank, PrototypeOutput, prototype_layer
 from prism_jax.model.transformer import Backbone, KVCache
 
 __all__ = [
     "Backbone", "DenseLM", "Decomposition", "KVCache", "LMOutput", "PrismLM", "PrototypeBank",
     "PrototypeOutput", "build_model", "controlled_logits", "decompose",
-    "init_prototypes_from_hidden", "prototype_layer", "suppression_gains",
+    "init_prototypes_from_hidden", "prototype_layer",
 ]

@@ -1,6 +1,5 @@
 """The control edit of PRISM.md §6 on a PrismLM's logits, for samplers and scorers alike.
 
-    gains_K = suppression_gains(K, ids)           # g = 0 on a set G, 1 elsewhere
     logits_BxTxV = controlled_logits(model, out, gains_K)   # out = model(tokens_BxT)
 
 The edit scales each active prototype's share of the logits by its gain,
@@ -8,43 +7,19 @@ The edit scales each active prototype's share of the logits by its gain,
 keeping the routing S_t, the activations a_{t,i} and the residual r_t of the unedited pass
 (recomputing the residual would cancel the edit). g = 0 on G is suppression; g_i = 1 + w_i
 is the gain controller ℓ' = ℓ + Σ_i w_i a_{t,i} W p_i. The sampler (generate.py) applies
-it per decoded token; a teacher-forced scorer applies it to a whole (B, T, V) pass.
+it per decoded token; a teacher-forced scorer applies it to a whole (B, T, V) pass. The
+gains themselves are built and checked in prism_jax/control/steering.py (`gains_vector`,
+`suppression_gains`), from a dict, an array, an id list or a saved set.
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from prism_jax.model.lm import LMOutput, PrismLM
 from prism_jax.model.prototypes import sparse_mixture
 from prism_jax.model.trust import Trust, token_trust
-
-
-def suppression_gains(num_prototypes: int, proto_ids: Sequence[int]) -> jax.Array:
-  """Gain vector (K,) that is 0 on `proto_ids` and 1 elsewhere: suppression of a set G.
-
-  Args:
-    num_prototypes: K, the size of the bank.
-    proto_ids: the prototype ids of G, integers in [0, K) (repeats allowed; empty gives
-      all ones). A TypeError for non-integers, a ValueError for ids out of range.
-
-  Returns:
-    A float32 jax array of shape (K,): 0.0 at `proto_ids`, 1.0 elsewhere.
-  """
-  ids = np.asarray(list(proto_ids)).reshape(-1)
-  if ids.size and not np.issubdtype(ids.dtype, np.integer):
-    raise TypeError(f"prototype ids must be integers, got {ids.tolist()}")
-  ids = ids.astype(np.int64)
-  if ids.size and (ids.min() < 0 or ids.max() >= num_prototypes):
-    raise ValueError(f"prototype ids must be in [0, {num_prototypes}), got "
-                     f"{ids[(ids < 0) | (ids >= num_prototypes)].tolist()}")
-  gains = np.ones(num_prototypes, np.float32)
-  gains[ids] = 0.0
-  return jnp.asarray(gains)
 
 
 def controlled_logits(model: PrismLM, out: LMOutput, gains_K: jax.Array) -> jax.Array:
@@ -57,7 +32,8 @@ def controlled_logits(model: PrismLM, out: LMOutput, gains_K: jax.Array) -> jax.
       `protos`, which holds the B·T tokens flattened row-major (as PrismLM returns them),
       so a sampler passes its decoded rows as a (B, 1, V) output.
     gains_K: one gain g_i per prototype, shape (K,) (cast to float32): 1 leaves a
-      prototype's share unchanged, 0 removes it (`suppression_gains`), 1 + w_i scales it.
+      prototype's share unchanged, 0 removes it (`control.steering.suppression_gains`), 1 + w_i
+      scales it.
 
   Returns:
     The edited logits ℓ' = ℓ − Σ_{i∈S_t} (1 − g_i) a_{t,i} W p_i, float32 (B, T, V).

@@ -6,8 +6,9 @@ requests (one token per turn). Programs are compiled per length bucket (BUCKETS 
 model's context), never per prompt: a prompt of n tokens runs in the smallest bucket ≥ n,
 right-padded (the model is causal, so the padding cannot reach the positions read).
 
-`next_token` reproduces `prism_jax.generate`'s sampling exactly (temperature, then the top-k
-filter, `jax.random.categorical` with key fold_in(key(seed), step)); temperature, top-k,
+`next_token` samples and explains through `prism_jax.generate`'s own functions
+(`sample_tokens`: temperature, the top-k filter, `jax.random.categorical` with key
+fold_in(key(seed), step); `explain_tokens`: the slices and the trust); temperature, top-k,
 greedy and the gains are traced values, so one program serves every setting. Gains are always
 applied (ones when unsteered): ℓ' = ℓ − Σ_{i∈S_t} (1 − g_i) a_{t,i} W p_i (PRISM.md §6).
 """
@@ -23,8 +24,10 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from prism_jax.model.lm import LMOutput, decompose
-from prism_jax.model.logit_edit import controlled_logits, edited_trust
+from prism_jax.control.steering import gains_vector
+from prism_jax.generate import explain_tokens, sample_tokens
+from prism_jax.model.lm import LMOutput
+from prism_jax.model.logit_edit import controlled_logits
 
 MIN_BUCKET = 32
 
@@ -52,21 +55,13 @@ class Step(NamedTuple):
   proto_share: float
 
 
-def _top_k_filter(logits_V, top_k):
-  """generate.filter_logits' top-k with a traced k (ties at the cut all kept)."""
-  kth = jnp.sort(logits_V)[::-1][jnp.clip(top_k, 1, logits_V.shape[0]) - 1]
-  return jnp.where(logits_V < kth, jnp.finfo(logits_V.dtype).min, logits_V)
-
-
 def _explained(model, out: LMOutput, edited_NxV, targets_N, gains_K):
-  """Per position of a (1, S) forward: slices of the target's edited logit and the trust."""
-  parts = decompose(model, out.protos, targets_N)
-  trust = edited_trust(model, out.protos, edited_NxV, gains_K)
-  contrib = parts.contrib_Nxk * gains_K[parts.idx_Nxk]
-  return dict(idx=parts.idx_Nxk, act=out.protos.act_Nxk, contrib=contrib,
-              residual=parts.residual_N, logit=parts.residual_N + contrib.sum(-1),
-              logit_unedited=parts.logit_N, prediction=trust.top1_N, agrees=trust.agrees_N,
-              share=trust.proto_share_N)
+  """Per position of a (1, S) forward: generate.explain_tokens' slices and trust, and the
+  target's edited logit as their sum."""
+  ex = explain_tokens(model, out.protos, edited_NxV, targets_N, gains_K)
+  return dict(idx=ex.idx_Nxk, act=ex.act_Nxk, contrib=ex.contrib_Nxk, residual=ex.residual_N,
+              logit=ex.residual_N + ex.contrib_Nxk.sum(-1), logit_unedited=ex.logit_unedited_N,
+              prediction=ex.proto_top1_N, agrees=ex.agrees_N, share=ex.proto_share_N)
 
 
 @jax.jit(static_argnames=("graphdef",))
@@ -74,11 +69,11 @@ def _next_token(graphdef, state, buf_1xS, last, step, knobs):
   model = nnx.merge(graphdef, state)
   out = model(buf_1xS)
   edited_NxV = controlled_logits(model, out, knobs["gains_K"])[0]
-  logits_V = edited_NxV[last]
-  scaled = _top_k_filter(logits_V / jnp.maximum(knobs["temperature"], 1e-6), knobs["top_k"])
+  logits_1xV = edited_NxV[last][None]
   key = jax.random.fold_in(jax.random.key(knobs["seed"]), step)
-  sampled = jax.random.categorical(key, scaled).astype(jnp.int32)
-  tok = jnp.where(knobs["greedy"], jnp.argmax(logits_V).astype(jnp.int32), sampled)
+  sampled = sample_tokens(logits_1xV, key, jnp.maximum(knobs["temperature"], 1e-6),
+                          knobs["top_k"])[0]
+  tok = jnp.where(knobs["greedy"], jnp.argmax(logits_1xV[0]).astype(jnp.int32), sampled)
   targets = jnp.roll(buf_1xS[0], -1).at[last].set(tok)
   ex = _explained(model, out, edited_NxV, targets, knobs["gains_K"])
   return tok, jax.tree.map(lambda x: x[last], ex)
@@ -140,10 +135,8 @@ class Engine:
     return jnp.asarray(buf)
 
   def gains(self, gains: dict[int, float] | None) -> jax.Array:
-    g = np.ones(self.cfg.num_prototypes, np.float32)
-    for i, v in (gains or {}).items():
-      g[int(i)] = float(v)
-    return jnp.asarray(g)
+    """The (K,) gains of a checked {prototype id: gain} (control/steering.gains_vector)."""
+    return jnp.asarray(gains_vector(self.cfg.num_prototypes, gains or {}))
 
   def next_token(self, ids, step: int, *, temperature: float, top_k: int, seed: int,
                  greedy: bool, gains_K) -> Step:

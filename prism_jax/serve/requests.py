@@ -6,23 +6,24 @@ is bounded: nesting at most LIMITS["json_depth"] levels, integers at most
 LIMITS["int_digits"] digits, no key twice in an object (and no prototype twice in `gains`,
 "5" and "05" alike), so no body reaches Python's recursion or int-string limits. Steering sets
 travel as JSON content (the explorer's `{"gains": {id: g}}` or the set `prism suppress`
-writes, `{"format": "prism_jax.suppression_set/1", "ids": [...]}`), never as a path.
+writes, `{"format": "prism_jax.suppression_set/1", "ids": [...]}`), never as a path; gains
+and sets are read and checked by prism_jax/control/steering.py, the one place that does.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import math
-import re
 from typing import Any
 
-from prism_jax.control.suppression import FORMAT as SUPPRESSION_FORMAT
+from prism_jax.control import steering
 
 LIMITS = {
     "body_bytes": 64 * 1024,  # a request body, steering sets included
     "prompt_chars": 4000,
     "new_tokens": 256,
-    "gain_max": 10.0,  # gains in [0, gain_max]: 0 removes, > 1 amplifies
+    "gain_max": 10.0,  # gains in [0, gain_max]: 0 removes, > 1 amplifies (control/steering)
     "temperature_max": 5.0,
     "seed_max": 2**31 - 1,
     "top_attributions": 20,
@@ -30,7 +31,6 @@ LIMITS = {
     "json_depth": 16,  # nested arrays/objects: the API's own bodies nest 3 deep
     "int_digits": 20,  # every integer field is far below 10**20
 }
-_PROTO_KEY = re.compile(r"\s*[+-]?[0-9]{1,10}\s*")  # ASCII digits: not "5_0" nor "٥"
 
 
 class BadRequest(ValueError):
@@ -172,59 +172,31 @@ def prompt_ids(body: dict, encode, vocab: int, max_tokens: int, field: str = "pr
 
 
 def gains(body: dict, num_prototypes: int, fingerprint: dict) -> dict[int, float]:
-  """{prototype id: gain} from `gains` and/or `steering_set` (the set's JSON content)."""
-  out: dict[int, float] = {}
-  raw = body.get("gains", {})
-  if not isinstance(raw, dict):
-    raise BadRequest("gains must be an object {prototype id: gain}")
-  if len(raw) > num_prototypes:
-    raise BadRequest(f"gains has {len(raw)} entries, the bank has {num_prototypes} prototypes")
-  named: dict[int, str] = {}
-  for key, g in raw.items():
-    i = _proto_id(key, num_prototypes)
-    if i in named:  # "5" and "05" are distinct keys naming one prototype: which gain holds?
-      raise BadRequest(f"gains names prototype {i} twice ({named[i][:20]!r} and "
-                       f"{str(key)[:20]!r})")
-    named[i] = str(key)
-    out[i] = number({"gain": g}, "gain", 1.0, 0.0, LIMITS["gain_max"])
-  if "steering_set" in body:
-    for i, g in steering_set(body["steering_set"], num_prototypes, fingerprint).items():
-      out[i] = out.get(i, 1.0) * g
-  return out
+  """{prototype id: gain} from `gains` and/or `steering_set` (the set's JSON content), built
+  and checked by control/steering.gain_map with the explorer's bound on a gain."""
+  for name in ("gains", "steering_set"):
+    if name in body and body[name] is None:  # null is not an absent field
+      raise BadRequest(f"{name} must be a JSON object, got null")
+  with refusals():
+    return steering.gain_map(num_prototypes, body.get("gains", {}),
+                             steering_set=body.get("steering_set"), fingerprint=fingerprint,
+                             gain_max=LIMITS["gain_max"])
 
 
-def _proto_id(key, num_prototypes: int) -> int:
-  # int() alone would take 1.7, True, "5_0" and "٥": only an int or ASCII digits name one
-  if isinstance(key, str) and _PROTO_KEY.fullmatch(key):
-    i = int(key)
-  elif isinstance(key, int) and not isinstance(key, bool):
-    i = key
-  else:
-    raise BadRequest(f"prototype id must be an integer, got {str(key)[:40]!r}")
-  if not 0 <= i < num_prototypes:
-    raise BadRequest(f"unknown prototype id {i}: the bank has ids 0..{num_prototypes - 1}")
-  return i
+def proto_id(key, num_prototypes: int) -> int:
+  """One prototype id of a request (a URL's or a field's), checked by control/steering."""
+  with refusals():
+    return steering.proto_id(key, num_prototypes)
 
 
-def steering_set(obj, num_prototypes: int, fingerprint: dict) -> dict[int, float]:
-  """An uploaded set: the explorer's {"gains": {...}} or `prism suppress`'s saved set."""
-  if isinstance(obj, str):
-    raise BadRequest("steering_set must be the set's JSON content, not a path or name")
-  if not isinstance(obj, dict):
-    raise BadRequest("steering_set must be a JSON object")
-  if obj.get("format") == SUPPRESSION_FORMAT:
-    have = obj.get("fingerprint", {})
-    if not isinstance(have, dict):
-      raise BadRequest("the suppression set's fingerprint must be a JSON object")
-    diff = [k for k in fingerprint if have.get(k) != fingerprint[k]]
-    if diff:
-      raise BadRequest(f"this suppression set was saved for another model ({', '.join(diff)} "
-                       "differ)", 409)
-    ids = obj.get("ids")
-    if not isinstance(ids, list):
-      raise BadRequest("suppression set has no list of ids")
-    return {_proto_id(i, num_prototypes): 0.0 for i in ids}
-  only_fields(obj, {"gains", "format", "note"})
-  if obj.get("format", "prism_jax.steering/1") != "prism_jax.steering/1":
-    raise BadRequest(f"unknown steering set format {str(obj.get('format'))[:60]!r}")
-  return gains({"gains": obj.get("gains", {})}, num_prototypes, fingerprint)
+@contextlib.contextmanager
+def refusals():
+  """control/steering's ValueErrors as BadRequests: 409 for another model's set, else 400."""
+  try:
+    yield
+  except BadRequest:
+    raise
+  except steering.ForeignSetError as e:
+    raise BadRequest(str(e), 409) from None
+  except ValueError as e:
+    raise BadRequest(str(e)) from None

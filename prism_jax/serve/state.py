@@ -186,7 +186,7 @@ class Explorer:
             "residual_decided": sum(not t["agrees"] for t in tokens)}
 
   def prototype(self, pid_text: str) -> dict:
-    pid = rq._proto_id(pid_text, self.mcfg.num_prototypes)  # pylint: disable=protected-access
+    pid = rq.proto_id(pid_text, self.mcfg.num_prototypes)
     out = {"id": pid, "label": self.label(pid), "usage_val": float(self.val_usage[pid]),
            "val_rows": min(VAL_USAGE_ROWS, int(self.packed().num_rows("val"))),
            "nearest": [{"id": i, "cos": c, "label": self.label(i)}
@@ -210,7 +210,7 @@ class Explorer:
       raise rq.BadRequest(f"search text over {rq.LIMITS['search_chars']} characters")
     num = self.mcfg.num_prototypes
     if q.lstrip("#").isdigit():
-      pid = rq._proto_id(q.lstrip("#"), num)  # pylint: disable=protected-access
+      pid = rq.proto_id(q.lstrip("#"), num)
       return {"query": q, "results": [{"id": pid, "label": self.label(pid), "why": "id"}]}
     if self.cards is None:
       raise rq.BadRequest("no cards for this run: search by id, or restart with cards", 409)
