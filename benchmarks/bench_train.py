@@ -306,8 +306,7 @@ def main(argv):
   rows = bench(list(FLAGS.config))
   print(format_table(rows))
   if FLAGS.results_json:
-    with open(FLAGS.results_json, "w", encoding="utf-8") as f:
-      json.dump({**provenance.record("benchmarks.bench_train"), "rows": rows}, f, indent=1)
+    provenance.write_results(FLAGS.results_json, {"rows": rows}, "benchmarks.bench_train")
 
 
 if __name__ == "__main__":

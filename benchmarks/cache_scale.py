@@ -15,8 +15,6 @@ as JSON to --results_json with the command.
 """
 
 import dataclasses
-import json
-import os
 import sys
 import time
 
@@ -94,12 +92,10 @@ def main(argv):
     print("| " + " | ".join(f"{r[k]:,}" if isinstance(r[k], (int, float)) else str(r[k])
                             for k in keys) + " |")
   if FLAGS.results_json:
-    os.makedirs(os.path.dirname(FLAGS.results_json) or ".", exist_ok=True)
-    with open(FLAGS.results_json, "w") as f:
-      json.dump({**provenance.record("benchmarks.cache_scale"),
-                 "model": {"preset": FLAGS.config, "d_model": mcfg.d_model,
-                           "K": mcfg.num_prototypes, "k": mcfg.k, "seq_len": FLAGS.seq_len},
-                 "rows": rows}, f, indent=1)
+    provenance.write_results(FLAGS.results_json, {
+        "model": {"preset": FLAGS.config, "d_model": mcfg.d_model,
+                  "K": mcfg.num_prototypes, "k": mcfg.k, "seq_len": FLAGS.seq_len},
+        "rows": rows}, "benchmarks.cache_scale")
 
 
 if __name__ == "__main__":

@@ -86,20 +86,12 @@ def piece(rows, name, module, call, x, times=1, reps=20):
   rows.append((name, times, times * wall, times * cpu))
 
 
-def profile(name: str, reps: int) -> list[tuple]:
-  from prism_jax import losses  # pylint: disable=g-import-not-at-top
+def _train_steps(rows, name: str, host: dict, reps: int) -> None:
+  """Rows of the whole train step, dense and PRISM, on the config's mesh."""
   from prism_jax import sharding as shard_lib  # pylint: disable=g-import-not-at-top
-  from prism_jax.model import prototypes as proto_lib  # pylint: disable=g-import-not-at-top
-  from prism_jax.model.lm import build_model  # pylint: disable=g-import-not-at-top
   from prism_jax.train import create_train_state, default_mesh, make_optimizer  # pylint: disable=g-import-not-at-top
   from prism_jax.train.step import make_train_step  # pylint: disable=g-import-not-at-top
-  rows: list[tuple] = []
-  cfg = config(name, "prism")
-  mc, batch, seq = cfg.model, cfg.train.batch_size, cfg.data.seq_len
-  rng = np.random.default_rng(0)
-  toks = rng.integers(0, mc.vocab_size, (batch, seq + 1), dtype=np.int32)
-  host = {"inputs": toks[:, :-1], "targets": toks[:, 1:], "mask": np.ones((batch, seq), bool)}
-  mesh = default_mesh(cfg)
+  mesh = default_mesh(config(name, "prism"))
   for kind in ("dense", "prism"):
     kcfg = config(name, kind)
     tx = make_optimizer(kcfg.train)
@@ -115,6 +107,57 @@ def profile(name: str, reps: int) -> list[tuple]:
 
       wall, cpu = timed(run, dev, reps=reps)
     rows.append((f"{kind} train step", 1, wall, cpu))
+
+
+def _prototype_parts(rows, model, z_NxD, mc, reps: int) -> None:
+  """Rows of the prototype layer's parts: similarity, top-k, R1's column extrema, mixture."""
+  from prism_jax.model import prototypes as proto_lib  # pylint: disable=g-import-not-at-top
+  p_KxD = model.bank.protos[...]
+  sims = jax.jit(jax.grad(lambda zz, pp, c: jnp.vdot(proto_lib.similarity(zz, pp).cos_NxK, c),
+                          argnums=(0, 1)))
+  cos = proto_lib.similarity(z_NxD, p_KxD).cos_NxK
+  c_cos = cotangent(cos)
+  w, c = timed(sims, z_NxD, p_KxD, c_cos, reps=reps)
+  rows.append(("  of which: similarity (N x K matmul + norms)", 1, w, c))
+  topk = jax.jit(jax.grad(lambda s, cc: jnp.vdot(jax.lax.top_k(s, mc.k)[0], cc)))
+  w, c = timed(topk, cos, cotangent(jax.lax.top_k(cos, mc.k)[0]), reps=reps)
+  rows.append(("  of which: top-k (lax.top_k)", 1, w, c))
+  colmax = jax.jit(jax.grad(lambda s, cc: jnp.vdot(proto_lib.first_max(s, 0), cc)))
+  w, c = timed(colmax, cos, cotangent(proto_lib.first_max(cos, 0)), reps=reps)
+  rows.append(("  of which: R1 column extrema (first_max over N)", 1, w, c))
+  mix = jax.jit(jax.grad(lambda s, pp, cc: jnp.vdot(
+      proto_lib.topk_mixture(s, pp, mc.k, mc.mixture).z_hat_NxD, cc), argnums=(0, 1)))
+  w, c = timed(mix, cos, p_KxD, cotangent(z_NxD), reps=reps)
+  rows.append(("  of which: top-k + mixture (gather k rows)", 1, w, c))
+
+
+def _optimizer_row(rows, cfg, model, reps: int) -> None:
+  """The optimizer update (clip + AdamW) over the model's parameters."""
+  from prism_jax.train import make_optimizer  # pylint: disable=g-import-not-at-top
+  tx = make_optimizer(cfg.train)
+  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
+  opt_state = tx.init(params)
+  grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
+
+  @jax.jit
+  def update(g, o, p):
+    u, o = tx.update(g, o, p)
+    return optax.apply_updates(p, u), o
+
+  w, c = timed(update, grads, opt_state, params, reps=reps)
+  rows.append(("optimizer (clip + AdamW)", 1, w, c))
+
+
+def profile(name: str, reps: int) -> list[tuple]:
+  from prism_jax import losses  # pylint: disable=g-import-not-at-top
+  from prism_jax.model.lm import build_model  # pylint: disable=g-import-not-at-top
+  rows: list[tuple] = []
+  cfg = config(name, "prism")
+  mc, batch, seq = cfg.model, cfg.train.batch_size, cfg.data.seq_len
+  rng = np.random.default_rng(0)
+  toks = rng.integers(0, mc.vocab_size, (batch, seq + 1), dtype=np.int32)
+  host = {"inputs": toks[:, :-1], "targets": toks[:, 1:], "mask": np.ones((batch, seq), bool)}
+  _train_steps(rows, name, host, reps)
 
   model = build_model(mc, seed=0)
   bb = model.backbone
@@ -137,36 +180,8 @@ def profile(name: str, reps: int) -> list[tuple]:
   z_NxD = z.reshape(batch * seq, -1)
   piece(rows, "prototype layer (all of it)", model.bank, lambda m, h: m(h, mask), z_NxD,
         reps=reps)
-  p_KxD = model.bank.protos[...]
-  sims = jax.jit(jax.grad(lambda zz, pp, c: jnp.vdot(proto_lib.similarity(zz, pp).cos_NxK, c),
-                          argnums=(0, 1)))
-  cos = proto_lib.similarity(z_NxD, p_KxD).cos_NxK
-  c_cos = cotangent(cos)
-  w, c = timed(sims, z_NxD, p_KxD, c_cos, reps=reps)
-  rows.append(("  of which: similarity (N x K matmul + norms)", 1, w, c))
-  topk = jax.jit(jax.grad(lambda s, cc: jnp.vdot(jax.lax.top_k(s, mc.k)[0], cc)))
-  w, c = timed(topk, cos, cotangent(jax.lax.top_k(cos, mc.k)[0]), reps=reps)
-  rows.append(("  of which: top-k (lax.top_k)", 1, w, c))
-  colmax = jax.jit(jax.grad(lambda s, cc: jnp.vdot(proto_lib.first_max(s, 0), cc)))
-  w, c = timed(colmax, cos, cotangent(proto_lib.first_max(cos, 0)), reps=reps)
-  rows.append(("  of which: R1 column extrema (first_max over N)", 1, w, c))
-  mix = jax.jit(jax.grad(lambda s, pp, cc: jnp.vdot(
-      proto_lib.topk_mixture(s, pp, mc.k, mc.mixture).z_hat_NxD, cc), argnums=(0, 1)))
-  w, c = timed(mix, cos, p_KxD, cotangent(z_NxD), reps=reps)
-  rows.append(("  of which: top-k + mixture (gather k rows)", 1, w, c))
-
-  tx = make_optimizer(cfg.train)
-  params = nnx.to_pure_dict(nnx.state(model, nnx.Param))
-  opt_state = tx.init(params)
-  grads = jax.tree.map(lambda p: jnp.full_like(p, 1e-3), params)
-
-  @jax.jit
-  def update(g, o, p):
-    u, o = tx.update(g, o, p)
-    return optax.apply_updates(p, u), o
-
-  w, c = timed(update, grads, opt_state, params, reps=reps)
-  rows.append(("optimizer (clip + AdamW)", 1, w, c))
+  _prototype_parts(rows, model, z_NxD, mc, reps)
+  _optimizer_row(rows, cfg, model, reps)
   return rows
 
 

@@ -29,6 +29,7 @@ from benchmarks import scale_measure  # sets the compile-only environment before
 
 from benchmarks.scale_roofline import (  # noqa: E402,F401  (the table's names, re-exported)
     CHIPS, DEFAULT_TARGETS, GIB, TARGETS, Chip, Target, ratios, row_for)
+from prism_jax.cli import provenance  # noqa: E402  pylint: disable=wrong-import-order
 from prism_jax.config import preset  # noqa: E402  pylint: disable=wrong-import-order
 
 
@@ -146,11 +147,8 @@ class Cache:
     with open(self.path + ".lock", "w") as lock:
       fcntl.flock(lock, fcntl.LOCK_EX)  # another search may have saved since we read
       self._merge(self._read())
-      tmp = f"{self.path}.{os.getpid()}.tmp"
-      with open(tmp, "w") as f:
-        json.dump({"programs": self.programs, "index": self.index}, f, indent=1,
-                  sort_keys=True)
-      os.replace(tmp, self.path)
+      provenance.write_json(self.path, {"programs": self.programs, "index": self.index},
+                            sort_keys=True)
 
   def peek(self, key: str) -> dict | None:
     """The result for `key` if it is cached (nothing lowered or compiled)."""

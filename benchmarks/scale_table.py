@@ -17,7 +17,6 @@ per target is compiled (--accum_check).
 from __future__ import annotations
 
 import dataclasses
-import json
 import os
 import time
 
@@ -106,8 +105,7 @@ def main(argv: list[str]) -> None:
           "accum_checks": checks}
   print(scale_render.scale_table_markdown(data))
   if FLAGS.results_json:
-    with open(FLAGS.results_json, "w") as f:
-      json.dump(data, f, indent=1)
+    provenance.write_results(FLAGS.results_json, data)
     print(f"wrote {FLAGS.results_json} ({cache.new} new compiles, {data['cpu_s']} CPU s)")
 
 

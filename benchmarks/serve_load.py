@@ -91,8 +91,7 @@ def main(argv):
          "load_s": load_s, "warm_s": warm_s, "compiles_after_warm": compiles_warm,
          "compiles_after_load": explorer.engine.compiles(), "loaded_wall_s": wall,
          "generated_tokens": gen_tokens, "all_answers_checked": True, "latency": by_kind}
-  with open(FLAGS.results_json, "w") as f:
-    json.dump(out, f, indent=2)
+  provenance.write_results(FLAGS.results_json, out)
   print(json.dumps({k: out[k] for k in ("compiles_after_warm", "compiles_after_load",
                                         "loaded_wall_s", "latency")}, indent=1))
 

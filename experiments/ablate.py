@@ -160,8 +160,7 @@ def run_variant(name: str) -> dict:
             "train_tokens": FLAGS.steps * cfg.train.batch_size * cfg.data.seq_len,
             "tokens_per_s": result.steady_tokens_per_s, "wall_s": result.wall_s,
             "cpu_s": cpu_s, "base": FLAGS.base}
-  with open(cached, "w") as f:
-    json.dump(result, f, indent=1)
+  provenance.write_json(cached, result)
   return result
 
 
@@ -246,9 +245,7 @@ def write_results_json(path: str, row: dict) -> None:
     r.pop("claim", None)
     if r["base"] == "tiny":
       r["claim"] = "faithfulness"
-  with open(path, "w") as f:
-    json.dump({"rows": rows}, f, indent=1, ensure_ascii=False)
-    f.write("\n")
+  provenance.write_results(path, {"rows": rows})
 
 
 def check_flags() -> None:

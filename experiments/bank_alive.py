@@ -20,7 +20,6 @@ the same computation for every run; only revive_every differs after it, resumed 
 `allow_config_change`), so a fair test at a trained backbone pays for its warm-up once.
 """
 
-import json
 import os
 import shutil
 
@@ -130,8 +129,7 @@ def main(argv):
   data = {**provenance.record("experiments.bank_alive"), "runs": runs}
   print(markdown(data))
   if FLAGS.results_json:
-    with open(FLAGS.results_json, "w", encoding="utf-8") as f:
-      json.dump(data, f, indent=1)
+    provenance.write_results(FLAGS.results_json, data)
 
 
 if __name__ == "__main__":

@@ -12,7 +12,6 @@ table: wall time, tokens, tokens/s per process, and whether every array and the 
 of the two caches are equal.
 """
 
-import json
 import os
 import subprocess
 import sys
@@ -148,11 +147,9 @@ def main(argv):
            "paper": "not reported", "command": command,
            "ours": (f"bit for bit ({len(one)} arrays + metadata)" if equal else "differs"),
            "note": f"{tokens} tokens, {FLAGS.local_devices} CPU devices per process"}
-    with open(FLAGS.results_json, "w") as f:
-      json.dump({"rows": [row], **rec, "num_tokens": tokens,
-                 "equal_bit_for_bit": bool(equal), "builds": rows, "arrays": sorted(one),
-                 "differing": differing},
-                f, indent=1)
+    provenance.write_results(FLAGS.results_json, {
+        "rows": [row], **rec, "num_tokens": tokens, "equal_bit_for_bit": bool(equal),
+        "builds": rows, "arrays": sorted(one), "differing": differing})
   if not equal:
     raise SystemExit("error: the multi-process cache differs from the 1-process cache: "
                      + "; ".join(differing))

@@ -11,7 +11,6 @@ decreasing activation, ties in row-major token order. A card matches when its co
 (|Δa| < 1e-5 a). Prints a table; --results_json writes it for experiments/reproduce.py.
 """
 
-import json
 import os
 import time
 
@@ -129,8 +128,7 @@ def main(argv):
   print(f"| {row['K']} | {num_tokens:,} | {FLAGS.top_m} | {wall:.1f} / {cpu:.1f} | 60 s | "
         f"{ok}/{len(cards)} | {dmax:.2e} |")
   if FLAGS.results_json:
-    with open(FLAGS.results_json, "w") as f:
-      json.dump(row, f, indent=1)
+    provenance.write_results(FLAGS.results_json, row)
     print(f"wrote {FLAGS.results_json}")
   if ok != len(cards):
     raise SystemExit(f"{len(cards) - ok} cards differ from the brute force")

@@ -12,7 +12,6 @@ the full-CE gap to the dense twin, agreement (all, decisive), CE(W z_hat)/CE(W z
 R̄1/R̄2, and the steady seconds per training step (the demo's training-time cost).
 """
 
-import json
 import os
 
 import numpy as np
@@ -64,8 +63,7 @@ def main(argv):
           "steps": FLAGS.steps, "rows": rows, "step_time_ratio": float(time_ratio)}
   print(defaults_markdown(data))
   if FLAGS.results_json:
-    with open(FLAGS.results_json, "w", encoding="utf-8") as f:
-      json.dump(data, f, indent=1)
+    provenance.write_results(FLAGS.results_json, data)
 
 
 if __name__ == "__main__":

@@ -105,8 +105,7 @@ def main(argv):
     out = block(_WORKDIR.value, _ROWS.value)
     print(json.dumps(out, indent=1))
     if _OUT.value:
-      with open(_OUT.value, "w") as f:
-        json.dump(out, f, indent=1)
+      provenance.write_results(_OUT.value, out)
     return
   cfg = sweep.SweepConfig(lambdas=tuple(float(x) for x in _LAMBDAS.value),
                           steps=_STEPS.value, seeds=tuple(int(s) for s in _SEEDS.value),

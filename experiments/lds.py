@@ -164,52 +164,24 @@ def check_flags() -> list[int]:
   return ms
 
 
-def main(argv):
-  del argv
-  ms = check_flags()
-  if FLAGS.plot_from:
-    with open(FLAGS.plot_from) as f:
-      results = json.load(f)
-    if not {"removal_ci", "removal_m"} <= set(results):
-      raise ValueError(f"--plot_from={FLAGS.plot_from}: no removal_ci/removal_m (not an "
-                       "experiments.lds results file)")
-    if not results["removal_ci"]:
-      raise ValueError(f"--plot_from={FLAGS.plot_from}: it was run with removal curves off "
-                       "(--removal_queries=0): nothing to draw")
-    _write_plot(FLAGS.plot, results["removal_m"], results["removal_ci"])
-    print(f"wrote {FLAGS.plot}")
-    return
-  removal_methods = FLAGS.removal_methods or FLAGS.methods
-  import jax  # pylint: disable=g-import-not-at-top
-  # Every retrain compiles the same programs: the persistent cache makes that once.
-  jax.config.update("jax_compilation_cache_dir", os.path.join(FLAGS.out, "jax_cache"))
-  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
-  from prism_jax.data import prepare_data  # pylint: disable=g-import-not-at-top
-  from prism_jax.evaluation import lds, methods, retrain  # pylint: disable=g-import-not-at-top
-  cfg = lds_recipe.config(FLAGS.set)
-  os.makedirs(FLAGS.out, exist_ok=True)
-  packed = prepare_data(cfg.data, cfg.model.vocab_size, FLAGS.out)
-  E = FLAGS.num_rows
-  if E > packed.num_rows("train"):
-    raise ValueError(f"--num_rows={E} but the data has {packed.num_rows('train')} train rows")
-  if any(m >= E for m in ms):
-    raise ValueError(f"--removal_m {ms}: every m must be below the {E} training rows")
-  q_rows, queries = _queries(packed, FLAGS.queries, FLAGS.targets, FLAGS.seed)
-  key = retrain.content_key(
-      np.asarray(packed.rows("train")["tokens"][:E]), queries, cfg, provenance.git_commit(),
-      {"num_rows": E, "alpha": FLAGS.alpha, "seed": FLAGS.seed, "rank": FLAGS.rank})
-  score_dir = os.path.join(FLAGS.out, "scores")
-  store = retrain.RetrainStore(os.path.join(FLAGS.out, "retrains"), key)
-  retrain.claim_key(score_dir, key)
-  logging.info("content key %s (%s)", retrain.key_hash(key)[:16], key["commit"])
-  if FLAGS.dry_run:
-    print(json.dumps(dict(key, hash=retrain.key_hash(key)), indent=1))
-    return
-  total = (2 + FLAGS.subsets + FLAGS.ceiling_subsets
-           + FLAGS.removal_queries * len(removal_methods) * len(ms))
-  run = _Retrains(store, cfg, packed, queries, total)
-  everything = np.ones(E, bool)
+def _plot_from(path: str) -> None:
+  """--plot_from: draw --plot from a results file's removal curves (nothing trained)."""
+  with open(path) as f:
+    results = json.load(f)
+  if not {"removal_ci", "removal_m"} <= set(results):
+    raise ValueError(f"--plot_from={path}: no removal_ci/removal_m (not an "
+                     "experiments.lds results file)")
+  if not results["removal_ci"]:
+    raise ValueError(f"--plot_from={path}: it was run with removal curves off "
+                     "(--removal_queries=0): nothing to draw")
+  _write_plot(FLAGS.plot, results["removal_m"], results["removal_ci"])
+  print(f"wrote {FLAGS.plot}")
 
+
+def _method_scores(cfg, packed, queries, E: int, score_dir: str):
+  """Every method's (query, row) scores and seconds: saved under score_dir, the full model
+  (seed 0 on every row) retrained only when some method's scores are missing."""
+  from prism_jax.evaluation import methods, retrain  # pylint: disable=g-import-not-at-top
   scores, cost, model = {}, {}, None
   for name in FLAGS.methods:
     path = os.path.join(score_dir, f"{name}.npz")
@@ -224,8 +196,14 @@ def main(argv):
       logging.info("%s: scores in %.1f s", name, sec)
     with np.load(path) as f:
       scores[name], cost[name] = f["scores"], float(f["seconds"])
-  del model
+  return scores, cost
 
+
+def _measure(run, E: int, ms: list[int], removal_methods, scores) -> dict:
+  """The retrains: both full models, the LDS subsets (and the ceiling's second seed), and
+  the removal curves' query loss changes against the full model."""
+  from prism_jax.evaluation import lds  # pylint: disable=g-import-not-at-top
+  everything = np.ones(E, bool)
   full0 = run("full_s0", everything, 0)
   full1 = run("full_s1", everything, 1)
   keep = lds.subset_masks(E, FLAGS.subsets, FLAGS.alpha, FLAGS.seed)
@@ -241,7 +219,15 @@ def main(argv):
       for q in range(FLAGS.removal_queries):
         loss = run(f"rm_{name}_q{q}_m{m}", lds.removal_keep(scores[name][q], m), 0)
         deltas[name][q, j] = loss[q] - full0[q]
+  return {"full0": full0, "full1": full1, "keep": keep, "meas": meas, "ceiling": ceiling,
+          "deltas": deltas}
 
+
+def _lds_table(cfg, packed, E: int, scores, cost, measured) -> tuple[list[str], list[dict]]:
+  """The LDS table's markdown lines and its results rows (with the ceiling and, with both
+  prism and full scored, the cache's top-m retention)."""
+  from prism_jax.evaluation import lds  # pylint: disable=g-import-not-at-top
+  ceiling, keep, meas = measured["ceiling"], measured["keep"], measured["meas"]
   # Two seeds' measurements correlate at ρ ≈ reliability; the best possible predictor of one
   # seed's measurement correlates with it at ≈ √ρ: that is the LDS ceiling.
   ceil_txt = "–" if ceiling is None else (
@@ -251,7 +237,7 @@ def main(argv):
            f"K={cfg.model.num_prototypes}, k={cfg.model.k}, {cfg.train.steps} steps; "
            f"{E} training rows × {packed.seq_len} tokens; {FLAGS.queries} queries × "
            f"{FLAGS.targets} target tokens; M = {FLAGS.subsets} subsets at α = {FLAGS.alpha}; "
-           f"noise ceiling from {c} subsets × 2 seeds", "",
+           f"noise ceiling from {FLAGS.ceiling_subsets} subsets × 2 seeds", "",
            "| method | LDS mean [95% CI] | noise ceiling √ρ(seed A, seed B) | scoring s (all "
            "queries) |",
            "|---|---|---|---|"]
@@ -279,9 +265,51 @@ def main(argv):
                                 "space", "paper": "not reported", "ours": round(mean, 4),
                       "ci": [round(lo, 4), round(hi, 4)], "section": "§5",
                       "note": f"{len(ret)} queries × {E} rows, rank {FLAGS.rank}"})
-  removal_lines, removal_ci = removal_section(deltas, ms, np.abs(full1 - full0))
-  lines += removal_lines
-  table = "\n".join(lines)
+  return lines, rows_json
+
+
+def main(argv):
+  del argv
+  ms = check_flags()
+  if FLAGS.plot_from:
+    _plot_from(FLAGS.plot_from)
+    return
+  removal_methods = FLAGS.removal_methods or FLAGS.methods
+  import jax  # pylint: disable=g-import-not-at-top
+  # Every retrain compiles the same programs: the persistent cache makes that once.
+  jax.config.update("jax_compilation_cache_dir", os.path.join(FLAGS.out, "jax_cache"))
+  jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
+  from prism_jax.data import prepare_data  # pylint: disable=g-import-not-at-top
+  from prism_jax.evaluation import retrain  # pylint: disable=g-import-not-at-top
+  cfg = lds_recipe.config(FLAGS.set)
+  os.makedirs(FLAGS.out, exist_ok=True)
+  packed = prepare_data(cfg.data, cfg.model.vocab_size, FLAGS.out)
+  E = FLAGS.num_rows
+  if E > packed.num_rows("train"):
+    raise ValueError(f"--num_rows={E} but the data has {packed.num_rows('train')} train rows")
+  if any(m >= E for m in ms):
+    raise ValueError(f"--removal_m {ms}: every m must be below the {E} training rows")
+  q_rows, queries = _queries(packed, FLAGS.queries, FLAGS.targets, FLAGS.seed)
+  key = retrain.content_key(
+      np.asarray(packed.rows("train")["tokens"][:E]), queries, cfg, provenance.git_commit(),
+      {"num_rows": E, "alpha": FLAGS.alpha, "seed": FLAGS.seed, "rank": FLAGS.rank})
+  score_dir = os.path.join(FLAGS.out, "scores")
+  store = retrain.RetrainStore(os.path.join(FLAGS.out, "retrains"), key)
+  retrain.claim_key(score_dir, key)
+  logging.info("content key %s (%s)", retrain.key_hash(key)[:16], key["commit"])
+  if FLAGS.dry_run:
+    print(json.dumps(dict(key, hash=retrain.key_hash(key)), indent=1))
+    return
+  total = (2 + FLAGS.subsets + FLAGS.ceiling_subsets
+           + FLAGS.removal_queries * len(removal_methods) * len(ms))
+  run = _Retrains(store, cfg, packed, queries, total)
+  scores, cost = _method_scores(cfg, packed, queries, E, score_dir)
+  measured = _measure(run, E, ms, removal_methods, scores)
+  lines, rows_json = _lds_table(cfg, packed, E, scores, cost, measured)
+  deltas = measured["deltas"]
+  removal_lines, removal_ci = removal_section(
+      deltas, ms, np.abs(measured["full1"] - measured["full0"]))
+  table = "\n".join(lines + removal_lines)
   print(table)
   with open(os.path.join(FLAGS.out, "results.md"), "w") as f:
     f.write(table + "\n")
@@ -296,9 +324,7 @@ def main(argv):
     out = {**rec, "rows": rows_json, "removal": {n: deltas[n].tolist() for n in deltas},
            "removal_ci": removal_ci, "removal_m": ms, "queries": q_rows, "table": table,
            "config": key["config"], "key_hash": retrain.key_hash(key)}
-    os.makedirs(os.path.dirname(os.path.abspath(FLAGS.results_json)), exist_ok=True)
-    with open(FLAGS.results_json, "w") as f:
-      json.dump(out, f, indent=1)
+    provenance.write_results(FLAGS.results_json, out)
 
 
 if __name__ == "__main__":

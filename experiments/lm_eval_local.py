@@ -13,7 +13,6 @@ experiments/reproduce.py's schema. Run from the repository root (the YAML's data
 relative to it). Needs the lm-eval extra.
 """
 
-import json
 import os
 
 from absl import flags, logging
@@ -129,8 +128,7 @@ def main(argv):
                    "note": note, "command": data["command"]}]
   print(markdown(data))
   if FLAGS.results_json:
-    with open(FLAGS.results_json, "w", encoding="utf-8") as f:
-      json.dump(data, f, indent=1)
+    provenance.write_results(FLAGS.results_json, data)
 
 
 if __name__ == "__main__":

@@ -200,6 +200,52 @@ def _run(cmd: list[str], env: dict, log: str, timeout: int) -> str:
   return text
 
 
+def _preempt(run: str, data: str, env: dict, logs: list[str]) -> dict:
+  """Train until --sigterm_step, SIGTERM every process: the step it was sent after, the
+  exit codes and each process's saved step (all the same step: the agreed save)."""
+  procs = train_procs(run, data, env, logs)
+  deadline = time.time() + FLAGS.timeout
+  while logged_step(logs[0]) < FLAGS.sigterm_step:
+    if any(p.poll() is not None for p in procs) or time.time() > deadline:
+      raise RuntimeError(f"the run ended before step {FLAGS.sigterm_step}; logs {logs}")
+    time.sleep(0.5)
+  checks = {"sigterm_after_step": logged_step(logs[0])}
+  for p in procs:
+    p.send_signal(signal.SIGTERM)
+  checks["preempted_exit_codes"] = wait_all(procs, logs, 600)
+  # each process prints `preempted by ...: saved step N ...` (prism_jax/cli/train.py)
+  saved = [re.findall(r"preempted by [^\n]*?saved step (\d+)", open(log, errors="replace")
+                      .read()) for log in logs]
+  checks["preemption_saved_steps"] = [int(s[-1]) if s else None for s in saved]
+  checks["preemption_same_step"] = (
+      checks["preempted_exit_codes"] == [0] * len(logs) and None not in
+      checks["preemption_saved_steps"] and len(set(checks["preemption_saved_steps"])) == 1)
+  return checks
+
+
+def _training_checks(ref: str, run: str, ref_log_path: str) -> dict:
+  """The resumed run against the reference: losses finite and falling, bit-exact resume,
+  the bank set from data at --proto_init_step, and the run's last evaluation."""
+  import numpy as np  # pylint: disable=import-outside-toplevel
+  want, got = train_losses(ref), train_losses(run)
+  checks: dict = {"losses": [want[s] for s in sorted(want)]}
+  checks["losses_finite"] = bool(np.all(np.isfinite(checks["losses"])))
+  third = max(1, len(want) // 3)
+  checks["losses_falling"] = bool(np.mean(checks["losses"][-third:])
+                                  < np.mean(checks["losses"][:third]))
+  checks["resume_bit_exact"] = (sorted(got) == sorted(want) == list(range(1, FLAGS.steps + 1))
+                                and all(np.float32(got[s]).tobytes()
+                                        == np.float32(want[s]).tobytes() for s in want))
+  ref_log = open(ref_log_path, errors="replace").read()
+  m = re.search(r"step (\d+): prototypes set from (\d+) hidden states", ref_log)
+  checks["bank_set_from_data"] = (m is not None and int(m.group(1)) == FLAGS.proto_init_step
+                                  and int(m.group(2)) > 0)
+  checks["bank_init"] = m.group(0) if m else None
+  checks["eval"] = {k: v for k, v in eval_metrics(run).items()
+                    if isinstance(v, (int, float))}
+  return checks
+
+
 def rehearse(out: str, env: dict) -> dict:
   stage = Stages()
   data = f"{BUCKET_ROOT}/data/corpus.parquet"
@@ -216,24 +262,7 @@ def rehearse(out: str, env: dict) -> dict:
     if any(codes):
       raise RuntimeError(f"reference run failed {codes}; logs {logs['reference']}")
   with stage("preempted"):
-    procs = train_procs(run, data, env, logs["preempted"])
-    deadline = time.time() + FLAGS.timeout
-    while logged_step(logs["preempted"][0]) < FLAGS.sigterm_step:
-      if any(p.poll() is not None for p in procs) or time.time() > deadline:
-        raise RuntimeError(f"the run ended before step {FLAGS.sigterm_step}; "
-                           f"logs {logs['preempted']}")
-      time.sleep(0.5)
-    checks["sigterm_after_step"] = logged_step(logs["preempted"][0])
-    for p in procs:
-      p.send_signal(signal.SIGTERM)
-    checks["preempted_exit_codes"] = wait_all(procs, logs["preempted"], 600)
-    # each process prints `preempted by ...: saved step N ...` (prism_jax/cli/train.py)
-    saved = [re.findall(r"preempted by [^\n]*?saved step (\d+)", open(log, errors="replace")
-                        .read()) for log in logs["preempted"]]
-    checks["preemption_saved_steps"] = [int(s[-1]) if s else None for s in saved]
-    checks["preemption_same_step"] = (
-        checks["preempted_exit_codes"] == [0] * n and None not in
-        checks["preemption_saved_steps"] and len(set(checks["preemption_saved_steps"])) == 1)
+    checks.update(_preempt(run, data, env, logs["preempted"]))
   with stage("resume"):
     codes = wait_all(train_procs(run, data, env, logs["resume"]), logs["resume"],
                      FLAGS.timeout)
@@ -241,23 +270,7 @@ def rehearse(out: str, env: dict) -> dict:
       raise RuntimeError(f"resumed run failed {codes}; logs {logs['resume']}")
     resumed = re.findall(r"resumed from checkpoint (\d+)", open(logs["resume"][0]).read())
     checks["resumed_from"] = int(resumed[0]) if resumed else None
-  want, got = train_losses(ref), train_losses(run)
-  import numpy as np  # pylint: disable=import-outside-toplevel
-  checks["losses"] = [want[s] for s in sorted(want)]
-  checks["losses_finite"] = bool(np.all(np.isfinite(checks["losses"])))
-  third = max(1, len(want) // 3)
-  checks["losses_falling"] = bool(np.mean(checks["losses"][-third:])
-                                  < np.mean(checks["losses"][:third]))
-  checks["resume_bit_exact"] = (sorted(got) == sorted(want) == list(range(1, FLAGS.steps + 1))
-                                and all(np.float32(got[s]).tobytes()
-                                        == np.float32(want[s]).tobytes() for s in want))
-  ref_log = open(logs["reference"][0], errors="replace").read()
-  m = re.search(r"step (\d+): prototypes set from (\d+) hidden states", ref_log)
-  checks["bank_set_from_data"] = (m is not None and int(m.group(1)) == FLAGS.proto_init_step
-                                  and int(m.group(2)) > 0)
-  checks["bank_init"] = m.group(0) if m else None
-  checks["eval"] = {k: v for k, v in eval_metrics(run).items()
-                    if isinstance(v, (int, float))}
+  checks.update(_training_checks(ref, run, logs["reference"][0]))
   with stage("cache"):
     cache_json = os.path.join(out, "cache_multihost.json")
     _run([sys.executable, "-m", "experiments.cache_multihost", f"--workdir={run}",
@@ -355,8 +368,7 @@ def main(argv):
     data = dict(result, **provenance.record("experiments.rehearsal"), config=FLAGS.config,
                 overrides=overrides(), num_processes=FLAGS.num_processes,
                 local_devices=FLAGS.local_devices)
-    with open(FLAGS.results_json, "w") as f:
-      json.dump(data, f, indent=1)
+    provenance.write_results(FLAGS.results_json, data)
   failed = [k for k in PASS_KEYS if not checks.get(k)]
   if failed:
     raise SystemExit(f"error: rehearsal checks failed: {', '.join(failed)} (logs in {out})")

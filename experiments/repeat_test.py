@@ -9,7 +9,6 @@ process each, in the order given, stopping at nothing: every outcome and wall ti
 recorded. The JSON (argv + commit) feeds docs/RESULTS.md.
 """
 
-import json
 import multiprocessing
 import subprocess
 import sys
@@ -61,8 +60,7 @@ def main(argv):
          "busy_processes": FLAGS.busy, "times": FLAGS.times,
          "passed": sum(r["passed"] for r in runs), "runs": runs}
   if FLAGS.results_json:
-    with open(FLAGS.results_json, "w") as f:
-      json.dump(out, f, indent=1)
+    provenance.write_results(FLAGS.results_json, out)
   print(f"{out['passed']}/{FLAGS.times} passed beside {FLAGS.busy} busy core(s)")
 
 

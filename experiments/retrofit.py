@@ -138,8 +138,7 @@ def measure_run(root: str, name: str, seed: int) -> dict:
                                           "steps": cfg.train.steps}
   if name != "dense":
     row["retention"] = retention(workdir, seed)
-  with open(saved, "w", encoding="utf-8") as f:
-    json.dump(row | {"settings": settings}, f, indent=1)
+  provenance.write_json(saved, row | {"settings": settings})
   logging.info("seed %d %s: %s", seed, name, row)
   return row
 
@@ -226,10 +225,9 @@ def main(argv):
   if FLAGS.results_json:
     rec = provenance.record("experiments.retrofit")
     command = rec["command"]
-    with open(FLAGS.results_json, "w", encoding="utf-8") as f:
-      json.dump({**rec,
-                 "results": {str(k): v for k, v in results.items()},
-                 "table": table(results), "rows": rows(results, command)}, f, indent=1)
+    provenance.write_results(FLAGS.results_json, {
+        **rec, "results": {str(k): v for k, v in results.items()},
+        "table": table(results), "rows": rows(results, command)})
 
 
 if __name__ == "__main__":

@@ -18,7 +18,6 @@ log10(parameters) through the measured points says at what size it would cross t
 extrapolation from few points, stated as such).
 """
 
-import json
 import os
 
 import numpy as np
@@ -121,8 +120,7 @@ def main(argv):
           "plot": FLAGS.plot}
   print(markdown(data))
   if FLAGS.results_json:
-    with open(FLAGS.results_json, "w", encoding="utf-8") as f:
-      json.dump(data, f, indent=1)
+    provenance.write_results(FLAGS.results_json, data)
 
 
 if __name__ == "__main__":

@@ -21,7 +21,6 @@ The protocol (prism_jax/control/heldout.py):
      run's validation split.
 """
 
-import json
 import os
 
 from absl import flags, logging
@@ -116,30 +115,12 @@ def check_flags() -> tuple[list[int], list[bool]]:
   return nums, refills
 
 
-def main(argv):
-  del argv
-  nums, refills = check_flags()
+def _test_conditions(ranked, n: int, refill: bool, num_k: int) -> list[tuple[str, dict]]:
+  """(name, edit) of every test row: unedited, the contrast set, the logit signature's, the
+  token ban and --random_sets random sets outside the contrast set (all n, the chosen)."""
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from prism_jax.control import heldout, measure, stats  # pylint: disable=g-import-not-at-top
-  from prism_jax.loading import load_for_inference  # pylint: disable=g-import-not-at-top
-  model, cfg, tok = load_for_inference(FLAGS.workdir, needs_prototypes="suppression")
-  packed, neutral = _neutral(FLAGS.workdir, cfg)
-  split = _split(packed, tok)
-  gen_kw = dict(num_samples=FLAGS.num_samples, max_new_tokens=FLAGS.max_new_tokens,
-                temperature=FLAGS.temperature, top_k=FLAGS.top_k or None, seed=FLAGS.seed)
-  ranked = heldout.rankings(model, tok, split, max_num=max(nums), seq_len=cfg.data.seq_len,
-                            ban_common=FLAGS.ban_common)
-
-  # 2. The choice, on validation only.
-  evaluate = heldout.validation_evaluator(model, tok, split, ranked.contrast, gen_kw, neutral)
-  chosen, val_rows = heldout.choose(evaluate, nums, refills, ppl_budget=FLAGS.ppl_budget,
-                                    tol=FLAGS.tol)
-  n, refill = chosen["num"], chosen["refill"]
-  logging.info("chosen on validation: %d prototypes, refill %s", n, refill)
-
-  # 3. Once, on test.
   rng = np.random.default_rng(FLAGS.seed)
-  outside = np.setdiff1d(np.arange(cfg.model.num_prototypes), ranked.contrast.ids[:n])
+  outside = np.setdiff1d(np.arange(num_k), ranked.contrast.ids[:n])
   conditions = [("unedited", {}),
                 (f"suppress (contrast, top {n})", {"ids": ranked.contrast.ids[:n],
                                                    "refill": refill}),
@@ -148,6 +129,14 @@ def main(argv):
                 (f"token ban (contrast on tokens, {n} tokens)", {"ban": ranked.ban.ids[:n]})]
   conditions += [(f"random #{r}", {"ids": tuple(int(i) for i in rng.choice(outside, n, False)),
                                    "refill": refill}) for r in range(FLAGS.random_sets)]
+  return conditions
+
+
+def _test_rows(model, tok, split, neutral, gen_kw, conditions) -> list[dict]:
+  """Each condition once on the test prompts: its rate (CI over prompts), its fall against
+  the unedited first row, neutral-text quality and the validation measure on test."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from prism_jax.control import measure, stats  # pylint: disable=g-import-not-at-top
   num_p = len(split.test_prompts)
   rows, base = [], None
   for name, edit in conditions:
@@ -166,6 +155,33 @@ def main(argv):
       row["rate_fall"] = stats.clustered_fall(base, score, num_p, seed=FLAGS.seed)._asdict()
     rows.append(row)
     logging.info("%s: rate %.3f", name, row["rate"]["mean"])
+  return rows
+
+
+def main(argv):
+  del argv
+  nums, refills = check_flags()
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from prism_jax.control import heldout  # pylint: disable=g-import-not-at-top
+  from prism_jax.loading import load_for_inference  # pylint: disable=g-import-not-at-top
+  model, cfg, tok = load_for_inference(FLAGS.workdir, needs_prototypes="suppression")
+  packed, neutral = _neutral(FLAGS.workdir, cfg)
+  split = _split(packed, tok)
+  gen_kw = dict(num_samples=FLAGS.num_samples, max_new_tokens=FLAGS.max_new_tokens,
+                temperature=FLAGS.temperature, top_k=FLAGS.top_k or None, seed=FLAGS.seed)
+  ranked = heldout.rankings(model, tok, split, max_num=max(nums), seq_len=cfg.data.seq_len,
+                            ban_common=FLAGS.ban_common)
+
+  # 2. The choice, on validation only.
+  evaluate = heldout.validation_evaluator(model, tok, split, ranked.contrast, gen_kw, neutral)
+  chosen, val_rows = heldout.choose(evaluate, nums, refills, ppl_budget=FLAGS.ppl_budget,
+                                    tol=FLAGS.tol)
+  n, refill = chosen["num"], chosen["refill"]
+  logging.info("chosen on validation: %d prototypes, refill %s", n, refill)
+
+  # 3. Once, on test.
+  conditions = _test_conditions(ranked, n, refill, cfg.model.num_prototypes)
+  rows = _test_rows(model, tok, split, neutral, gen_kw, conditions)
   randoms = [r for r in rows if r["condition"].startswith("random")]
   supp = rows[1]
   result = {
@@ -194,8 +210,7 @@ def main(argv):
   }
   _print(result)
   out = FLAGS.results_json or os.path.join(FLAGS.workdir, f"suppression_heldout_{split.behaviour}.json")
-  with open(out, "w") as f:
-    json.dump(result, f, indent=1)
+  provenance.write_results(out, result)
   print(f"wrote {out}")
 
 

@@ -4,6 +4,10 @@
                      flag values rebuilt from defaults) and the code commit (`+dirty` when
                      tracked files differ from it). `module` is a `python -m` module
                      (experiments.lds) or a `prism` subcommand ("prism suppress").
+  write_results(path, data, module) -> the one writer of a script's results JSON: record(module)
+                     merged under data (data's own keys win: a record taken at the start
+                     stays), UTF-8, indent 1, atomic (paths.write_text_atomic).
+  write_json(path, data) -> the same format for a script's intermediate rows and caches.
   python -m prism_jax.cli.provenance --check docs/results/x.json ...
                   -> each file's recorded command(s), parsed by the script's own absl flags
                      (a dry run: the module is imported, nothing runs): every flag named must
@@ -25,6 +29,8 @@ import os
 import shlex
 import subprocess
 import sys
+
+from prism_jax import paths
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Scripts recorded under the name they had before `prism` and benchmarks/: name -> module now.
@@ -63,6 +69,25 @@ def record(module: str, argv: list[str] | None = None) -> dict:
   program = module.split() if module.startswith("prism ") else ["python", "-m", module]
   return {"command": " ".join(program + [shlex.quote(a) for a in argv]),
           "argv": argv, "commit": git_commit()}
+
+
+def write_json(path, data, sort_keys: bool = False) -> None:
+  """`data` as JSON at `path` (local or gs://): UTF-8 (not \\u escapes), indent 1, a final
+  newline, the parent folder made; atomic, so a kill leaves the old file or the new one."""
+  paths.path(path).parent.mkdir(parents=True, exist_ok=True)
+  text = json.dumps(data, indent=1, ensure_ascii=False, sort_keys=sort_keys)
+  paths.write_text_atomic(path, text + "\n")
+
+
+def write_results(path, data: dict, module: str | None = None) -> None:
+  """A script's results JSON: `record(module)` merged under `data` (a key of data wins, so a
+  record taken at the start of a run stays), written by write_json. Without `module` the
+  data must carry its record already (records(data): the file's or its rows')."""
+  if module is not None:
+    data = {**record(module), **data}
+  elif not records(data):
+    raise ValueError(f"{path}: results without a recorded command: pass module=")
+  write_json(path, data)
 
 
 def commands(data) -> list[str]:

@@ -14,7 +14,6 @@ run's validation split (neutral text): perplexity, KL to the unedited model, arg
 The set is saved beside the run (<workdir>/suppression_sets/); the table goes to --results_json.
 """
 
-import json
 import os
 import time
 
@@ -108,29 +107,65 @@ def _condition(model, tokenizer, b, val, gen_kw, **edit):
   return scores, q
 
 
+def _row(name, num_ids, num_banned, measured, base, num_k, seed) -> dict:
+  """One table row: the condition's rate, its fall against the unedited model, quality."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from prism_jax.control import stats  # pylint: disable=g-import-not-at-top
+  (scores, q), (base_scores, base_q) = measured, base
+  row = {"condition": name, "prototypes": num_ids, "share_of_bank": num_ids / num_k,
+         "banned_tokens": num_banned,
+         "rate": stats.bootstrap_mean(scores["score"], seed=seed)._asdict(),
+         "ppl": q["ppl_after"], "ppl_change": q["ppl_after"] / base_q["ppl_before"] - 1,
+         "kl": q["kl"], "argmax_change": q["argmax_change"]}
+  if name != "unedited" and base_scores["score"].mean() > 0:
+    row["rate_fall"] = stats.bootstrap_ratio_change(base_scores["score"], scores["score"],
+                                                    seed=seed)._asdict()
+  if "score_selection" in scores:
+    row["rate_selection_half"] = float(np.mean(scores["score_selection"]))
+  return row
+
+
+def _dense_only(b, gen_kw) -> None:
+  """--dense_only: the dense twin's row alone, written beside it."""
+  if not FLAGS.dense_workdir:
+    raise ValueError("--dense_only needs --dense_workdir")
+  dense = {"behaviour": b.name, "score": b.description, "dense_twin": _dense_twin(b, gen_kw)}
+  d = dense["dense_twin"]
+  print(f"dense twin {d['workdir']}: val ppl {d['val_perplexity']:.3f} at step "
+        f"{d['step']}, rate {d['rate']['mean']:.3f} "
+        f"[{d['rate']['lo']:.3f}, {d['rate']['hi']:.3f}]")
+  out = FLAGS.results_json or os.path.join(FLAGS.dense_workdir, f"dense_{b.name}.json")
+  provenance.write_results(out, dense, "prism suppress")
+
+
+def _conditions(sel, ban_ids, num_k) -> list[tuple[str, dict]]:
+  """(name, edit) of every row: unedited, the suppressed set, the token ban and
+  --random_sets random sets of as many prototypes outside the set."""
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng(FLAGS.seed)
+  outside = np.setdiff1d(np.arange(num_k), sel.ids)
+  conditions = [("unedited", {}), (f"suppress ({sel.method})",
+                                   {"ids": sel.ids, "refill": FLAGS.refill}),
+                ("token ban", {"ban": ban_ids})]
+  conditions += [(f"random #{r}", {"ids": tuple(rng.choice(outside, len(sel.ids), False))})
+                 for r in range(FLAGS.random_sets)]
+  return conditions
+
+
 @launcher.writes_into_run  # one writer per run (its cache, cards, report, sets)
 def main(argv):
   del argv
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from prism_jax.control import behaviours, stats  # pylint: disable=g-import-not-at-top
+  from prism_jax.control import behaviours  # pylint: disable=g-import-not-at-top
   from prism_jax.control.suppression import ProtoSet  # pylint: disable=g-import-not-at-top
   from prism_jax.loading import load_for_inference  # pylint: disable=g-import-not-at-top
   b = behaviours.behaviour(FLAGS.behaviour)
   gen_kw = dict(num_samples=FLAGS.num_samples, max_new_tokens=FLAGS.max_new_tokens,
                 temperature=FLAGS.temperature, top_k=FLAGS.top_k or None, seed=FLAGS.seed)
   if FLAGS.dense_only:
-    if not FLAGS.dense_workdir:
-      raise ValueError("--dense_only needs --dense_workdir")
-    dense = {**provenance.record("prism suppress"),
-             "behaviour": b.name, "score": b.description, "dense_twin": _dense_twin(b, gen_kw)}
-    d = dense["dense_twin"]
-    print(f"dense twin {d['workdir']}: val ppl {d['val_perplexity']:.3f} at step "
-          f"{d['step']}, rate {d['rate']['mean']:.3f} "
-          f"[{d['rate']['lo']:.3f}, {d['rate']['hi']:.3f}]")
-    out = FLAGS.results_json or os.path.join(FLAGS.dense_workdir, f"dense_{b.name}.json")
-    with open(out, "w") as f:
-      json.dump(dense, f, indent=2)
+    _dense_only(b, gen_kw)
     return
+  rec = provenance.record("prism suppress")
   model, cfg, tokenizer = load_for_inference(FLAGS.workdir, needs_prototypes="suppression")
   packed, val = _val_batch(FLAGS.workdir, cfg)
   ban_ids = behaviours.word_token_ids(tokenizer, b.select_words)
@@ -140,53 +175,27 @@ def main(argv):
   saved = ProtoSet.create(model, sel.ids, sel.scores, sel.method, sel.query).save(
       FLAGS.workdir, name=f"{b.name}_{sel.method}_{len(sel.ids)}")
   num_k = cfg.model.num_prototypes
-  rng = np.random.default_rng(FLAGS.seed)
-  outside = np.setdiff1d(np.arange(num_k), sel.ids)
-  conditions = [("unedited", {}), (f"suppress ({sel.method})",
-                                   {"ids": sel.ids, "refill": FLAGS.refill}),
-                ("token ban", {"ban": ban_ids})]
-  conditions += [(f"random #{r}", {"ids": tuple(rng.choice(outside, len(sel.ids), False))})
-                 for r in range(FLAGS.random_sets)]
+  conditions = _conditions(sel, ban_ids, num_k)
   results = {}
   for name, edit in conditions:
     results[name] = _condition(model, tokenizer, b, val, gen_kw, **edit)
-  base_scores, base_q = results["unedited"]
-  rows = []
-  for name, edit in conditions:
-    scores, q = results[name]
-    rate = stats.bootstrap_mean(scores["score"], seed=FLAGS.seed)
-    row = {"condition": name, "prototypes": len(edit.get("ids", ())),
-           "share_of_bank": len(edit.get("ids", ())) / num_k, "banned_tokens": len(edit.get("ban", ())),
-           "rate": rate._asdict(), "ppl": q["ppl_after"], "ppl_change": q["ppl_after"] / base_q["ppl_before"] - 1,
-           "kl": q["kl"], "argmax_change": q["argmax_change"]}
-    if name != "unedited" and base_scores["score"].mean() > 0:
-      row["rate_fall"] = stats.bootstrap_ratio_change(base_scores["score"], scores["score"],
-                                                      seed=FLAGS.seed)._asdict()
-    if "score_selection" in scores:
-      row["rate_selection_half"] = float(np.mean(scores["score_selection"]))
-    rows.append(row)
+  base = results["unedited"]
+  rows = [_row(name, len(edit.get("ids", ())), len(edit.get("ban", ())), results[name], base,
+               num_k, FLAGS.seed) for name, edit in conditions]
   for n in sweep:
     if n > len(ranked.ids):
       continue  # the selection ranked fewer prototypes
-    scores, q = _condition(model, tokenizer, b, val, gen_kw, ids=ranked.ids[:n],
-                           refill=FLAGS.refill)
-    rows.append({"condition": f"sweep: top {n}", "prototypes": n, "share_of_bank": n / num_k,
-                 "banned_tokens": 0, "rate": stats.bootstrap_mean(scores["score"])._asdict(),
-                 "ppl": q["ppl_after"], "ppl_change": q["ppl_after"] / base_q["ppl_before"] - 1,
-                 "kl": q["kl"], "argmax_change": q["argmax_change"],
-                 **({"rate_fall": stats.bootstrap_ratio_change(
-                     base_scores["score"], scores["score"])._asdict()}
-                    if base_scores["score"].mean() > 0 else {}),
-                 **({"rate_selection_half": float(np.mean(scores["score_selection"]))}
-                    if "score_selection" in scores else {})})
+    measured = _condition(model, tokenizer, b, val, gen_kw, ids=ranked.ids[:n],
+                          refill=FLAGS.refill)
+    rows.append(_row(f"sweep: top {n}", n, 0, measured, base, num_k, seed=0))  # CIs: seed 0
   randoms = [r for r in rows if r["condition"].startswith("random")]
   supp = rows[1]
   summary = {
-      **provenance.record("prism suppress"),
+      **rec,
       "behaviour": b.name, "score": b.description, "selection": {
           "method": sel.method, "query": sel.query, "ids": list(sel.ids),
           "scores": list(sel.scores), "saved": saved},
-      "generations_per_condition": len(base_scores["score"]), "neutral_tokens": base_q["tokens"],
+      "generations_per_condition": len(base[0]["score"]), "neutral_tokens": base[1]["tokens"],
       "faithfulness": {k: _last_eval(FLAGS.workdir).get(k) for k in
                        ("agreement", "proto_ce_ratio", "centred_proto_share", "residual_share",
                         "r1_bar", "r2_bar", "perplexity")},
@@ -200,8 +209,7 @@ def main(argv):
     summary["dense_twin"] = _dense_twin(b, gen_kw)
   _print_table(summary)
   out = FLAGS.results_json or os.path.join(FLAGS.workdir, f"suppression_{b.name}.json")
-  with open(out, "w") as f:
-    json.dump(summary, f, indent=2)
+  provenance.write_results(out, summary)
   print(f"wrote {out}")
 
 
