@@ -113,8 +113,7 @@ def measure_run(workdir: str, cfg, half: str) -> dict:
   row["step_s"] = step_seconds(workdir, cfg)
   if cfg.model.kind == "prism":
     row["bank_params"] = cfg.model.num_prototypes * cfg.model.d_model
-  with open(saved, "w", encoding="utf-8") as f:
-    json.dump(row, f, indent=1)
+  provenance.write_json(saved, row)
   return row
 
 
@@ -223,8 +222,7 @@ def main(argv):
     rec = provenance.record("experiments.bank_capacity")
     data = {**rec, "half": FLAGS.half, "half_seed": FLAGS.half_seed, "twins": twins,
             "results": results, "table": table(results), "plot": FLAGS.plot}
-    with open(FLAGS.results_json, "w", encoding="utf-8") as f:
-      json.dump(data, f, indent=1)
+    provenance.write_results(FLAGS.results_json, data)
     print(markdown(data))
 
 

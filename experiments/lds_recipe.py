@@ -19,7 +19,7 @@ RECIPE = {
     "model.d_model": 64, "model.n_layers": 2, "model.n_heads": 2, "model.mlp_ratio": 4,
     "model.num_prototypes": 128, "model.k": 4, "model.residual_routing": "straight_through",
     "model.mixture": "normalized", "model.distance": "cosine", "model.mixture_scale": "none",
-    "model.residual_dropout": 0.0, "model.proto_init": "data", "model.implementation": None,
+    "model.residual_dropout": 0.0, "model.proto_init": "data", "model.proto_init_pick": "kmeans++", "model.implementation": None,
     "model.bias": True, "model.dropout": 0.0, "model.dtype": "float32", "model.remat": False,
     "model.init_std": 0.02, "model.vocab_used": 0,
     "loss.lambda_rec": 0.05, "loss.lambda_r1": 0.1, "loss.lambda_r2": 1.0,

@@ -122,6 +122,54 @@ def defaults_markdown(data: dict) -> str:
   return "\n".join(lines)
 
 
+
+DEMO_TARGETS = {"agreement": 0.70, "agreement_decisive": 0.97, "proto_ce_ratio": 1.05,
+                "ce_gap": 0.02}  # issue 53's acceptance for the demo
+
+
+def demo_recipe_markdown(data: dict) -> str:
+  """experiments.demo_recipe's candidates, one row per candidate and seed."""
+  lines = [f"`{data['command']}` (commit `{data['commit'][:12]}`); backbone "
+           f"{data['backbone']}, {data['steps']} steps from scratch on the tiny corpus, each "
+           f"candidate beside the dense twin at equal tokens; measured on the "
+           f"**{data['half']}** half of the val documents (seed {data['half_seed']}).", "",
+           "| candidate | seed | val CE (dense) | CE gap | agreement | decisive (share) | "
+           "proto CE ratio | R̄1 / R̄2 | carriers 90% (median / p90) | train wall s (CPU s) |",
+           "|" + "---|" * 10]
+  for name, cand in data["rows"].items():
+    for seed, r in cand["seeds"].items():
+      lines.append(
+          f"| {name} | {seed} | {r['loss']:.4f} ({r['dense_loss']:.4f}) | "
+          f"{100 * r['ce_gap']:+.1f}% | {100 * r['agreement']:.1f}% | "
+          f"{100 * r['agreement_decisive']:.1f}% ({100 * r['decisive_share']:.1f}%) | "
+          f"{r['proto_ce_ratio']:.3f} | {r['r1_bar']:.3f} / {r['r2_bar']:.3f} | "
+          f"{r['carriers90_median']:g} / {r['carriers90_p90']:g} | "
+          f"{r['wall_s']:.0f} ({r['cpu_s']:.0f}) |")
+  lines.append(f"| target | | | ≤ +{100 * DEMO_TARGETS['ce_gap']:.0f}% | "
+               f"≥ {100 * DEMO_TARGETS['agreement']:.0f}% | "
+               f"≥ {100 * DEMO_TARGETS['agreement_decisive']:.0f}% | "
+               f"≤ {DEMO_TARGETS['proto_ce_ratio']} | | | |")
+  twins = ", ".join(f"seed {s}: {t['wall_s']:.0f} s ({t['cpu_s']:.0f} CPU s)"
+                    for s, t in data["twins"].items())
+  lines += ["", f"The dense twins' training: {twins}. Overrides on the tiny preset of that "
+            "commit:", ""]
+  lines += [f"- {name}: `{','.join(c['overrides'])}`" for name, c in data["rows"].items()]
+  return "\n".join(lines)
+
+
+def demo_recipe_rows(data: dict) -> list[dict]:
+  """One summary row per candidate: agreement (decisive), CE ratio and CE gap per seed."""
+  out = []
+  for name, cand in data["rows"].items():
+    parts = [f"seed {s}: {100 * r['agreement']:.1f}% ({100 * r['agreement_decisive']:.1f}%), "
+             f"{r['proto_ce_ratio']:.3f}, {100 * r['ce_gap']:+.1f}%"
+             for s, r in cand["seeds"].items()]
+    out.append({"metric": f"demo recipe {name}, {data['half']} half: agreement (decisive), "
+                          "CE(W z_hat)/CE(W z), full CE vs dense twin",
+                "paper": "not reported", "ours": "; ".join(parts),
+                "command": data["command"]})
+  return out
+
 # experiments.reproduce's rows (the paper-vs-ours table) from the same JSONs.
 TARGET_TEXT = ("targets (issue 44): agreement >= 90%, decisive >= 97%, CE(W z_hat)/CE(W z) "
                "<= 1.05, full CE <= +2% vs dense")

@@ -17,6 +17,7 @@ from benchmarks.scale_render import scale_table_markdown
 from benchmarks.serve_render import serve_load_markdown, serve_load_rows
 from experiments.prototype_path_md import (alive_markdown, alive_rows, capacity_markdown,
                                            capacity_rows, defaults_markdown, defaults_rows,
+                                           demo_recipe_markdown, demo_recipe_rows,
                                            lds_markdown, size_markdown, size_rows)
 from experiments.reproduce_control import (CAVEATS, heldout_markdown, mc_eval, mc_markdown,
                                            suppression_heldout, suppression_heldout_headline,
@@ -298,6 +299,8 @@ READERS: dict[str, Callable[[dict], list[dict]]] = {
     "bank_capacity_128x4_seeds": capacity_seed_rows,
     "bank_capacity_nnls": capacity_rows,
     "bank_capacity_nnls_test": capacity_setting_rows,
+    "demo_recipe_choose": demo_recipe_rows,
+    "demo_recipe_test": demo_recipe_rows,
 }
 # Variants recorded beside a headline file (other selections, the dense twin): detail in
 # RESULTS.md's sections, not rows of the table.
@@ -322,6 +325,8 @@ SECTIONS: dict[str, tuple[Callable[[dict], str], str]] = {
     "bank_capacity_128x4_seeds": (capacity_markdown, "prototype_path_capacity_seeds"),
     "bank_capacity_nnls": (capacity_markdown, "prototype_path_capacity_nnls"),
     "bank_capacity_nnls_test": (capacity_markdown, "prototype_path_capacity_nnls_test"),
+    "demo_recipe_choose": (demo_recipe_markdown, "demo_recipe_choose"),
+    "demo_recipe_test": (demo_recipe_markdown, "demo_recipe_test"),
     "lds": (lds_markdown, "lds_kl1"),
     "lds_lambda_proto1": (lds_markdown, "lds_lambda_proto1"),
     "retrofit": (retrofit_markdown, "retrofit"),

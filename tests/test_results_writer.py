@@ -15,8 +15,6 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 OWN_WRITER = {
     # rewrites old results files in their own indent and escaping: a backfill is a small diff
     "experiments/provenance_backfill.py",
-    # being edited elsewhere (issue 56): they move to provenance.write_results there
-    "experiments/bank_capacity.py", "experiments/demo_recipe.py", "benchmarks/demo_time.py",
 }
 
 

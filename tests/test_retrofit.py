@@ -109,3 +109,23 @@ def test_mismatched_source_is_refused(dense_run, bad, match):
     train(cfg, str(root / f"bad_{match}"))
   ckpts = root / f"bad_{match}" / "checkpoints"
   assert not ckpts.exists() or not list(ckpts.iterdir())  # no checkpoint written
+
+
+@pytest.mark.parametrize("pick, kmeans_pp", [("kmeans++", True), ("uniform", False)])
+def test_proto_init_pick_reaches_the_bank_init(dense_run, tmp_path, monkeypatch, pick, kmeans_pp):
+  """model.proto_init_pick chooses k-means++ seeding or a uniform draw of the candidates."""
+  from prism_jax.model import lm  # pylint: disable=g-import-not-at-top
+  from prism_jax.train import recipe  # pylint: disable=g-import-not-at-top
+  seen = []
+  real = lm.init_prototypes_from_hidden
+
+  def spy(*args, **kwargs):
+    seen.append(kwargs["kmeans_pp"])
+    return real(*args, **kwargs)
+
+  monkeypatch.setattr(recipe, "init_prototypes_from_hidden", spy)
+  _, sets = dense_run
+  cfg = apply_overrides(preset("tiny"), sets + [f"model.proto_init_pick={pick}",
+                                                "train.proto_init_step=2", "train.steps=3"])
+  train(cfg, str(tmp_path / "run"))
+  assert seen == [kmeans_pp]

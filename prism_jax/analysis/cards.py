@@ -272,11 +272,31 @@ class _Docs:
             dec(toks[trig + 1:trig + 1 + window]), int(toks[trig]))
 
 
-def _position(rows: dict, row: int, example_id: int, offset: int) -> int:
-  """Column of the trigger in packed row `row` (targets are columns 1..T of the row)."""
-  hit = np.flatnonzero((rows["example_id"][row, 1:] == example_id)
-                       & (rows["offset"][row, 1:] == offset))
-  return int(hit[0]) if hit.size else -1
+def _positions(rows: dict, row_M: np.ndarray, eid_M: np.ndarray, off_M: np.ndarray,
+               block: int = 4096) -> np.ndarray:
+  """Column of each trigger in its packed row (targets are columns 1..T of the row; -1 where
+  absent). Each distinct row is read once, `block` rows at a time: one read per context
+  was most of the cards' time at K 8192."""
+  out = np.full(len(row_M), -1, np.int64)
+  uniq, inv = np.unique(np.asarray(row_M, np.int64), return_inverse=True)
+  for lo in range(0, len(uniq), block):
+    sel = np.flatnonzero((inv >= lo) & (inv < lo + block))
+    local = inv[sel] - lo
+    hit_MxT = ((rows["example_id"][uniq[lo:lo + block], 1:][local] == eid_M[sel, None])
+               & (rows["offset"][uniq[lo:lo + block], 1:][local] == off_M[sel, None]))
+    out[sel] = np.where(hit_MxT.any(1), hit_MxT.argmax(1), -1)
+  return out
+
+
+def _with_positions(rows: dict, contexts: list[tuple], offsets: list[int]) -> list[tuple]:
+  """`contexts` with each trigger's position (`offsets`: their targets' document offsets,
+  flat in the same order)."""
+  flat = [c for ctxs in contexts for c in ctxs]
+  pos = _positions(rows, np.array([c.row for c in flat], np.int64),
+                   np.array([c.example_id for c in flat], np.int64),
+                   np.array(offsets, np.int64)) if flat else []
+  it = iter(pos)
+  return [tuple(c._replace(position=int(next(it))) for c in ctxs) for ctxs in contexts]
 
 
 def _identity(fingerprint: str, cfg: Config, top_m: int, window: int, source: str,
@@ -285,6 +305,38 @@ def _identity(fingerprint: str, cfg: Config, top_m: int, window: int, source: st
           "num_prototypes": cfg.model.num_prototypes, "k": cfg.model.k,
           "vocab_size": cfg.model.vocab_size, "top_m": top_m, "window": window,
           "source": source, "num_tokens": int(num_tokens)}
+
+
+def _card_contexts(index, packed, split: str, docs: _Docs, num_protos: int, top_m: int,
+                   window: int, progress: bool, t0: float):
+  """Per prototype: its top_m contexts (with their row positions), trigger ids, the
+  bigrams before them, its usage and its activation histogram."""
+  contexts, offsets, trig_ids, bigrams, usage, hists = [], [], [], [], [], []
+  for i in range(num_protos):
+    tok_all, act_all = index.entries(i)
+    usage.append(len(tok_all) / max(index.num_tokens, 1))
+    top = max(float(act_all.max()), 1e-12) if len(act_all) else 1.0
+    counts, edges = np.histogram(act_all, bins=HIST_BINS, range=(0.0, top))
+    hists.append({"edges": edges.tolist(), "counts": counts.tolist()})
+    tok, act = tok_all[:top_m], act_all[:top_m]
+    ex, off, row = index.gather("example_id", tok), index.gather("offset", tok), index.rows(tok)
+    ctxs, trig, bg = [], [], []
+    for t, a, e, o, r in zip(tok, act, ex, off, row):
+      before, trigger, after, trig_id = docs.context(int(e), int(o), window)
+      ctxs.append(Context(int(e), int(r), -1, float(a), before, trigger, after,
+                          before + trigger + after))  # its position: after the loop
+      offsets.append(int(o))
+      trig.append(trig_id)
+      prev = docs.tokens(int(e))[max(0, int(o) - 2):int(o)]
+      if len(prev) == 2:
+        bg.append((int(prev[0]), int(prev[1])))
+    contexts.append(tuple(ctxs))
+    trig_ids.append(trig)
+    bigrams.append(bg)
+    if progress and (i + 1) % max(1, num_protos // 10) == 0:
+      logging.info("cards: %d/%d prototypes (%.1fs)", i + 1, num_protos, time.time() - t0)
+  rows = packed.rows(split)  # the rows the index's tokens come from
+  return _with_positions(rows, contexts, offsets), trig_ids, bigrams, usage, hists
 
 
 def build_cards(model, cfg: Config, packed, *, cache=None, top_m: int = 16, window: int = 8,
@@ -322,31 +374,8 @@ def build_cards(model, cfg: Config, packed, *, cache=None, top_m: int = 16, wind
     index, source = _records_index(model, cfg, packed, rec_dir, progress, records_cfg), "records"
     split = fmt.CacheConfig().split
   num_protos = cfg.model.num_prototypes
-  rows = packed.rows(split)  # the rows the index's tokens come from
-  docs = _Docs(packed, decode)
-  contexts, trig_ids, bigrams, usage, hists = [], [], [], [], []
-  for i in range(num_protos):
-    tok_all, act_all = index.entries(i)
-    usage.append(len(tok_all) / max(index.num_tokens, 1))
-    top = max(float(act_all.max()), 1e-12) if len(act_all) else 1.0
-    counts, edges = np.histogram(act_all, bins=HIST_BINS, range=(0.0, top))
-    hists.append({"edges": edges.tolist(), "counts": counts.tolist()})
-    tok, act = tok_all[:top_m], act_all[:top_m]
-    ex, off, row = index.gather("example_id", tok), index.gather("offset", tok), index.rows(tok)
-    ctxs, trig, bg = [], [], []
-    for t, a, e, o, r in zip(tok, act, ex, off, row):
-      before, trigger, after, trig_id = docs.context(int(e), int(o), window)
-      ctxs.append(Context(int(e), int(r), _position(rows, int(r), int(e), int(o)), float(a),
-                          before, trigger, after, before + trigger + after))
-      trig.append(trig_id)
-      prev = docs.tokens(int(e))[max(0, int(o) - 2):int(o)]
-      if len(prev) == 2:
-        bg.append((int(prev[0]), int(prev[1])))
-    contexts.append(tuple(ctxs))
-    trig_ids.append(trig)
-    bigrams.append(bg)
-    if progress and (i + 1) % max(1, num_protos // 10) == 0:
-      logging.info("cards: %d/%d prototypes (%.1fs)", i + 1, num_protos, time.time() - t0)
+  contexts, trig_ids, bigrams, usage, hists = _card_contexts(
+      index, packed, split, _Docs(packed, decode), num_protos, top_m, window, progress, t0)
   protos_KxD = np.asarray(model.bank.protos[...], np.float64)
   sigs = signatures(np.asarray(model.proto_logit_signatures(), np.float64), decode, n_logits)
   nb_ids, nb_cos = neighbours(protos_KxD, n_neighbours)

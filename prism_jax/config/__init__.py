@@ -66,6 +66,11 @@ class ModelConfig:
   # the step's key), so there the logits are W z_hat and the prototypes must predict alone.
   residual_dropout: float = 0.0
   proto_init: Literal["data", "normal"] = "data"
+  # proto_init=data: which of the candidate hidden states (2K of them) become prototypes.
+  # "kmeans++": spread by k-means++ seeding on cosine distance (a sequential pass over the
+  # candidates per prototype: tens of seconds on a CPU at K 8192); "uniform": K of them at
+  # random (PRISM.md §1), instant.
+  proto_init_pick: Literal["kmeans++", "uniform"] = "kmeans++"
   implementation: Implementation = None  # prototype-layer kernel; None = best available
   # GPT-2 has biases in every linear map and LayerNorm; False drops them all (nanoGPT's
   # bias=False). Dropout (training only, from the step's key; off at eval and generation) on
@@ -99,6 +104,7 @@ class ModelConfig:
     _check(isinstance(self.residual_dropout, (int, float)) and 0.0 <= self.residual_dropout < 1.0,
            f"model.residual_dropout must be in [0, 1), got {self.residual_dropout!r}")
     _check_choice("model.proto_init", self.proto_init, ("data", "normal"))
+    _check_choice("model.proto_init_pick", self.proto_init_pick, ("kmeans++", "uniform"))
     _check_choice("model.dtype", self.dtype, ("float32", "bfloat16"))
     _check(isinstance(self.dropout, (int, float)) and 0.0 <= self.dropout < 1.0,
            f"model.dropout must be in [0, 1), got {self.dropout!r}")

@@ -192,7 +192,8 @@ def _init_prototypes(graphdef, state: TrainState, shardings: TrainState, cfg: Co
   if z_BxTxD is None:
     z_BxTxD = _hidden_states(graphdef, state, shardings, tokens_BxT)
   chosen = init_prototypes_from_hidden(module, tokens_BxT, seed=seed, mask_BxT=mask_BxT,
-                                       kmeans_pp=True, z_BxTxD=z_BxTxD)
+                                       kmeans_pp=cfg.model.proto_init_pick == "kmeans++",
+                                       z_BxTxD=z_BxTxD)
   # the bank's value from the host copy (the same float32 values the module got): under
   # FSDP over several processes the module's bank spans devices this process cannot read
   protos = np.asarray(z_BxTxD, np.float64).reshape(-1, z_BxTxD.shape[-1])[chosen]

@@ -291,21 +291,26 @@ def clustering_curvature(head: HeadInputs, model_cfg: ModelConfig, loss_cfg: Los
   n_valid = jnp.maximum(jnp.sum(valid), 1.0)
   k_with = jnp.maximum(jnp.sum(has_tok_K.astype(dt)), 1.0)
   w1_K = loss_cfg.lambda_r1 / k_with * has_tok_K.astype(dt)  # R1 weight of t*(i)
-  assign_NxK = jax.nn.one_hot(proto_of_N, num_k, dtype=dt) * valid[:, None]
-  w2_NxK = loss_cfg.lambda_r2 / n_valid * assign_NxK  # R2 weight of (t, i)
+  # R2's weight of (t, i) is λ_2/N on the one pair (t, i*(t)): sums over tokens are
+  # segment sums (no N x K one-hot: K is 8192+ on the demo's bank).
+  w2_N = loss_cfg.lambda_r2 / n_valid * valid
   if model_cfg.distance == "sqeuclidean":
-    mu_K = 2.0 * (w1_K + jnp.sum(w2_NxK, 0))
+    mu_K = 2.0 * (w1_K + jax.ops.segment_sum(w2_N, proto_of_N, num_segments=num_k))
     if not blocks:
       return mu_K
     return mu_K, mu_K[:, None, None] * jnp.eye(d, dtype=dt)
   # Cosine: weights per (token, prototype) pair, R1 and R2 together.
-  w_NxK = w2_NxK + jax.nn.one_hot(tok_of_K, head.z_NxD.shape[0], dtype=dt).T * w1_K[None, :]
+  cos_r2_N = jnp.take_along_axis(cos_NxK, proto_of_N[:, None], axis=1)[:, 0]
+  cos_r1_K = cos_NxK[tok_of_K, jnp.arange(num_k)]
+  wc_K = (jax.ops.segment_sum(w2_N * cos_r2_N, proto_of_N, num_segments=num_k)
+          + w1_K * cos_r1_K)
   sqp, inv_p = _norm_inv(head.protos_KxD)
   inv_sqp = inv_p ** 2
-  wc_K = jnp.sum(w_NxK * cos_NxK, 0)
   mu_K = (d - 1) / d * inv_sqp * wc_K
   if not blocks:
     return mu_K
+  w_NxK = (jax.nn.one_hot(proto_of_N, num_k, dtype=dt) * w2_N[:, None]
+           + jax.nn.one_hot(tok_of_K, head.z_NxD.shape[0], dtype=dt).T * w1_K[None, :])
   u_KxD = head.protos_KxD * inv_p[:, None]
   _, inv_z = _norm_inv(head.z_NxD)
   v_NxD = head.z_NxD * inv_z[:, None]
