@@ -201,3 +201,16 @@ def test_cards_on_gcs(setup, gcs):
   assert cards_lib.CardSet.load("gs://bucket/cards_test", model=setup[3]).cards == cards.cards
   with pytest.raises(cards_lib.CardsMismatchError, match="another model"):
     cards_lib.CardSet.load("gs://bucket/cards_test", model=build_model(setup[1].model, 4))
+
+
+def test_neighbour_top_n_is_the_stable_argsort_ties_included():
+  """card_stats' partial top-n equals a full stable argsort, on rows with and without ties."""
+  from prism_jax.analysis.card_stats import _top_n_stable  # pylint: disable=g-import-not-at-top
+  rng = np.random.default_rng()
+  for trial in range(60):
+    m, k = int(rng.integers(1, 30)), int(rng.integers(2, 60))
+    n = int(rng.integers(1, k + 1))
+    sim = (rng.integers(0, 4, (m, k)).astype(float) if trial % 2  # many ties
+           else rng.standard_normal((m, k)))
+    want = np.argsort(-sim, axis=1, kind="stable")[:, :n]
+    np.testing.assert_array_equal(_top_n_stable(sim, n), want)
