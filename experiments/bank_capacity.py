@@ -79,21 +79,32 @@ def base_sets(backbone: str, seed: int, root: str) -> list[str]:
 def twin_config(backbone: str, seed: int, root: str, steps: int):
   from prism_jax.config import preset  # pylint: disable=g-import-not-at-top
   from prism_jax.train import apply_overrides  # pylint: disable=g-import-not-at-top
-  # The twin has no bank: K is pinned so that its config (and a finished twin's resume
-  # check) does not move when the tiny preset's K does.
+  # The twin has no bank: its bank fields and the bank's schedule are pinned so that its
+  # config (and a finished twin's resume check) does not move when the tiny preset's do.
   return apply_overrides(preset("tiny"), base_sets(backbone, seed, root)
-                         + ["model.kind=dense", f"train.steps={steps}",
-                            "model.num_prototypes=512", "model.k=8"])
+                         + ["model.kind=dense", f"train.steps={steps}", *TWIN_PINS])
+
+
+ISSUE44_BANK_AT = 50  # the tiny preset's proto_init_step when issue 44 measured
+# issue 44's tiny recipe (joint training after a 50-step dense warm-up, convex mixture,
+# k-means++ init), pinned where its runs are reused, whatever the tiny preset becomes
+ISSUE44_RECIPE = ("model.mixture=normalized", "model.proto_init_pick=kmeans++",
+                  "train.trainable=all", f"train.proto_init_step={ISSUE44_BANK_AT}",
+                  "train.eval_at_start=true")
+TWIN_PINS = ("model.num_prototypes=512", "model.k=8", *ISSUE44_RECIPE)
 
 
 def bank_config(backbone: str, seed: int, root: str, steps: int, setting: str):
   from prism_jax.config import preset  # pylint: disable=g-import-not-at-top
   from prism_jax.train import apply_overrides  # pylint: disable=g-import-not-at-top
-  base = preset("tiny")
   big_k, k, extra = parse_setting(setting)
-  return apply_overrides(base, base_sets(backbone, seed, root) + [
+  # issue 44's bank: convex mixture, k-means++ init, the steps a bank set at step 50 sees
+  # (pinned, so finished runs stay reusable if the tiny preset moves); a setting's extras
+  # override them
+  return apply_overrides(preset("tiny"), base_sets(backbone, seed, root) + [
+      "model.mixture=normalized", "model.proto_init_pick=kmeans++",
       f"model.num_prototypes={big_k}", f"model.k={k}", *extra,
-      f"train.steps={steps - base.train.proto_init_step}", "train.proto_init_step=0",
+      f"train.steps={steps - ISSUE44_BANK_AT}", "train.proto_init_step=0",
       "train.trainable=prototypes", "train.eval_at_start=false",
       f"train.eval_every={steps}",
       f"train.init_from={os.path.join(root, backbone, f'dense_s{seed}')}"])

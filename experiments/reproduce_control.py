@@ -13,8 +13,8 @@ CAVEATS = {
                    "suppression_heldout.json",
     "mc_eval": "measured on issue 11's round-1 tiny model (λ_proto 1, K 512), not today's "
                "default; not re-measured",
-    "faithfulness": "issue 11's sweep at K 512; today's tiny default (K 2048) is "
-                    "prototype_defaults.json",
+    "faithfulness": "issue 11's sweep at K 512; the demo's recipe (K 16384 on the "
+                    "trained backbone) is demo_recipe_test.json",
     "cards": "on the demo model of issue 11's round 1: λ_proto 1, K 512",
     "rehearsal": "ran before train.revive_every existed, and its bank collapsed: section "
                  "'CPU pod rehearsal'",

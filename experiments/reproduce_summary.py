@@ -40,14 +40,6 @@ def quality_accuracy(d: dict) -> str:
           f"{control.CAVEATS['mc_eval']}; too-long items dropped (`--too_long=drop`)")
 
 
-def ce_gap_default(d: dict) -> str:
-  new = d["rows"]["new"]
-  gaps = [r["ce_gap"] for r in new.values()]
-  return (f"{_seeds(new, lambda r: _pct(r['ce_gap'], True))} (today's tiny default "
-          f"{d['settings']['new']}, {d['half']} half, seeds {', '.join(new)}): "
-          + _verdict(max(gaps) <= 0.02))
-
-
 def ce_gap_size(d: dict) -> str:
   parts = [f"{_pct(r['ce_gap'], True)} at {r['backbone']}" for r in d["rows"]]
   met = [r["backbone"] for r in d["rows"] if r["ce_gap"] <= 0.02]
@@ -74,14 +66,6 @@ def throughput_tpu(d: dict) -> str:
 
 def _num(key: str, fmt: str = ".3f") -> Callable[[dict], str]:
   return lambda r: format(r[key], fmt)
-
-
-def grounding(d: dict) -> str:
-  new = d["rows"]["new"]
-  low = min(min(r["r1_bar"], r["r2_bar"]) for r in new.values())
-  return (f"R̄1 {_seeds(new, _num('r1_bar'))}, R̄2 {_seeds(new, _num('r2_bar'))} (today's "
-          f"tiny default, {d['half']} half): " + ("within" if low >= 0.94 else "below")
-          + " 0.94–1.00; issue 44's ≥ 0.9: " + _verdict(low >= 0.9))
 
 
 def _lds_rows(d: dict) -> dict:
@@ -124,16 +108,6 @@ def suppression(d: dict) -> str:
           f"{_pct(d['rows'][1]['ppl_change'], True)}")
 
 
-def faithfulness(d: dict) -> str:
-  new = d["rows"]["new"]
-  ok = all(r["agreement"] >= 0.9 and r["agreement_decisive"] >= 0.97
-           and r["proto_ce_ratio"] <= 1.05 for r in new.values())
-  pct = lambda key: lambda r: _pct(r[key])
-  return (f"agreement {_seeds(new, pct('agreement'))}, decisive "
-          f"{_seeds(new, pct('agreement_decisive'))}, CE(W ẑ)/CE(W z) "
-          f"{_seeds(new, _num('proto_ce_ratio'))} (today's tiny default): " + _verdict(ok))
-
-
 def frozen_bank(d: dict) -> str:
   row = sources.capacity_rows(d)[0]
   return (f"{row['ours']} (bank alone on a frozen d {next(iter(d['results']))} twin, "
@@ -170,6 +144,50 @@ def demo_time(d: dict, cold: dict) -> str:
   within = d["within_budget"] and cold["within_budget"]
   return (f"{d['total_s']:.0f} s with uv's cache warm, {cold['total_s']:.0f} s cold (install "
           f"included, {d['machine']}): " + _verdict(within))
+
+
+def _demo_rows(d: dict) -> dict:
+  """demo_recipe_test.json's adopted recipe (the candidate that is not the old default)."""
+  name = next(n for n in d["rows"] if n != "today")
+  return name, d["rows"][name]["seeds"]
+
+
+def ce_gap_demo(d: dict) -> str:
+  name, rows = _demo_rows(d)
+  return (f"{_seeds(rows, lambda r: _pct(r['ce_gap'], True))} (the demo preset, {name}, "
+          f"{d['half']} half, seeds {', '.join(rows)}; the backbone trains 580 of 600 steps, "
+          "the bank the last 20 on it frozen): "
+          + _verdict(max(r["ce_gap"] for r in rows.values()) <= 0.02))
+
+
+def grounding_demo(d: dict) -> str:
+  _, rows = _demo_rows(d)
+  low = min(min(r["r1_bar"], r["r2_bar"]) for r in rows.values())
+  return (f"R̄1 {_seeds(rows, _num('r1_bar'))}, R̄2 {_seeds(rows, _num('r2_bar'))} (the demo "
+          f"preset, {d['half']} half): " + ("within" if low >= 0.94 else "below")
+          + " 0.94–1.00; issue 44's ≥ 0.9: " + _verdict(low >= 0.9))
+
+
+def faithfulness_demo(d: dict) -> str:
+  _, rows = _demo_rows(d)
+  pct = lambda key: lambda r: _pct(r[key])
+  demo = all(r["agreement"] >= 0.7 and r["agreement_decisive"] >= 0.97
+             and r["proto_ce_ratio"] <= 1.05 for r in rows.values())
+  paper = all(r["agreement"] >= 0.9 for r in rows.values())
+  return (f"agreement {_seeds(rows, pct('agreement'))}, decisive "
+          f"{_seeds(rows, pct('agreement_decisive'))}, CE(W ẑ)/CE(W z) "
+          f"{_seeds(rows, _num('proto_ce_ratio'))} (the demo preset, {d['half']} half): "
+          f"issue 53's ≥ 70% / 97% / 1.05: {_verdict(demo)}; agreement ≥ 90%: "
+          + _verdict(paper))
+
+
+def demo_time_ratio(d: dict) -> str:
+  if "runs" not in d:
+    return demo_time(d, d)
+  base, new = d["runs"]["baseline"], d["runs"]["commit"]
+  return (f"{new['total_s']:.0f} s vs {base['total_s']:.0f} s for {base['sha'][:7]}, side by "
+          f"side on one box ({d['machine']}, install included): ratio {d['ratio']:.2f}: "
+          + _verdict(d["within_target"]))
 
 
 def serve(d: dict) -> str:
@@ -215,8 +233,8 @@ SUMMARY: tuple = (
      "not measured (the GPT-2 presets here are compile-only estimates: 'Scale table')"),
     ("quality vs dense, downstream accuracy (§7)", "within 2.5 points of dense (average)",
      ("mc_eval",), quality_accuracy),
-    ("quality vs dense, val CE at equal tokens (issue 44)", "≤ +2%", ("prototype_defaults",),
-     ce_gap_default),
+    ("quality vs dense, val CE at equal tokens (issues 44, 53)", "≤ +2%", ("demo_recipe_test",),
+     ce_gap_demo),
     ("the same against backbone size (issue 44)", "≤ +2%", ("size_trend",), ce_gap_size),
     ("parameter overhead (§7)", "1.7% at XL", (),
      "no results JSON: analytic, printed by `prism model-card` ('Model card')"),
@@ -224,7 +242,7 @@ SUMMARY: tuple = (
      ("throughput", "throughput_runs/round4_*"), throughput),
     ("training throughput on TPU, predicted (issue 26)", "97.3% (paper: H200, XL)",
      ("scale_table",), throughput_tpu),
-    ("grounding (§7)", "R̄1, R̄2 in 0.94–1.00", ("prototype_defaults",), grounding),
+    ("grounding (§7)", "R̄1, R̄2 in 0.94–1.00", ("demo_recipe_test",), grounding_demo),
     ("attribution speed (§7)", "~470× EK-FAC at equal memory (124M)", (),
      "no results JSON: hand-recorded ('Attribution speed: cached PRISM vs EK-FAC')"),
     ("attribution signal (§7)", "~80% of top-ranked sequences kept", ("lds_default_k512",),
@@ -234,16 +252,16 @@ SUMMARY: tuple = (
     ("controllers (§7)", "+2.72 points (SAE controller +0.32)", ("mc_eval",), controllers),
     ("suppression (§7)", "NSFW 0.668 → 0.154 with 86 prototypes", ("suppression_heldout",),
      suppression),
-    ("faithfulness of today's default (issues 11, 44)", "agreement ≥ 90%, decisive ≥ 97%, "
-     "CE ratio ≤ 1.05", ("prototype_defaults",), faithfulness),
+    ("faithfulness of the demo's model (issues 11, 44, 53)", "agreement ≥ 90% (issue 53: ≥ "
+     "70%), decisive ≥ 97%, CE ratio ≤ 1.05", ("demo_recipe_test",), faithfulness_demo),
     ("faithfulness of a frozen-backbone bank (issue 44)", "the same", ("bank_capacity_128x4",),
      frozen_bank),
     ("`small`-shape bank alive (issue 44)", "≥ 95% of prototypes selected",
      ("bank_alive", "bank_alive_trained"), alive),
     ("CPU pod rehearsal, `small` shape (issue 26)", "every stage and check passes",
      ("rehearsal",), rehearsal),
-    ("`make demo` from a fresh clone (issue 45)", "≤ 3 min", ("demo_time", "demo_time_cold"),
-     demo_time),
+    ("`make demo` from a fresh clone (issues 45, 53)", "≤ 0.6 × 14df241's, side by side",
+     ("demo_time",), demo_time_ratio),
     ("explorer under load (issue 48)", "reported; no recompiles", ("serve_load",), serve),
     ("2-process preemption test under load (issue 46)", "passes every time",
      ("preemption_repeat",), preemption),

@@ -37,7 +37,8 @@ def scratch_config(backbone: str, seed: int, root: str, steps: int, setting: str
   from prism_jax.train import apply_overrides  # pylint: disable=g-import-not-at-top
   big_k, k, extra = cap.parse_setting(setting)
   return apply_overrides(preset("tiny"), cap.base_sets(backbone, seed, root) + [
-      f"model.num_prototypes={big_k}", f"model.k={k}", *extra, f"train.steps={steps}"])
+      *cap.ISSUE44_RECIPE, f"model.num_prototypes={big_k}", f"model.k={k}", *extra,
+      f"train.steps={steps}"])
 
 
 def backbone_params(cfg) -> int:

@@ -154,8 +154,15 @@ def test_smoke_presets_and_names():
                                       loss=C.LossConfig(lambda_proto_kl=1.0),
                                       data=C.DataConfig(seq_len=128))
   assert C.preset("tiny", 30).train == C.TrainConfig(steps=30)
-  assert set(C.preset_names()) == {"tiny", "small", "medium", "large", "xl", "small_smoke",
-                                   "medium_smoke", "large_smoke", "xl_smoke"}
+  demo = C.preset("demo")  # the tiny backbone, issue 53's bank and recipe
+  assert demo.model == C.model_preset("tiny", num_prototypes=16384, k=16, mixture="nnls",
+                                      proto_init_pick="uniform")
+  assert (demo.train.steps, demo.train.proto_init_step, demo.train.trainable) == (
+      600, 580, "prototypes")
+  assert C.preset("demo", 100).train.proto_init_step == 80  # the bank's last 20 steps
+  assert demo.loss == C.preset("tiny").loss and demo.data == C.preset("tiny").data
+  assert set(C.preset_names()) == {"tiny", "demo", "small", "medium", "large", "xl",
+                                   "small_smoke", "medium_smoke", "large_smoke", "xl_smoke"}
   for bad in ("tiny_smoke", "huge", "small_smokes"):
     with pytest.raises(ValueError, match=f"unknown preset '{bad}'"):
       C.preset(bad)

@@ -1,4 +1,4 @@
-"""`prism demo` (`make demo`): train the tiny PRISM on the embedded corpus, then sample.
+"""`prism demo` (`make demo`): train the demo PRISM on the embedded corpus, then sample.
 
 Trains into ./runs/demo (resuming if a run is there; a finished run is reused), prints the
 validation metrics, then samples a continuation of a prompt (temperature and top-k, seeded:
@@ -21,7 +21,8 @@ flags.DEFINE_string("workdir", "runs/demo", "run directory (resumed if present)"
 flags.DEFINE_string("prompt", "The for statement", "text to continue")
 flags.DEFINE_integer("max_new_tokens", 32, "tokens to generate")
 flags.DEFINE_integer("top", 3, "prototypes shown per token")
-flags.DEFINE_multi_string("set", [], "config override KEY=VALUE on the tiny preset")
+flags.DEFINE_multi_string("set", [], "config override KEY=VALUE on the demo preset "
+                          "(train.steps=N also moves the bank to N - 20)")
 FLAGS = flags.FLAGS
 sampling_flags.define()
 
@@ -51,6 +52,16 @@ def _signature(model, proto_id: int, decode, n: int = 3) -> str:
   return " ".join(repr(decode([int(t)])) for t in np.argsort(-sig_V)[:n])
 
 
+def _steps_override(sets: list[str]) -> int | None:
+  """train.steps among the --set overrides (the demo's bank is placed from it), else None."""
+  steps = [s.split("=", 1)[1] for s in sets if s.split("=", 1)[0].strip() == "train.steps"]
+  if not steps:
+    return None
+  if not steps[-1].strip().isdigit():
+    raise ValueError(f"--set train.steps={steps[-1]!r}: give a positive integer")
+  return int(steps[-1])
+
+
 def main(argv):
   del argv
   from prism_jax.config import preset  # pylint: disable=g-import-not-at-top
@@ -62,7 +73,7 @@ def main(argv):
   sampling = sampling_flags.kwargs()  # a bad --temperature / --top_k: one line, no work
   if FLAGS.max_new_tokens < 1:
     raise ValueError(f"--max_new_tokens must be >= 1, got {FLAGS.max_new_tokens}")
-  cfg = apply_overrides(preset("tiny"), list(FLAGS.set))
+  cfg = apply_overrides(preset("demo", steps=_steps_override(FLAGS.set)), list(FLAGS.set))
   try:
     result = train(cfg, FLAGS.workdir)
   except ConfigMismatchError as e:

@@ -15,11 +15,16 @@ GPT2_CONTEXT = 1024
 
 MODEL_PRESETS: dict[str, ModelConfig] = {
     # Trains on two CPU cores in minutes. K 2048 (issue 44's capacity sweep, choose half:
-    # agreement 56.7% vs 49.3% at K 512, decisive 91.1% vs 79.5%; K 8192 / 16384 go further,
-    # 64.9% / 68.5%, at 2.3x / 11x the bank's step cost, past the demo's +15% budget); k 8 is
-    # at the optimum of k (docs/RESULTS.md "Prototype path").
+    # agreement 56.7% vs 49.3% at K 512, decisive 91.1% vs 79.5%); k 8 is at the optimum of
+    # k (docs/RESULTS.md "Prototype path"). The demo trains "demo" (below), not this.
     "tiny": ModelConfig(vocab_size=512, max_len=128, d_model=128, n_layers=4, n_heads=4,
                         num_prototypes=2048, k=8),
+    # `make demo`'s model: the tiny backbone with a bank set on it once trained (demo_train:
+    # a dense warm-up, then the bank alone for the last steps), K 16384 of its hidden states
+    # drawn uniformly, mixed by non-negative least squares on the top k 16 (issue 53's choose
+    # half: docs/RESULTS.md "The demo's recipe").
+    "demo": ModelConfig(vocab_size=512, max_len=128, d_model=128, n_layers=4, n_heads=4,
+                        num_prototypes=16384, k=16, mixture="nnls", proto_init_pick="uniform"),
     # GPT-2 family (PRISM.md §1): K and k from the paper.
     "small": ModelConfig(vocab_size=GPT2_VOCAB, max_len=GPT2_CONTEXT, d_model=768,
                          n_layers=12, n_heads=12, num_prototypes=8192, k=16),
@@ -108,6 +113,20 @@ def grad_accum_for(rows_per_chip: int, fits_per_chip: int) -> int:
               if rows_per_chip % n == 0 and rows_per_chip // n <= fits_per_chip)
 
 
+DEMO_BANK_STEPS = 20  # the demo recipe's bank-alone steps at the end of the run
+
+
+def demo_train(steps: int) -> TrainConfig:
+  """The demo's recipe: a dense warm-up of `steps` - DEMO_BANK_STEPS steps, the bank set
+  from data at that step (train.proto_init_step), then the bank alone on the frozen
+  backbone (train.trainable=prototypes), so the full logits are the dense backbone's.
+  On the choose half the bank's agreement barely moves with more bank steps (issue 53),
+  while every step the backbone gives up costs CE."""
+  _check(steps > 1, f"the demo recipe needs steps > 1, got {steps}")
+  return TrainConfig(steps=steps, proto_init_step=max(1, steps - DEMO_BANK_STEPS),
+                     trainable="prototypes", eval_at_start=False)
+
+
 def preset_names() -> list[str]:
   """Every name `preset` takes: the model presets and the GPT-2 smoke runs."""
   return list(MODEL_PRESETS) + [name + SMOKE for name in RECIPES]
@@ -121,13 +140,15 @@ def preset(name: str, steps: int | None = None) -> Config:
 
   Args:
     name: one of `preset_names()`. "tiny": the CPU preset (its own BPE, the default
-      TrainConfig). "small"/"medium"/"large"/"xl": the GPT-2 model with its GPT-2
+      TrainConfig). "demo": the tiny backbone with `make demo`'s bank and recipe
+      (`demo_train`). "small"/"medium"/"large"/"xl": the GPT-2 model with its GPT-2
       training recipe (`recipe_train`). "<gpt2 name>_smoke" (e.g. "small_smoke"): that
       model with 10 steps at batch 8 (bank set at step 5), for tests and smoke runs.
       A ValueError for any other name.
     steps: train.steps; None (default) keeps the preset's own. For a GPT-2 recipe it
       rescales the recipe (warm-up, bank init, evaluation, checkpoints placed as fractions
-      of the run); for tiny and the smoke runs it sets train.steps only.
+      of the run); for demo it moves the bank's setting with it (`demo_train`); for tiny
+      and the smoke runs it sets train.steps only.
 
   Returns:
     A `Config` (model, loss, data with seq_len = the model's max_len, train).
@@ -136,12 +157,14 @@ def preset(name: str, steps: int | None = None) -> Config:
   if not smoke and name not in MODEL_PRESETS:
     raise ValueError(f"unknown preset {name!r}; choose from {preset_names()}")
   model = model_preset(name[:-len(SMOKE)] if smoke else name)
-  if name == "tiny":
+  if name in ("tiny", "demo"):
     # λ_proto_kl = 1 (issue 11's faithfulness sweep, docs/RESULTS.md "Faithfulness"): the
     # prototype path distilled towards the model's distribution; on both sweep configs it is
     # as faithful as λ_proto = 1 (the first round's default) at a lower full CE. It stays 0
     # in LossConfig: the attribution code evaluates LossConfig() without W z_hat.
     train = TrainConfig() if steps is None else TrainConfig(steps=steps)
+    if name == "demo":
+      train = demo_train(train.steps)
     return Config(model=model, loss=LossConfig(lambda_proto_kl=1.0),
                   data=DataConfig(seq_len=model.max_len), train=train)
   if smoke:
