@@ -156,6 +156,7 @@ class Explained(NamedTuple):
   proto_top1_N: jax.Array  # argmax W z_hat (gains applied)
   agrees_N: jax.Array  # the prototype path picks the (edited) logits' top-1
   proto_share_N: jax.Array  # the prototypes' share of the top-1's lead (model/trust.py)
+  top1_N: jax.Array  # argmax of the (edited) logits: the model's prediction
 
 
 def explain_tokens(model: PrismLM, protos: PrototypeOutput, logits_NxV: jax.Array,
@@ -168,7 +169,7 @@ def explain_tokens(model: PrismLM, protos: PrototypeOutput, logits_NxV: jax.Arra
   # W z_hat with the gains: the prototype path of the logits that were sampled from
   trust = edited_trust(model, protos, logits_NxV, gains_K)
   return Explained(dec.idx_Nxk, protos.act_Nxk, contrib_Nxk, dec.residual_N, dec.logit_N,
-                   trust.proto_top1_N, trust.agrees_N, trust.proto_share_N)
+                   trust.proto_top1_N, trust.agrees_N, trust.proto_share_N, trust.top1_N)
 
 
 def _rows(protos: PrototypeOutput, rows_B: jax.Array) -> PrototypeOutput:

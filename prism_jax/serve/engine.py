@@ -61,7 +61,7 @@ def _explained(model, out: LMOutput, edited_NxV, targets_N, gains_K):
   ex = explain_tokens(model, out.protos, edited_NxV, targets_N, gains_K)
   return dict(idx=ex.idx_Nxk, act=ex.act_Nxk, contrib=ex.contrib_Nxk, residual=ex.residual_N,
               logit=ex.residual_N + ex.contrib_Nxk.sum(-1), logit_unedited=ex.logit_unedited_N,
-              prediction=ex.proto_top1_N, agrees=ex.agrees_N, share=ex.proto_share_N)
+              prediction=ex.top1_N, agrees=ex.agrees_N, share=ex.proto_share_N)
 
 
 @jax.jit(static_argnames=("graphdef",))

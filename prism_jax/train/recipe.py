@@ -47,7 +47,8 @@ class Recipe:
     self.tx = make_optimizer(cfg.train)
     # trainable=prototypes freezes the backbone once the bank is set; the dense warm-up before
     # it (proto_init_step > 0) trains the backbone, through the same optimiser state's shape.
-    self._dense_tx = make_optimizer(dataclasses.replace(cfg.train, trainable="all"))
+    self._dense_tx = (self.tx if cfg.train.trainable == "all" else
+                      make_optimizer(dataclasses.replace(cfg.train, trainable="all")))
     template = model_template(cfg.model)
     self.graphdef = template[0]
     self.shardings = state_shardings(cfg, mesh, self.tx, template)
