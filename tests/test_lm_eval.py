@@ -142,6 +142,8 @@ def test_rolling_loglikelihood_is_the_direct_float64_sum_over_windows(run):
   rng = np.random.default_rng(seed)
   max_len = run.config.model.max_len
   doc = _text(rng, 20)
+  if len(doc) % max_len == 0:  # keep the last window partial whatever the draw
+    doc = doc[:-1]
   ids = [run.tokenizer.eos_id] + list(doc.encode())
   assert len(ids) - 1 > 2 * max_len and (len(ids) - 1) % max_len, "3 windows, one partial"
   lm = lm_eval_adapter.LMEvalAdapter(run)
