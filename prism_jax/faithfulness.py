@@ -38,7 +38,7 @@ from typing import NamedTuple
 import jax
 import jax.numpy as jnp
 
-from prism_jax.model.transformer import PAD_LOGIT
+from prism_jax.model.ops import PAD_LOGIT
 
 
 KEYS = ("full_ce", "proto_ce", "proto_ce_ratio", "agreement", "centred_logit",

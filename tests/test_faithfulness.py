@@ -159,7 +159,7 @@ def test_decisive_agreement_and_padding_rows(pad):
   """Fresh random logits spread enough that some tokens are decisive and some are not;
   with `pad` padding columns at PAD_LOGIT (model.vocab_used), every metric is that of the
   unpadded logits: the padding is never an argmax and stays out of the centred mean."""
-  from prism_jax.model.transformer import PAD_LOGIT  # pylint: disable=g-import-not-at-top
+  from prism_jax.model.ops import PAD_LOGIT  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(pad + 3)
   n, v = 400, 37
   full = rng.normal(size=(n, v)) * rng.uniform(0.2, 4.0, size=(n, 1))

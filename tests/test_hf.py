@@ -15,7 +15,7 @@ from safetensors.numpy import load_file, save_file
 
 from prism_jax import hf
 from prism_jax.config import preset
-from prism_jax.model.transformer import PAD_LOGIT
+from prism_jax.model.ops import PAD_LOGIT
 from prism_jax.loading import load_for_inference
 from prism_jax.train import apply_overrides, train
 from prism_jax.loading import load_params
@@ -73,9 +73,10 @@ def test_export_then_import_is_bit_exact(imported, tmp_path):
   assert (out / "tokenizer.json").is_file()
 
 
-def test_prism_export_says_the_head_is_not_gpt2(imported, tmp_path):
+def test_prism_export_says_the_head_is_not_exported(imported, tmp_path):
   hf.export_hf(str(imported / "prism"), str(tmp_path / "p"))
-  assert "not part of GPT-2" in (tmp_path / "p" / "README.md").read_text()
+  readme = (tmp_path / "p" / "README.md").read_text()
+  assert "not part of this architecture" in readme and "GPT2LMHeadModel" in readme
 
 
 def test_export_of_a_trained_dense_run_loads_back(tmp_path):
@@ -140,8 +141,8 @@ BAD = {
     "upcast": (dict(edit_config=lambda c: c.update(reorder_and_upcast_attn=True)),
                "reorder_and_upcast_attn=True"),
     "n_inner": (dict(edit_config=lambda c: c.update(n_inner=100)), "n_inner=100"),
-    "not GPT-2": (dict(edit_config=lambda c: c.update(model_type="llama")),
-                  "model_type='llama': not a GPT-2 checkpoint"),
+    "unknown family": (dict(edit_config=lambda c: c.update(model_type="bert")),
+                       "model_type='bert' is not supported"),
 }
 
 

@@ -61,6 +61,7 @@ def _offline(model, tok, max_len):
   return items, scoring.score_options(model, enc).logprob_O
 
 
+@pytest.mark.long  # ~30-45 s: `make test-long`
 def test_prism_lm_eval_command_matches_the_offline_scorer(run, tmp_path):
   out = tmp_path / "out"
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO,

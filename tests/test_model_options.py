@@ -11,7 +11,7 @@ from flax import nnx
 from prism_jax import flops
 from prism_jax.config import Config, DataConfig, ModelConfig, TrainConfig
 from prism_jax.model import build_model
-from prism_jax.model.transformer import dropout
+from prism_jax.model.ops import dropout
 from prism_jax.train import step as step_lib
 
 CFG = ModelConfig(vocab_size=64, max_len=16, d_model=32, n_layers=2, n_heads=4,

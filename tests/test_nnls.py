@@ -131,6 +131,7 @@ def nnls_run(tmp_path_factory):
   return prism_jax.load(str(root / "run"))
 
 
+@pytest.mark.long  # ~30-45 s: `make test-long`
 def test_a_run_with_the_mixture(nnls_run):
   run = nnls_run
   assert run.config.model.mixture == "nnls"

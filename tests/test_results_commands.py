@@ -16,6 +16,8 @@ import os
 import re
 import shlex
 
+import pytest
+
 from prism_jax.cli import provenance
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -130,6 +132,7 @@ def problems_of(md: str) -> list[str]:
   return problems
 
 
+@pytest.mark.long  # ~30-45 s: `make test-long`
 def test_every_results_md_command_parses_with_its_modules_flags():
   with open(RESULTS_MD) as f:
     md = f.read()

@@ -204,6 +204,7 @@ def test_prototype_page_usage_and_nearest_against_numpy(srv):
   assert other in [h["id"] for h in r.json()["results"]]
 
 
+@pytest.mark.long  # ~30-45 s: `make test-long`
 def test_64_concurrent_requests_on_loopback_all_correct_and_nothing_recompiles(srv):
   ex = srv["explorer"]
   compiled = ex.engine.compiles()

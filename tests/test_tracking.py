@@ -33,6 +33,7 @@ def _cfg(tmp_path, steps):
       "train.log_to=tensorboard,wandb", f"data.sources={tmp_path / 'c.txt'}"])
 
 
+@pytest.mark.long  # ~30-45 s: `make test-long`
 def test_wandb_offline_history_holds_the_metrics_and_a_resume_continues_the_run(
     tmp_path, monkeypatch):
   monkeypatch.setenv("WANDB_MODE", "offline")

@@ -20,6 +20,7 @@ Mixture = Literal["raw", "normalized", "nnls"]
 Distance = Literal["cosine", "sqeuclidean"]
 RecKind = Literal["relative", "plain"]
 MixtureScale = Literal["none", "learned"]
+Arch = Literal["gpt2", "llama"]
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -31,11 +32,24 @@ def _check_choice(name: str, value: Any, choices: tuple[Any, ...]) -> None:
   _check(value in choices, f"{name}={value!r} is not one of {choices}")
 
 
+# The ModelConfig fields that shape the backbone's parameters and function (what a retrofit
+# must share with its source, what an export carries); the rest is the prototype head's.
+BACKBONE_FIELDS = ("arch", "vocab_size", "vocab_used", "max_len", "d_model", "n_layers",
+                   "n_heads", "mlp_ratio", "mlp_dim", "n_kv_heads", "qkv_bias", "rope_theta",
+                   "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                   "rope_original_max_len", "norm_eps", "tie_embeddings", "bias")
+
+
 @dataclasses.dataclass(frozen=True)
 class ModelConfig:
   """Backbone + prototype head. `kind="dense"` is the same backbone without the head."""
 
   kind: Literal["prism", "dense"] = "prism"
+  # The backbone's family (one Backbone, its parts chosen by arch; model/transformer.py).
+  # "gpt2": LayerNorm, learned positions, GELU MLP, fused multi-head q|k|v, tied head.
+  # "llama": RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention (n_kv_heads),
+  # tied or untied head, optional q/k/v biases (Qwen2): Llama 3, Qwen2, Mistral, SmolLM2.
+  arch: Arch = "gpt2"
   vocab_size: int = 512
   # 0: every row of the vocabulary is a token. Otherwise the number of real token ids; the
   # rows past it pad the embedding to a friendlier size (GPT-2's 50257 -> 50304, a multiple
@@ -46,6 +60,24 @@ class ModelConfig:
   n_layers: int = 4
   n_heads: int = 4
   mlp_ratio: int = 4
+  # 0: the MLP is mlp_ratio * d_model wide; else its width (Llama-family checkpoints' own
+  # intermediate_size, e.g. 8192 at d 2048 or 1536 at d 576).
+  mlp_dim: int = 0
+  # arch=llama only. Key/value heads (grouped-query attention; 0: n_heads, i.e. full
+  # multi-head); q/k/v biases (Qwen2); the rotary base; RMSNorm's epsilon (GPT-2's
+  # LayerNorm keeps 1e-5); whether the LM head is the token embedding.
+  n_kv_heads: int = 0
+  qkv_bias: bool = False
+  rope_theta: float = 10000.0
+  # Llama 3's rotary frequency scaling (rope_type "llama3"): factor 0 = none; otherwise
+  # the wavelengths past original_max_len / low_freq_factor are divided by the factor and
+  # those between the two thresholds smoothly interpolated.
+  rope_scaling_factor: float = 0.0
+  rope_low_freq_factor: float = 1.0
+  rope_high_freq_factor: float = 4.0
+  rope_original_max_len: int = 8192
+  norm_eps: float = 1e-5
+  tie_embeddings: bool = True
   # Prototype head (ignored by the dense twin).
   num_prototypes: int = 256  # K
   k: int = 8  # active prototypes per token
@@ -94,6 +126,7 @@ class ModelConfig:
            f"{self.vocab_size}] (0: all rows are tokens)")
     _check(self.d_model % self.n_heads == 0,
            f"model.d_model={self.d_model} is not divisible by model.n_heads={self.n_heads}")
+    self._check_arch()
     _check(self.k <= self.num_prototypes,
            f"model.k={self.k} exceeds model.num_prototypes={self.num_prototypes} (k <= K)")
     _check_choice("model.residual_routing", self.residual_routing,
@@ -110,6 +143,38 @@ class ModelConfig:
            f"model.dropout must be in [0, 1), got {self.dropout!r}")
     _check_choice("model.implementation", self.implementation, IMPLEMENTATIONS)
 
+  def _check_arch(self) -> None:
+    _check_choice("model.arch", self.arch, typing.get_args(Arch))
+    for name in ("mlp_dim", "n_kv_heads", "rope_original_max_len"):
+      value = getattr(self, name)
+      _check(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
+             f"model.{name} must be an int >= 0, got {value!r}")
+    _check(self.n_heads % self.kv_heads == 0,
+           f"model.n_heads={self.n_heads} is not a multiple of model.n_kv_heads="
+           f"{self.n_kv_heads} (each key/value head serves a group of query heads)")
+    _check(float(self.rope_theta) > 0 and float(self.norm_eps) > 0
+           and float(self.rope_scaling_factor) >= 0,
+           "model.rope_theta and model.norm_eps must be > 0, model.rope_scaling_factor >= 0")
+    if self.arch == "gpt2":
+      asks = {"n_kv_heads": self.kv_heads != self.n_heads, "qkv_bias": self.qkv_bias,
+              "tie_embeddings": not self.tie_embeddings,
+              "rope_scaling_factor": self.rope_scaling_factor != 0}
+      for name, asked in asks.items():
+        _check(not asked, f"model.{name}={getattr(self, name)!r} needs model.arch=llama "
+               "(GPT-2 has full multi-head attention, no separate q/k/v biases, a tied head "
+               "and learned positions)")
+    else:
+      _check(not self.bias, "model.bias=True is GPT-2's (a bias in every linear map and "
+             "LayerNorm); a Llama-family backbone has none: set model.bias=false "
+             "(Qwen2's q/k/v biases: model.qkv_bias=true)")
+      _check(self.head_dim % 2 == 0,
+             f"rotary positions need an even head dim, got {self.head_dim}")
+
+  @property
+  def kv_heads(self) -> int:
+    """Key/value heads: n_kv_heads, or n_heads (full multi-head attention)."""
+    return self.n_kv_heads or self.n_heads
+
   @property
   def num_token_ids(self) -> int:
     """The real token ids: vocab_size less the padding rows (model.vocab_used)."""
@@ -121,7 +186,7 @@ class ModelConfig:
 
   @property
   def d_mlp(self) -> int:
-    return self.d_model * self.mlp_ratio
+    return self.mlp_dim or self.d_model * self.mlp_ratio
 
 
 @dataclasses.dataclass(frozen=True)

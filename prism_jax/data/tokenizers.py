@@ -251,16 +251,20 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> BpeTokenizer:
   return BpeTokenizer(tok)
 
 
+FOREIGN_EOS = ("<|endoftext|>", "<|end_of_text|>", "</s>")
+
+
 def _special_ids(tok) -> tuple[int, int]:
   """(eos, pad) ids of a HuggingFace tokenizer by the names our kinds use."""
   eos, pad = tok.token_to_id(EOS), tok.token_to_id(PAD)
   if eos is None:
-    eos = tok.token_to_id("<|endoftext|>")
+    # GPT-2, NeoX and Qwen2's name first, then Llama 3's, then Llama 2's and Mistral's.
+    eos = next((i for i in map(tok.token_to_id, FOREIGN_EOS) if i is not None), None)
     pad = tok.token_to_id("<|padding|>")
     pad = eos if pad is None else pad  # GPT-2 has no padding token; padding is masked
   if eos is None or pad is None:
-    raise ValueError(f"BPE tokenizer lacks an end-of-document token ({EOS} or "
-                     "<|endoftext|>)")
+    raise ValueError(f"BPE tokenizer lacks an end-of-document token ({EOS} or one of "
+                     f"{', '.join(FOREIGN_EOS)})")
   return eos, pad
 
 

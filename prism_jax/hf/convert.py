@@ -1,7 +1,8 @@
-"""`import_hf`: a Hugging Face GPT-2 directory -> a prism_jax run directory that
-`load_for_inference` and every command load; `export_hf`: a run -> a directory that
-`transformers.GPT2LMHeadModel.from_pretrained` loads (the dense twin, or a PRISM run's
-backbone: the prototype head is not part of GPT-2).
+"""`import_hf`: a Hugging Face directory (GPT-2, Llama, Qwen2, Mistral) -> a prism_jax run
+directory that `load_for_inference` and every command load; `export_hf`: a run -> a
+directory that `transformers.AutoModelForCausalLM.from_pretrained` loads (the dense twin,
+or a PRISM run's backbone: the prototype head is not part of those architectures). The
+family is config.json's model_type on the way in and model.arch on the way out.
 
 An imported run holds `config.json`, a step-0 checkpoint (the weights; zero optimiser
 moments), `data/tokenizer.json` (the checkpoint's tokenizer) and `imported_from.json`. A
@@ -24,7 +25,7 @@ from flax import nnx
 from prism_jax import paths, run_lock
 from prism_jax.config import Config, DataConfig, ModelConfig
 from prism_jax.data import pretrained
-from prism_jax.hf import gpt2_config, gpt2_weights, hf_dir
+from prism_jax.hf import gpt2_config, gpt2_weights, hf_dir, llama_config, llama_weights
 from prism_jax.hf.gpt2_config import HFFormatError
 from prism_jax.model.lm import build_model
 from prism_jax.train import checkpoint as ckpt_lib
@@ -34,6 +35,19 @@ from prism_jax.train.state import TrainState
 
 IMPORT_NOTE = "imported_from.json"
 KINDS = ("dense", "prism")
+# model.arch -> (config.json mapping, tensor mapping)
+FAMILIES = {"gpt2": (gpt2_config, gpt2_weights), "llama": (llama_config, llama_weights)}
+
+
+def family_of(hf_cfg: dict[str, Any]) -> str:
+  """model.arch of a config.json: gpt2 for model_type gpt2, llama for the Llama family."""
+  model_type = hf_cfg.get("model_type")
+  if model_type == "gpt2":
+    return "gpt2"
+  if model_type in llama_config.MODEL_TYPES:
+    return "llama"
+  raise HFFormatError(f"model_type={model_type!r} is not supported (gpt2, "
+                      f"{', '.join(llama_config.MODEL_TYPES)})")
 
 
 def _check_empty(path: str, what: str) -> str:
@@ -46,12 +60,13 @@ def _check_empty(path: str, what: str) -> str:
 
 
 def read_hf(hf_dir_path: str, kind: str = "dense", **head: Any):
-  """(ModelConfig, backbone params (NumPy), tokenizer) of a GPT-2 directory, checked."""
+  """(ModelConfig, backbone params (NumPy), tokenizer) of a Hugging Face directory, checked."""
   if kind not in KINDS:
     raise HFFormatError(f"kind={kind!r}: choose one of {KINDS}")
   hf_cfg = hf_dir.read_config(hf_dir_path)
-  mcfg = gpt2_config.model_config(hf_cfg, kind, **head)
-  backbone = gpt2_weights.backbone_params(hf_dir.read_weights(hf_dir_path), mcfg)
+  config_lib, weights_lib = FAMILIES[family_of(hf_cfg)]
+  mcfg = config_lib.model_config(hf_cfg, kind, **head)
+  backbone = weights_lib.backbone_params(hf_dir.read_weights(hf_dir_path), mcfg)
   tok = hf_dir.read_tokenizer(hf_dir_path)
   if tok.vocab_size > mcfg.num_token_ids:
     raise HFFormatError(f"the tokenizer has {tok.vocab_size} ids but config.json's "
@@ -94,8 +109,9 @@ def write_run(workdir: str, cfg: Config, params: dict[str, Any], tokenizer,
 
 
 def import_hf(hf_dir_path: str, workdir: str, kind: str = "dense", **head: Any) -> Config:
-  """Imports a GPT-2 directory into a new run directory; returns the run's Config.
-  `head`: ModelConfig fields of the prototype head (kind="prism"), e.g. num_prototypes=512."""
+  """Imports a Hugging Face directory into a new run directory; returns the run's Config.
+  `head`: ModelConfig fields of the prototype head (kind="prism"), e.g. num_prototypes=512
+  (and max_len= for a Llama-family model: its length, capped by default)."""
   workdir = _check_empty(workdir, "--workdir")
   mcfg, backbone, tok = read_hf(hf_dir_path, kind, **head)
   data = DataConfig(tokenizer="gpt2" if mcfg.num_token_ids == 50257 else "bpe",
@@ -112,14 +128,14 @@ def import_hf(hf_dir_path: str, workdir: str, kind: str = "dense", **head: Any) 
 README = """# {name}
 
 Exported by prism_jax (`prism export-hf`) from the run `{workdir}` (step {step}, model.kind
-{kind}). Load it with `transformers.GPT2LMHeadModel.from_pretrained(DIR)` and
+{kind}). Load it with `transformers.AutoModelForCausalLM.from_pretrained(DIR)` ({arch}) and
 `AutoTokenizer.from_pretrained(DIR)`.
 {prism_note}"""
 PRISM_NOTE = """
-This is the PRISM run's backbone with GPT-2's tied LM head: its logits W z are the PRISM
-model's full logits (PRISM's decomposition W r + sum_i a_i W p_i equals W z exactly). The
-prototype head (the bank of {num_prototypes} prototypes, k {k}) is not part of GPT-2 and is
-not exported; load the run with prism_jax for it.
+This is the PRISM run's backbone with its LM head: its logits W z are the PRISM model's
+full logits (PRISM's decomposition W r + sum_i a_i W p_i equals W z exactly). The prototype
+head (the bank of {num_prototypes} prototypes, k {k}) is not part of this architecture and
+is not exported; load the run with prism_jax for it.
 """
 
 NO_TOKENIZER_NOTE = """
@@ -140,9 +156,10 @@ def export_hf(workdir: str, out: str, step: int | None = None) -> str:
         f"{ckpt_lib.describe_differences(workdir, step, diffs)}: refusing to export; restore "
         "config.json (the checkpoint's config is the one its weights were trained with)")
   mcfg = cfg.model
-  hf_cfg = gpt2_config.hf_config(mcfg)  # refuses a backbone GPT-2 cannot express
+  config_lib, weights_lib = FAMILIES[mcfg.arch]
+  hf_cfg = config_lib.hf_config(mcfg)  # refuses a backbone the family cannot express
   tok = inference.load_tokenizer(workdir, cfg)
-  tensors = gpt2_weights.hf_tensors(jax.device_get(params["backbone"]), mcfg)
+  tensors = weights_lib.hf_tensors(jax.device_get(params["backbone"]), mcfg)
   hf_cfg.update(bos_token_id=int(tok.eos_id), eos_token_id=int(tok.eos_id))
   note = (PRISM_NOTE.format(num_prototypes=mcfg.num_prototypes, k=mcfg.k)
           if mcfg.kind == "prism" else "")
@@ -150,7 +167,8 @@ def export_hf(workdir: str, out: str, step: int | None = None) -> str:
     tok = None
     note += NO_TOKENIZER_NOTE.format(kind=inference.load_tokenizer(workdir, cfg).kind)
   readme = README.format(name=os.path.basename(out), workdir=os.path.abspath(workdir),
-                         step=step, kind=mcfg.kind, prism_note=note)
+                         step=step, kind=mcfg.kind, arch=hf_cfg["architectures"][0],
+                         prism_note=note)
   os.makedirs(out, exist_ok=True)
   hf_dir.write_dir(out, hf_cfg, tensors, tok, readme)
   return out

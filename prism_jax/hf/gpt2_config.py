@@ -15,7 +15,7 @@ import dataclasses
 import math
 from typing import Any
 
-from prism_jax.config import ModelConfig
+from prism_jax.config import BACKBONE_FIELDS, ModelConfig
 
 VOCAB_MULTIPLE = 128
 LN_EPS = 1e-5
@@ -98,6 +98,4 @@ def hf_config(cfg: ModelConfig, eos_id: int | None = None) -> dict[str, Any]:
 
 def backbone_fields(cfg: ModelConfig) -> dict[str, Any]:
   """The ModelConfig fields that shape the backbone's parameters and function."""
-  keep = ("vocab_size", "vocab_used", "max_len", "d_model", "n_layers", "n_heads",
-          "mlp_ratio", "bias")
-  return {k: v for k, v in dataclasses.asdict(cfg).items() if k in keep}
+  return {k: v for k, v in dataclasses.asdict(cfg).items() if k in BACKBONE_FIELDS}

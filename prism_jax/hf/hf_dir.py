@@ -1,4 +1,4 @@
-"""Reading and writing a Hugging Face GPT-2 directory: `config.json`, `model.safetensors`
+"""Reading and writing a Hugging Face model directory (GPT-2 or the Llama family): `config.json`, `model.safetensors`
 (read and written with the `safetensors` package, no torch) and the tokenizer files
 (`tokenizer.json`, or GPT-2's original `vocab.json` + `merges.txt`)."""
 
@@ -111,6 +111,8 @@ def write_dir(out: str, config: dict[str, Any], tensors: dict[str, np.ndarray], 
   tokenizer.hf_tokenizer.save(os.path.join(out, "tokenizer.json"))
   eos = tokenizer.decode([tokenizer.eos_id], skip_special=False)
   with open(os.path.join(out, "tokenizer_config.json"), "w", encoding="utf-8") as f:
-    json.dump({"tokenizer_class": "GPT2Tokenizer", "bos_token": eos, "eos_token": eos,
-               "unk_token": eos, "add_prefix_space": False,
-               "model_max_length": config["n_positions"]}, f, indent=2)
+    gpt2 = config["model_type"] == "gpt2"
+    json.dump({"tokenizer_class": "GPT2Tokenizer" if gpt2 else "PreTrainedTokenizerFast",
+               "bos_token": eos, "eos_token": eos, "unk_token": eos, "add_prefix_space": False,
+               "model_max_length": config["n_positions" if gpt2 else "max_position_embeddings"]},
+              f, indent=2)

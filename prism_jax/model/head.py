@@ -24,7 +24,7 @@ from prism_jax.config import ModelConfig
 from prism_jax.model.prototypes import (PrototypeOutput, prototype_layer, route_residual,
                                         sparse_mixture)
 from prism_jax.model.tap import Tap, linear
-from prism_jax.model.transformer import tied_logits
+from prism_jax.model.ops import tied_logits
 
 
 class HeadOutput(NamedTuple):

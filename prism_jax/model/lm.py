@@ -82,7 +82,7 @@ class PrismLM(nnx.Module):
     activations, is recorded."""
     batch, seq, _ = z_BxTxD.shape
     logits, protos = prism_head(
-        z_BxTxD, self.bank.protos[...], self.backbone.wte[...], self.cfg,
+        z_BxTxD, self.bank.protos[...], self.backbone.unembedding(), self.cfg,
         mix_log_scale=self.mix_log_scale[...] if self.cfg.mixture_scale == "learned" else None,
         mask_N=None if mask_BxT is None else mask_BxT.reshape(batch * seq), tap=tap,
         residual_keep_N=residual_keep_BxT, implementation=self.bank.implementation)
@@ -102,7 +102,7 @@ class PrismLM(nnx.Module):
 
   def proto_logit_signatures(self) -> jax.Array:
     """W p_i for every prototype: its fixed token-logit signature, (K, V)."""
-    return jnp.einsum("kd,vd->kv", self.bank.protos[...], self.backbone.wte[...],
+    return jnp.einsum("kd,vd->kv", self.bank.protos[...], self.backbone.unembedding(),
                       precision=jax.lax.Precision.HIGHEST)
 
 
@@ -138,7 +138,7 @@ def decompose(model: PrismLM, protos: PrototypeOutput, target_N: jax.Array) -> D
   """
   target_N = check_token_ids(target_N, model.cfg.vocab_size, "decompose target ids")
   hi = jax.lax.Precision.HIGHEST
-  w_NxD = model.backbone.wte[...][target_N].astype(jnp.float32)
+  w_NxD = model.backbone.unembedding()[target_N].astype(jnp.float32)
   p_NxkxD = model.bank.protos[...][protos.idx_Nxk].astype(jnp.float32)
   contrib = protos.act_Nxk * jnp.einsum("nkd,nd->nk", p_NxkxD, w_NxD, precision=hi)
   residual = jnp.einsum("nd,nd->n", protos.residual_NxD, w_NxD, precision=hi)

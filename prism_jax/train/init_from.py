@@ -20,12 +20,9 @@ import jax
 
 from prism_jax import data as data_lib
 from prism_jax import paths
-from prism_jax.config import Config, ModelConfig
+from prism_jax.config import BACKBONE_FIELDS, Config, ModelConfig
 from prism_jax.train import checkpoint as ckpt_lib
 from prism_jax.train.state import TrainState
-
-BACKBONE_FIELDS = ("vocab_size", "vocab_used", "max_len", "d_model", "n_layers", "n_heads",
-                   "mlp_ratio", "bias")
 
 
 def resolve(cfg: Config) -> Config:

@@ -114,7 +114,7 @@ def head_constants(model: Any, z_NxD, targets_N, mask_N, dtype: Any = None) -> H
   log_scale = (model.mix_log_scale[...] if model.cfg.mixture_scale == "learned"
                else jnp.zeros(()))
   return HeadInputs(z_NxD.astype(dtype), model.bank.protos[...].astype(dtype),
-                    model.backbone.wte[...].astype(dtype), jnp.asarray(targets_N, jnp.int32),
+                    model.backbone.unembedding().astype(dtype), jnp.asarray(targets_N, jnp.int32),
                     jnp.asarray(mask_N, bool), jnp.asarray(log_scale, dtype))
 
 
