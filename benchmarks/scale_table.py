@@ -1,4 +1,5 @@
-"""The scale table: the train step of every GPT-2 preset compiled ahead of time for TPU pods.
+"""The scale table: the train step of every recipe preset (the GPT-2 sizes, the Llama-style
+1B) compiled ahead of time for TPU pods.
 
 Compiler estimates, not measurements (no TPU runs): benchmarks/scale_lib.py says what each
 figure is and where it comes from.
@@ -7,8 +8,8 @@ figure is and where it comes from.
   python -m experiments.reproduce      # renders it into docs/RESULTS.md "Scale table"
 
 Every compile result is cached in --cache, so an interrupted run resumes. Needs libtpu
-(`pip install -e ".[tpu-aot]"`). A full table (4 presets x 2 kinds x 2 remat x 2 targets)
-is 32 searches, each a few 2- and 4-block compiles (--shallow) and one or two at full depth
+(`pip install -e ".[tpu-aot]"`). A full table (5 presets x 2 kinds x 2 remat x 2 targets)
+is 40 searches, each a few 2- and 4-block compiles (--shallow) and one or two at full depth
 (xl: ~250 s each on 2 cores): --config/--targets/--remat/--max_compiles cut it. Then the
 recipes' accumulated steps are derived from the rows (benchmarks/scale_accum.py) and one
 per target is compiled (--accum_check).
@@ -31,7 +32,7 @@ from prism_jax.cli import provenance  # noqa: E402
 
 TARGETS = scale_lib.TARGETS
 flags.DEFINE_list("targets", list(scale_lib.DEFAULT_TARGETS), f"of {sorted(TARGETS)}")
-flags.DEFINE_list("config", ["small", "medium", "large", "xl"], "model presets")
+flags.DEFINE_list("config", ["small", "medium", "large", "xl", "llama_1b"], "model presets")
 flags.DEFINE_list("kinds", ["prism", "dense"], "prism and/or dense")
 flags.DEFINE_list("remat", ["off", "on"], "rematerialise blocks: off and/or on")
 flags.DEFINE_integer("seq_len", 1024, "sequence length (the GPT-2 presets' context)")

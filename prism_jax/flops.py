@@ -8,10 +8,17 @@ Parameters (D d_model, F = mlp_ratio·D, L layers, V vocab, P max_len, K prototy
   dense       = V·D (tied wte / LM head) + P·D (wpe) + L·per_layer + 2D (ln_f; D unbiased)
   prototypes  = K·D;   prism = dense + K·D;   overhead % = 100·K·D / dense
 
+model.arch=llama (G = n_kv_heads·Dh, the key/value width; F = the MLP width):
+
+  per layer   = 2 RMSNorm scales (2D) + q (D²) + k|v (2DG) + o (D²) + SwiGLU (3DF)
+                [+ q/k/v biases D + 2G with model.qkv_bias]   = 2D² + 2DG + 3DF + 2D
+  dense       = V·D (embedding) [+ V·D untied LM head] + L·per_layer + D (final norm)
+
 FLOPs per token of a forward pass at sequence length T (one multiply-add = 2 FLOPs; the
 usual "2 x matmul params" count, as in Kaplan et al. 2020 / PaLM's MFU appendix):
 
   backbone    = L · [2·(4D² + 2DF)          dense matmuls of qkv, attn out, MLP
+                                            (llama: 2·(2D² + 2DG + 3DF))
                      + 2·2·T·D]             attention scores QKᵀ and probs·V (full T, no
                                             causal halving, the PaLM convention)
                 + 2·D·V                     LM head
@@ -87,10 +94,16 @@ def device_peak_flops(device: Any) -> float | None:
 def param_counts(cfg: ModelConfig) -> dict[str, float]:
   """Analytic parameter counts of `DenseLM` / `PrismLM` for `cfg` (see module docstring)."""
   d, f, layers = cfg.d_model, cfg.d_mlp, cfg.n_layers
-  biases = 7 * d + f if cfg.bias else 0  # 2 LayerNorm biases, qkv, attn out, MLP fc, proj
-  per_layer = 4 * d * d + 2 * d * f + 2 * d + biases
-  embeddings = cfg.vocab_size * d + cfg.max_len * d
-  dense = embeddings + layers * per_layer + (2 * d if cfg.bias else d)
+  if cfg.arch == "llama":
+    g = cfg.kv_heads * cfg.head_dim
+    per_layer = 2 * d * d + 2 * d * g + 3 * d * f + 2 * d + (d + 2 * g if cfg.qkv_bias else 0)
+    embeddings = cfg.vocab_size * d * (1 if cfg.tie_embeddings else 2)
+    dense = embeddings + layers * per_layer + d
+  else:
+    biases = 7 * d + f if cfg.bias else 0  # 2 LayerNorm biases, qkv, attn out, MLP fc, proj
+    per_layer = 4 * d * d + 2 * d * f + 2 * d + biases
+    embeddings = cfg.vocab_size * d + cfg.max_len * d
+    dense = embeddings + layers * per_layer + (2 * d if cfg.bias else d)
   prototypes = cfg.num_prototypes * d
   return {
       "dense": dense,
@@ -114,7 +127,11 @@ def flops_per_token(cfg: ModelConfig, seq_len: int,
     raise ValueError(f"seq_len must be positive, got {seq_len}")
   d, f, layers, v = cfg.d_model, cfg.d_mlp, cfg.n_layers, cfg.vocab_size
   num_protos, k = cfg.num_prototypes, cfg.k
-  matmul = layers * 2 * (4 * d * d + 2 * d * f)
+  if cfg.arch == "llama":
+    g = cfg.kv_heads * cfg.head_dim
+    matmul = layers * 2 * (2 * d * d + 2 * d * g + 3 * d * f)
+  else:
+    matmul = layers * 2 * (4 * d * d + 2 * d * f)
   attention = layers * 2 * 2 * seq_len * d
   lm_head = 2 * d * v
   backbone = matmul + attention + lm_head

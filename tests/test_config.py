@@ -104,7 +104,7 @@ def test_gpt2_recipes_budget_batch_lr_and_placement():
   """Each GPT-2 recipe: ~20 tokens per PRISM parameter (analytic count), 512 x 1024 tokens
   a step, GPT-3's peak LR by size, warm-up, bank init, evals and checkpoints inside the run."""
   from prism_jax import flops  # pylint: disable=import-outside-toplevel
-  gpt3_lr = {"small": 6e-4, "medium": 3e-4, "large": 2.5e-4, "xl": 2e-4}
+  gpt3_lr = {"small": 6e-4, "medium": 3e-4, "large": 2.5e-4, "xl": 2e-4, "llama_1b": 2e-4}
   for name, lr in gpt3_lr.items():
     cfg = C.preset(name)
     tc = cfg.train
@@ -118,7 +118,7 @@ def test_gpt2_recipes_budget_batch_lr_and_placement():
     assert 0 < tc.proto_init_step < tc.steps and C.bank_init_problem(cfg) is None
     assert tc.proto_init_step == round(0.05 * tc.steps)
     assert tc.steps // tc.eval_every == 50 and tc.steps // tc.ckpt_every >= 5
-    assert cfg.data.tokenizer == "gpt2"
+    assert cfg.data.tokenizer == ("bpe" if name == "llama_1b" else "gpt2")
 
 
 def test_steps_rescale_the_recipe_and_explicit_sets_win():

@@ -18,7 +18,10 @@ def count_nnx_params(model) -> int:
 
 @pytest.mark.parametrize("overrides", [
     dict(), dict(d_model=24, n_heads=3, mlp_ratio=2, n_layers=3, num_prototypes=29),
-    dict(vocab_size=101, max_len=9, n_layers=1, num_prototypes=7, k=7)])
+    dict(vocab_size=101, max_len=9, n_layers=1, num_prototypes=7, k=7),
+    dict(arch="llama", bias=False, n_heads=4, n_kv_heads=2, mlp_dim=40),
+    dict(arch="llama", bias=False, n_heads=4, n_kv_heads=1, qkv_bias=True,
+         tie_embeddings=False, mlp_dim=21)])
 def test_param_counts_match_real_models(overrides):
   base = dict(vocab_size=67, max_len=12, d_model=16, n_layers=2, n_heads=2,
               num_prototypes=13, k=3)

@@ -163,6 +163,24 @@ def test_training_matches_single_device(single_device, shape):
         f"{np.max(np.abs(got - ref_losses) / ref_losses):.1e}")
 
 
+LLAMA = dataclasses.replace(CFG, model=dataclasses.replace(
+    CFG.model, arch="llama", bias=False, n_kv_heads=2, qkv_bias=True, tie_embeddings=False,
+    mlp_dim=48, rope_scaling_factor=4.0, rope_original_max_len=8))
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 2), (1, 2, 4)])
+def test_llama_training_matches_single_device(shape):
+  """The Llama-family backbone (GQA with 2 kv heads: replicated where the model axis has
+  4, untied head, q/k/v biases) on the 8-device mesh: same tolerance as GPT-2's."""
+  batches = make_batches(LLAMA, 4, seed=1)
+  ref, ref_grads, _ = train_losses(LLAMA, (1, 1, 1), batches)
+  got, grads, _ = train_losses(LLAMA, shape, batches)
+  assert set(ref_grads["backbone"]) >= {"unembed"}
+  err = _max_rel(ref_grads, grads)
+  assert err <= 1e-5, f"max relative gradient error {err:.2e} on mesh {shape}"
+  np.testing.assert_allclose(got, ref, rtol=1e-5)
+
+
 def test_checkpoint_resumes_on_another_mesh(single_device, tmp_path):
   batches, _, ref_losses = single_device
   cfg = dataclasses.replace(CFG, mesh=MeshConfig(2, 2, 2))

@@ -12,6 +12,7 @@ from prism_jax.config import (Config, DataConfig, LossConfig, ModelConfig, Train
 
 GPT2_VOCAB = 50257
 GPT2_CONTEXT = 1024
+LLAMA3_VOCAB = 128256
 
 MODEL_PRESETS: dict[str, ModelConfig] = {
     # Trains on two CPU cores in minutes. K 2048 (issue 44's capacity sweep, choose half:
@@ -34,6 +35,14 @@ MODEL_PRESETS: dict[str, ModelConfig] = {
                          n_layers=36, n_heads=20, num_prototypes=16384, k=16),
     "xl": ModelConfig(vocab_size=GPT2_VOCAB, max_len=GPT2_CONTEXT, d_model=1600,
                       n_layers=48, n_heads=25, num_prototypes=16384, k=16),
+    # Llama-family, about 1B (Llama 3.2 1B's shape: 32 query / 8 key-value heads, SwiGLU
+    # 8192, Llama 3's 128,256-id vocabulary, tied head, θ 500000 with its rope scaling),
+    # trained at GPT-2's context and token batch so its recipe compares with theirs.
+    "llama_1b": ModelConfig(arch="llama", bias=False, vocab_size=LLAMA3_VOCAB,
+                            max_len=GPT2_CONTEXT, d_model=2048, n_layers=16, n_heads=32,
+                            n_kv_heads=8, mlp_dim=8192, rope_theta=500000.0,
+                            rope_scaling_factor=32.0, rope_original_max_len=8192,
+                            num_prototypes=16384, k=16),
 }
 
 
@@ -56,6 +65,7 @@ RECIPES: dict[str, tuple[int, float]] = {  # name -> (steps, peak lr)
     "medium": (13900, 3e-4),  # 363.2M, 7.29B tokens
     "large": (30400, 2.5e-4),  # 795.0M, 15.94B tokens
     "xl": (60500, 2e-4),  # 1.584B, 31.72B tokens
+    "llama_1b": (48500, 2e-4),  # 1.269B, 25.43B tokens (GPT-3's LR at 1.3B)
 }
 WARMUP_TOKENS = 375_000_000  # GPT-3's linear warm-up (App. B) ...
 WARMUP_MAX_FRACTION = 0.1  # ... at most 10% of the run
@@ -172,5 +182,8 @@ def preset(name: str, steps: int | None = None) -> Config:
                         warmup_steps=2, proto_init_step=5)
   else:
     train = recipe_train(name, steps)
-  return Config(model=model, data=DataConfig(seq_len=model.max_len, tokenizer="gpt2"),
+  # Llama 3's tokenizer is not shipped (no downloads): a BPE is trained to its vocabulary
+  # size unless the run starts from an imported checkpoint's (`prism import-hf`).
+  tokenizer = "bpe" if model.arch == "llama" else "gpt2"
+  return Config(model=model, data=DataConfig(seq_len=model.max_len, tokenizer=tokenizer),
                 train=train)

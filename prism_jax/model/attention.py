@@ -105,13 +105,18 @@ class Attention(nnx.Module):
     dtype = q_BxTxHxDh.dtype
     batch, seq, heads, dh = q_BxTxHxDh.shape
     groups = keys_BxSxGxDh.shape[2]
-    q = q_BxTxHxDh.reshape(batch, seq, groups, heads // groups, dh)
+    # Full multi-head attention (GPT-2, or n_kv_heads = n_heads) without the group axis: the
+    # program GPT-2 has always lowered to (the scale table's compile cache keys on it).
+    spec = ("bthk,bshk->bhts", "bhts,bshk->bthk") if groups == heads else (
+        "btgrk,bsgk->bgrts", "bgrts,bsgk->btgrk")
+    q = q_BxTxHxDh if groups == heads else q_BxTxHxDh.reshape(batch, seq, groups,
+                                                              heads // groups, dh)
     sdt = wide(dtype)
-    scores = jnp.einsum("btgrk,bsgk->bgrts", q, keys_BxSxGxDh).astype(sdt)
+    scores = jnp.einsum(spec[0], q, keys_BxSxGxDh).astype(sdt)
     scores = scores / jnp.sqrt(jnp.asarray(dh, sdt))
     causal_BxTxS = positions_BxT[:, :, None] >= key_pos_BxS[:, None, :]
-    scores = jnp.where(causal_BxTxS[:, None, None], scores, jnp.finfo(sdt).min)
+    causal = causal_BxTxS[:, None] if groups == heads else causal_BxTxS[:, None, None]
+    scores = jnp.where(causal, scores, jnp.finfo(sdt).min)
     probs = jax.nn.softmax(scores, axis=-1).astype(dtype)
     probs = dropout(probs, self.cfg.dropout, dropout_key)
-    ctx = jnp.einsum("bgrts,bsgk->btgrk", probs, values_BxSxGxDh)
-    return ctx.reshape(batch, seq, heads, dh)
+    return jnp.einsum(spec[1], probs, values_BxSxGxDh).reshape(batch, seq, heads, dh)
