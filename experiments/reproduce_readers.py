@@ -98,3 +98,21 @@ def bench_pack(data: dict) -> list[dict]:
                         "rate)", "note": "2-core box shared by 8 sessions",
                 "command": rows[0]["command"], "commit": rows[0]["commit"]})
   return out
+
+
+def hf_llama(data: dict) -> list[dict]:
+  """experiments/hf_live_check.py: each Llama-family golden checkpoint against live
+  transformers (its version in the row)."""
+  out = []
+  for r in data["rows"]:
+    out.append({
+        "metric": f"Hugging Face {r['class']} import and export (issue 54; {r['shape']})",
+        "paper": "not reported",
+        "ours": f"imported logits within {r['max_error_rel_to_scale']:.1e} of the logits' "
+                f"scale (target 1e-5); 32 greedy tokens equal transformers' generate: "
+                f"{'yes' if r['greedy_32_equal'] else '**no**'}; our export reloaded by "
+                f"transformers as {r['export_class']}, logits bit-equal: "
+                f"{'yes' if r['export_logits_bit_equal'] else '**no**'} (transformers "
+                f"{r['transformers']}, torch {r['torch']}, CPU)",
+        "command": data["command"]})
+  return out

@@ -22,7 +22,7 @@ from experiments.prototype_path_md import (alive_markdown, alive_rows, capacity_
 from experiments.reproduce_control import (CAVEATS, heldout_markdown, mc_eval, mc_markdown,
                                            suppression_heldout, suppression_heldout_headline,
                                            suppression_superseded)
-from experiments.reproduce_readers import (bench_pack, lds, lds_default, retrofit,
+from experiments.reproduce_readers import (bench_pack, hf_llama, lds, lds_default, retrofit,
                                            retrofit_markdown)
 
 
@@ -301,6 +301,7 @@ READERS: dict[str, Callable[[dict], list[dict]]] = {
     "bank_capacity_nnls_test": capacity_setting_rows,
     "demo_recipe_choose": demo_recipe_rows,
     "demo_recipe_test": demo_recipe_rows,
+    "hf_llama": hf_llama,
 }
 # Variants recorded beside a headline file (other selections, the dense twin): detail in
 # RESULTS.md's sections, not rows of the table.

@@ -162,7 +162,10 @@ def test_smoke_presets_and_names():
   assert C.preset("demo", 100).train.proto_init_step == 80  # the bank's last 20 steps
   assert demo.loss == C.preset("tiny").loss and demo.data == C.preset("tiny").data
   assert set(C.preset_names()) == {"tiny", "demo", "small", "medium", "large", "xl",
-                                   "small_smoke", "medium_smoke", "large_smoke", "xl_smoke"}
+                                   "llama_1b", "small_smoke", "medium_smoke", "large_smoke",
+                                   "xl_smoke", "llama_1b_smoke"}
+  llama = C.preset("llama_1b_smoke")
+  assert llama.model.arch == "llama" and llama.data.tokenizer == "bpe"
   for bad in ("tiny_smoke", "huge", "small_smokes"):
     with pytest.raises(ValueError, match=f"unknown preset '{bad}'"):
       C.preset(bad)

@@ -1,10 +1,11 @@
-"""Export a run as a Hugging Face GPT-2 directory (prism export-hf).
+"""Export a run as a Hugging Face directory (prism export-hf): GPT2LMHeadModel for
+model.arch=gpt2, LlamaForCausalLM (Qwen2ForCausalLM with q/k/v biases) for arch=llama.
 
   prism export-hf --workdir=runs/x --out=x_hf [--step=N]
 
-`transformers.GPT2LMHeadModel.from_pretrained(out)` loads it: the dense twin, or a PRISM
-run's backbone (its README says the prototype head is not part of GPT-2). User errors print
-one `error: ...` line.
+`transformers.AutoModelForCausalLM.from_pretrained(out)` loads it: the dense twin, or a PRISM
+run's backbone (its README says the prototype head is not part of the architecture). User
+errors print one `error: ...` line.
 """
 
 from absl import flags
