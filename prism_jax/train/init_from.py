@@ -59,6 +59,25 @@ def check_tokenizer(tokenizer, source_tokenizer, where: str) -> None:
                      "match its embedding; use the data.tokenizer the source was trained with")
 
 
+def seed_tokenizer(cfg: Config, workdir: str) -> None:
+  """A retrofit whose tokenizer is trained here (data.tokenizer bpe or char) packs its text
+  with the source's tokenizer instead: its ids must be the source's (an imported Llama's
+  or Qwen2's tokenizer.json, a dense twin's BPE), and a BPE trained anew would not give
+  them. Written beside the packed data before packing, unless one is there already."""
+  from prism_jax import io_guard  # pylint: disable=g-import-not-at-top
+  from prism_jax.data import tokenizers as tok_lib  # pylint: disable=g-import-not-at-top
+  src = cfg.train.init_from
+  if not src or cfg.data.tokenizer not in ("bpe", "char"):
+    return
+  out_dir = io_guard.find_packed_dir(workdir, cfg.data.packed_dir, must_exist=False)
+  if paths.path(paths.join(out_dir, tok_lib.TOKENIZER_FILE)).is_file():
+    return
+  if not paths.path(os.path.join(src, "config.json")).is_file():
+    return  # check_source names the problem
+  source = ckpt_lib.load_config(src)
+  data_lib.run_tokenizer(src, source.data.packed_dir).save(out_dir)
+
+
 def check_source(cfg: Config, tokenizer) -> Config:
   """The source run's Config after the checks above (fast: no checkpoint is read)."""
   src = cfg.train.init_from

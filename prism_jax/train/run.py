@@ -36,6 +36,7 @@ from prism_jax.train.engine import Callback
 def prepare(cfg: Config, workdir: str, mesh) -> tuple[Any, Any, Any]:
   """(packed data, train loader, val loader or None) for this process."""
   from prism_jax import data as data_lib  # pylint: disable=g-import-not-at-top
+  init_from_lib.seed_tokenizer(cfg, workdir)
   packed = data_lib.prepare_data(cfg.data, cfg.model.vocab_size, workdir)
   if packed.vocab_size > cfg.model.vocab_size:
     raise ValueError(f"the tokenizer has {packed.vocab_size} ids but model.vocab_size="
