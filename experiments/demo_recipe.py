@@ -16,6 +16,8 @@ twin). Per candidate and seed, measured on one half of the val documents
 the full val CE against the twin's, agreement of argmax W z_hat with argmax W z (all,
 decisive), CE(W z_hat)/CE(W z), R̄1/R̄2, carriers of 90% of the prototype logit, and the
 training's wall and CPU seconds on this machine (CPU seconds: less sensitive to other load).
+--backbone_sets changes the backbone of twin and candidates alike (issue 54: the demo's
+recipe on a Llama-family backbone of the same size).
 """
 
 import json
@@ -30,6 +32,9 @@ from prism_jax.cli import launcher as cli
 from prism_jax.cli import provenance
 
 flags.DEFINE_multi_string("candidate", [], "NAME:KEY=VALUE,KEY=VALUE on the tiny preset")
+flags.DEFINE_list("backbone_sets", [], "KEY=VALUE overrides of the backbone for the twin "
+                  "and every candidate alike (e.g. the Llama family: model.arch=llama,"
+                  "model.bias=false,model.n_kv_heads=2); use a --root of its own")
 FLAGS = flags.FLAGS
 TIMING_FILE = "demo_recipe_timing.json"
 
@@ -50,7 +55,7 @@ def candidate_config(overrides: list[str], seed: int, root: str):
   from prism_jax.config import preset  # pylint: disable=g-import-not-at-top
   from prism_jax.train import apply_overrides  # pylint: disable=g-import-not-at-top
   return apply_overrides(preset("tiny"), cap.base_sets(FLAGS.backbones[0], seed, root)
-                         + [f"train.steps={FLAGS.steps}", *overrides])
+                         + [f"train.steps={FLAGS.steps}", *FLAGS.backbone_sets, *overrides])
 
 
 def timed_train(cfg, workdir: str) -> dict:
@@ -85,6 +90,9 @@ def main(argv):
   for seed in seeds:
     twin_dir = os.path.join(FLAGS.root, backbone, f"dense_s{seed}")
     twin_cfg = cap.twin_config(backbone, seed, FLAGS.root, FLAGS.steps)
+    if FLAGS.backbone_sets:
+      from prism_jax.train import apply_overrides  # pylint: disable=g-import-not-at-top
+      twin_cfg = apply_overrides(twin_cfg, FLAGS.backbone_sets)
     timing = timed_train(twin_cfg, twin_dir)
     twins[seed] = {**cap.measure_run(twin_dir, twin_cfg, FLAGS.half), **timing}
   for name, sets in candidates:
@@ -99,6 +107,7 @@ def main(argv):
       logging.info("%s seed %d: %s", name, seed, row)
   data = {**provenance.record("experiments.demo_recipe"), "backbone": backbone,
           "half": FLAGS.half, "half_seed": FLAGS.half_seed, "steps": FLAGS.steps,
+          "backbone_sets": FLAGS.backbone_sets,
           "twins": twins, "rows": rows}
   print(demo_recipe_markdown(data))
   if FLAGS.results_json:
