@@ -403,14 +403,23 @@ def load(workdir: str, *, step: int | None = None) -> Run:
 
   Args:
     workdir: the run directory (local or gs://), as `prism train` or `prism import-hf`
-      wrote it.
+      wrote it; a directory `prism export --format=hub` wrote (or a Hugging Face cache
+      snapshot of one); or "hf://org/name[@revision]", fetched through huggingface_hub
+      (from its cache when HF_HUB_OFFLINE=1).
     step: the checkpoint step (default: the newest).
 
   Returns:
     A Run: `.model`, `.config`, `.tokenizer`, and generate / decompose / attribute /
     report / steer / suppress / cards / hessian_block.
   """
+  from prism_jax.hf import hub  # pylint: disable=g-import-not-at-top
   from prism_jax.loading import load_for_inference  # pylint: disable=g-import-not-at-top
-  model, cfg, tokenizer = load_for_inference(workdir, step=step)
+  workdir = hub.resolve(workdir)  # hf://org/name: its snapshot (huggingface_hub's cache)
+  if hub.is_hub_dir(workdir):
+    if step is not None:
+      raise ValueError(f"{workdir} is a Hub export of one checkpoint: it has no step={step}")
+    model, cfg, tokenizer = hub.load_hub(workdir)
+  else:
+    model, cfg, tokenizer = load_for_inference(workdir, step=step)
   return Run(workdir, model, cfg, tokenizer)
 

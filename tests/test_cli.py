@@ -50,6 +50,8 @@ CASES = {
                   (["--hf_dir={w}/none", "--workdir={w}/imp"], "none")],
     "export-hf": [(["--workdir={w}/run", "--out={w}/exp", "--step=last"], "--step"),
                   (["--workdir={w}/none", "--out={w}/exp"], "none")],
+    "export": [(["--workdir={w}/run", "--out={w}/exp", "--format=zip"], "--format"),
+               (["--workdir={w}/none", "--out={w}/exp"], "none")],
     # serve: a bad port, a run that is not there (one line, nothing served)
     "serve": [(["--workdir={w}/run", "--port=http"], "--port"),
               (["--workdir={w}/run", "--port=70000"], "--port"),
@@ -97,8 +99,8 @@ def test_help_lists_every_subcommand_and_an_unknown_one_is_one_line():
   listed = [line.split()[0] for line in res.stdout.split("commands:")[1].splitlines()
             if line.strip()]
   assert listed == ["train", "generate", "attribute", "report", "cards", "suppress",
-                    "evaluate", "lm-eval", "model-card", "import-hf", "export-hf", "config",
-                    "serve", "demo"]
+                    "evaluate", "lm-eval", "model-card", "import-hf", "export-hf", "export",
+                    "config", "serve", "demo"]
   res = prism("evalute")
   assert_one_line_error(res.returncode, res.stderr, "'evalute'")
   res = prism()

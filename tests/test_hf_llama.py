@@ -151,3 +151,16 @@ def test_live_transformers_reloads_the_export(imported, tmp_path, fam):
   with torch.no_grad():
     again = back(torch.from_numpy(g["input_ids"])).logits.numpy()
   assert np.array_equal(again, g["logits"])
+
+
+@pytest.mark.parametrize("fam", FAMILIES)
+def test_hub_export_of_a_llama_prism_run_loads_back_bit_exact(imported, tmp_path, fam):
+  import prism_jax  # pylint: disable=g-import-not-at-top
+  from prism_jax.hf import hub  # pylint: disable=g-import-not-at-top
+  hub.export_hub(str(imported / f"{fam}_prism"), str(tmp_path / "hub"))
+  cfg = json.loads((tmp_path / "hub" / "config.json").read_text())
+  assert cfg["model_type"] == fam and cfg["prism_jax"]["model"]["arch"] == "llama"
+  ids = jnp.asarray(_golden(fam)["input_ids"], jnp.int32)
+  want = prism_jax.load(str(imported / f"{fam}_prism")).model(ids).logits_BxTxV
+  got = prism_jax.load(str(tmp_path / "hub")).model(ids).logits_BxTxV
+  assert np.array_equal(np.asarray(got), np.asarray(want))

@@ -28,10 +28,13 @@ COMMANDS = {
     "lm-eval": ("lm_eval_cli", "lm-evaluation-harness on a run: its model 'prism', then "
                 "lm-eval's own command line after -- (the lm-eval extra)"),
     "model-card": ("model_card", "parameter counts and FLOPs per token of every preset, and "
-                   "the GPT-2 presets' training recipes"),
-    "import-hf": ("import_hf", "import a Hugging Face GPT-2 directory as a run (dense, or "
-                  "PRISM with its bank to set)"),
-    "export-hf": ("export_hf", "export a run's backbone as a Hugging Face GPT-2 directory"),
+                   "the recipes (GPT-2 sizes, llama_1b)"),
+    "import-hf": ("import_hf", "import a Hugging Face GPT-2 / Llama / Qwen2 / Mistral "
+                  "directory as a run (dense, or PRISM with its bank to set)"),
+    "export-hf": ("export_hf", "export a run's backbone as a Hugging Face transformers "
+                  "directory"),
+    "export": ("export", "export a run: --format=hub, the whole PRISM model for the Hugging "
+               "Face Hub (prism_jax.load opens it); --format=hf, the backbone"),
     "config": ("config", "print the resolved config of a preset or a config file with --set "
                "overrides (what `prism train` would train)"),
     "serve": ("serve", "the live explorer in the browser: generate, see why, steer (the "
