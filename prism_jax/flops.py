@@ -92,7 +92,11 @@ def device_peak_flops(device: Any) -> float | None:
 
 
 def param_counts(cfg: ModelConfig) -> dict[str, float]:
-  """Analytic parameter counts of `DenseLM` / `PrismLM` for `cfg` (see module docstring)."""
+  """Analytic parameter counts of `DenseLM` / `PrismLM` for `cfg` (see module docstring);
+  the library's backbones only (a registered one: count its nnx.state instead)."""
+  if cfg.arch not in ("gpt2", "llama"):
+    raise ValueError(f"model.arch={cfg.arch!r} is a registered backbone: its parameters are "
+                     "counted from the model (nnx.state), not analytically")
   d, f, layers = cfg.d_model, cfg.d_mlp, cfg.n_layers
   if cfg.arch == "llama":
     g = cfg.kv_heads * cfg.head_dim
@@ -127,12 +131,14 @@ def flops_per_token(cfg: ModelConfig, seq_len: int,
     raise ValueError(f"seq_len must be positive, got {seq_len}")
   d, f, layers, v = cfg.d_model, cfg.d_mlp, cfg.n_layers, cfg.vocab_size
   num_protos, k = cfg.num_prototypes, cfg.k
+  attention = layers * 2 * 2 * seq_len * d
   if cfg.arch == "llama":
     g = cfg.kv_heads * cfg.head_dim
     matmul = layers * 2 * (2 * d * d + 2 * d * g + 3 * d * f)
-  else:
+  elif cfg.arch == "gpt2":
     matmul = layers * 2 * (4 * d * d + 2 * d * f)
-  attention = layers * 2 * 2 * seq_len * d
+  else:  # a user's registered backbone: its layers are unknown here, only the heads count
+    matmul = attention = 0
   lm_head = 2 * d * v
   backbone = matmul + attention + lm_head
   parts = {

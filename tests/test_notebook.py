@@ -103,3 +103,27 @@ def test_attribution_and_steering_notebook_runs(kernel_name, tmp_path, tmp_path_
   assert set(rates) == {"unedited", "suppressed", "amplified x4"}
   assert all(0 <= r <= 100 for r in rates.values()) and rates["unedited"] > 0  # it was written
   assert "the prototypes that carried it:" in text
+
+
+HEAD_ON_YOUR_MODEL = REPO / "experiments" / "notebooks" / "head_on_your_model.ipynb"
+
+
+@pytest.mark.long  # trains the notebook's model and builds its cache and cards: ~70 s
+def test_head_on_your_model_notebook_runs(kernel_name, tmp_path, monkeypatch):
+  """A user's own NNX backbone (a causal convolutional LM, registered by the notebook)
+  trained as PRISM by the library, loaded, decomposed exactly, attributed, with cards."""
+  monkeypatch.setenv("HEAD_NB_RUN", str(tmp_path / "run"))
+  nb = nbformat.read(HEAD_ON_YOUR_MODEL, as_version=4)
+  client = NotebookClient(nb, kernel_name=kernel_name, timeout=400,
+                          resources={"metadata": {"path": str(tmp_path)}})
+  client.execute()
+  text = "".join(o.get("text", "") for cell in nb.cells if cell.cell_type == "code"
+                 for o in cell.get("outputs", []) if o.output_type == "stream")
+  assert "CausalConvLM under PrismLM" in text
+  worst = float(re.search(r"largest \|logit - \(sum of slices \+ residual\)\|: (\S+)",
+                          text).group(1))
+  assert worst < 1e-4
+  assert re.search(r"1\. score \+\d+", text) and "prototype #" in text
+  agreement = float(re.search(r"agreement argmax W z_hat = argmax W z: ([\d.]+)%", text)
+                    .group(1))
+  assert 0 < agreement <= 100

@@ -21,6 +21,9 @@ Distance = Literal["cosine", "sqeuclidean"]
 RecKind = Literal["relative", "plain"]
 MixtureScale = Literal["none", "learned"]
 Arch = Literal["gpt2", "llama"]
+# Names of backbones a user registered (prism_jax.model.register_backbone): model.arch may
+# name one of them beside the two built in. Filled only by that call.
+REGISTERED_ARCHS: set[str] = set()
 
 
 def _check(cond: bool, msg: str) -> None:
@@ -49,7 +52,7 @@ class ModelConfig:
   # "gpt2": LayerNorm, learned positions, GELU MLP, fused multi-head q|k|v, tied head.
   # "llama": RMSNorm, rotary positions, SwiGLU MLP, grouped-query attention (n_kv_heads),
   # tied or untied head, optional q/k/v biases (Qwen2): Llama 3, Qwen2, Mistral, SmolLM2.
-  arch: Arch = "gpt2"
+  arch: str = "gpt2"  # Arch, or a name given to prism_jax.model.register_backbone
   vocab_size: int = 512
   # 0: every row of the vocabulary is a token. Otherwise the number of real token ids; the
   # rows past it pad the embedding to a friendlier size (GPT-2's 50257 -> 50304, a multiple
@@ -144,7 +147,10 @@ class ModelConfig:
     _check_choice("model.implementation", self.implementation, IMPLEMENTATIONS)
 
   def _check_arch(self) -> None:
-    _check_choice("model.arch", self.arch, typing.get_args(Arch))
+    _check(self.arch in typing.get_args(Arch) or self.arch in REGISTERED_ARCHS,
+           f"model.arch={self.arch!r} is not one of {typing.get_args(Arch)} nor a registered "
+           "backbone (prism_jax.model.register_backbone, in the module that defines it: "
+           "import that module first)")
     for name in ("mlp_dim", "n_kv_heads", "rope_original_max_len"):
       value = getattr(self, name)
       _check(isinstance(value, int) and not isinstance(value, bool) and value >= 0,
@@ -163,7 +169,7 @@ class ModelConfig:
         _check(not asked, f"model.{name}={getattr(self, name)!r} needs model.arch=llama "
                "(GPT-2 has full multi-head attention, no separate q/k/v biases, a tied head "
                "and learned positions)")
-    else:
+    elif self.arch == "llama":
       _check(not self.bias, "model.bias=True is GPT-2's (a bias in every linear map and "
              "LayerNorm); a Llama-family backbone has none: set model.bias=false "
              "(Qwen2's q/k/v biases: model.qkv_bias=true)")

@@ -1,5 +1,7 @@
-"""Models: the functional prototype layer, the GPT-2-style backbone, PrismLM and DenseLM."""
+"""Models: the functional prototype layer, the backbones (GPT-2's, the Llama family's, or a
+user's registered one), PrismLM and DenseLM."""
 
+from prism_jax.model.backbones import HiddenStateBackbone, register_backbone
 from prism_jax.model.lm import (DenseLM, Decomposition, LMOutput, PrismLM, build_model,
                                 decompose, init_prototypes_from_hidden)
 from prism_jax.model.logit_edit import controlled_logits
@@ -7,7 +9,7 @@ from prism_jax.model.prototypes import PrototypeBank, PrototypeOutput, prototype
 from prism_jax.model.transformer import Backbone, KVCache
 
 __all__ = [
-    "Backbone", "DenseLM", "Decomposition", "KVCache", "LMOutput", "PrismLM", "PrototypeBank",
-    "PrototypeOutput", "build_model", "controlled_logits", "decompose",
-    "init_prototypes_from_hidden", "prototype_layer",
+    "Backbone", "DenseLM", "Decomposition", "HiddenStateBackbone", "KVCache", "LMOutput",
+    "PrismLM", "PrototypeBank", "PrototypeOutput", "build_model", "controlled_logits",
+    "decompose", "init_prototypes_from_hidden", "prototype_layer", "register_backbone",
 ]

@@ -21,7 +21,8 @@ from prism_jax.model.params import const_param
 from prism_jax.model.prototypes import PrototypeBank, PrototypeOutput
 from prism_jax.model.tap import Tap
 from prism_jax.model.token_ids import check_token_ids
-from prism_jax.model.transformer import Backbone, KVCache
+from prism_jax.model.backbones import backbone_class
+from prism_jax.model.transformer import KVCache
 
 
 class LMOutput(NamedTuple):
@@ -36,7 +37,7 @@ class DenseLM(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    self.backbone = Backbone(cfg, rngs=rngs)
+    self.backbone = backbone_class(cfg.arch)(cfg, rngs=rngs)
 
   def __call__(self, tokens_BxT, positions_BxT=None, *, mask_BxT=None, caches=None,
                tap: Tap | None = None, dropout_key: jax.Array | None = None):
@@ -58,7 +59,7 @@ class PrismLM(nnx.Module):
 
   def __init__(self, cfg: ModelConfig, *, rngs: nnx.Rngs):
     self.cfg = cfg
-    self.backbone = Backbone(cfg, rngs=rngs)
+    self.backbone = backbone_class(cfg.arch)(cfg, rngs=rngs)
     self.bank = PrototypeBank(cfg.num_prototypes, cfg.d_model, cfg.k, rngs=rngs,
                               residual_routing=cfg.residual_routing, mixture=cfg.mixture,
                               distance=cfg.distance, implementation=cfg.implementation)
