@@ -215,3 +215,17 @@ def test_model_built_under_a_mesh_is_sharded_by_the_rules():
   assert sharded.bank.protos[...].sharding.spec == P("model", "fsdp")
   np.testing.assert_array_equal(np.asarray(sharded.bank.protos[...]),
                                 np.asarray(plain.bank.protos[...]))
+
+
+def test_llama_remat_and_bf16_steps_track_the_plain_one():
+  """The Llama-family step with remat (same values: a recompute, not an approximation) and
+  in bfloat16 compute (bf16 rounding: a loose tolerance) beside the fp32 one."""
+  batches = make_batches(LLAMA, 2, seed=2)
+  ref, ref_grads, _ = train_losses(LLAMA, (1, 1, 1), batches)
+  remat = dataclasses.replace(LLAMA, model=dataclasses.replace(LLAMA.model, remat=True))
+  got, grads, _ = train_losses(remat, (1, 1, 1), batches)
+  np.testing.assert_allclose(got, ref, rtol=1e-6)
+  assert _max_rel(ref_grads, grads) <= 1e-5
+  bf16 = dataclasses.replace(LLAMA, model=dataclasses.replace(LLAMA.model, dtype="bfloat16"))
+  low, _, _ = train_losses(bf16, (1, 1, 1), batches)
+  np.testing.assert_allclose(low, ref, rtol=2e-2)
