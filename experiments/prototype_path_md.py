@@ -164,7 +164,9 @@ def demo_recipe_rows(data: dict) -> list[dict]:
     parts = [f"seed {s}: {100 * r['agreement']:.1f}% ({100 * r['agreement_decisive']:.1f}%), "
              f"{r['proto_ce_ratio']:.3f}, {100 * r['ce_gap']:+.1f}%"
              for s, r in cand["seeds"].items()]
-    out.append({"metric": f"demo recipe {name}, {data['half']} half: agreement (decisive), "
+    on = (f" on {data['backbone_sets'][0].split('=')[1]} (twin alike)"
+          if data.get("backbone_sets") else "")
+    out.append({"metric": f"demo recipe {name}{on}, {data['half']} half: agreement (decisive), "
                           "CE(W z_hat)/CE(W z), full CE vs dense twin",
                 "paper": "not reported", "ours": "; ".join(parts),
                 "command": data["command"]})
