@@ -18,8 +18,9 @@ import os
 import subprocess
 import tempfile
 
-from absl import app, flags
+from absl import flags
 
+from prism_jax.cli import launcher as cli
 from prism_jax.cli import provenance
 
 flags.DEFINE_string("torch_python", None, "python with torch and transformers", required=True)
@@ -89,4 +90,4 @@ def main(argv):
 
 
 if __name__ == "__main__":
-  app.run(main)
+  cli.run(main)
