@@ -4,6 +4,8 @@ finite, the same on a rerun with the same seed, query q's scores in row q; and a
 with an independent float64 reference where one exists:
 
   grad_dot  per-row gradients of the summed target CE over every parameter (float64 model)
+  trak      those float64 gradients through the method's own projections (its input, seeded),
+            then ΦᵀΦ + λI solved and averaged over the ensemble in NumPy
   full      ⟨H⁻¹ ∇_P L_q, ∇_P L_row⟩: ∇_P by autodiff of the float64 model with the bank as
             the variable (routing included), H = A_ii G + (μ_i + λ) I per prototype
   prism     the same with a_t held fixed (∇_P L = Σ_t a_t g_tᵀ, g_t = Wᵀ(π_t − e_y) in
@@ -189,6 +191,23 @@ def _grad_dot_reference(micro, scratch):
       model, _rows(packed, ROWS)).T
 
 
+def _trak_reference(micro, scratch):
+  from prism_jax.attribution.scoring import trak  # pylint: disable=g-import-not-at-top
+  _, packed, queries, model = micro
+  g_q, g_e = _all_param_grads(model, queries.batch()), _all_param_grads(model,
+                                                                        _rows(packed, ROWS))
+  cfg = trak.TrakConfig()
+  proj = np.asarray(trak.projections(cfg, g_q.shape[1]), np.float64)
+  out = []
+  for m in range(cfg.ensemble):
+    p = proj[:, m * cfg.proj_dim:(m + 1) * cfg.proj_dim]
+    phi_q, phi = g_q @ p, g_e @ p
+    gram = phi.T @ phi
+    lam = cfg.damping * np.trace(gram) / cfg.proj_dim
+    out.append(phi_q @ np.linalg.inv(gram + lam * np.eye(cfg.proj_dim)) @ phi.T)
+  return np.mean(out, 0)
+
+
 def _ekfac_reference(micro, scratch):
   """test_ekfac's NumPy EK-FAC: factors on the rows in the method's batches of 16, with
   the labels fit_factors samples (EkfacConfig(): the true Fisher, key fold_in(seed, i))."""
@@ -217,6 +236,7 @@ def _ekfac_reference(micro, scratch):
 # a neighbour's reference misses by >= 4e-2 (prism's fixed a_t against full's routing).
 REFERENCES = {
     "grad_dot": (_grad_dot_reference, 2e-5),
+    "trak": (_trak_reference, 1e-3),
     "full": (lambda m, s: _prototype_space(_bank_grads_full, m, s), 2e-5),
     "prism": (lambda m, s: _prototype_space(_bank_grads_linear, m, s), 2e-5),
     "ekfac": (_ekfac_reference, 1e-3),

@@ -11,6 +11,8 @@ returns (row ids, scores (Q, E')), the one order for all.
   full           influence_full.full_scores (path="full": the exact prototype-space score)
   ekfac          ekfac.fit_factors on the E rows, then ekfac.ekfac_scores
   grad_dot       grad_dot.grad_dot_scores (all parameters, no curvature)
+  trak           trak.trak_scores: gradients projected to 256 dimensions, a kernel
+                 preconditioner there, an ensemble of 4 projections (one trained model)
   random         iid N(0, 1) scores (seeded): the floor
 """
 
@@ -29,6 +31,7 @@ from prism_jax.attribution.hessians import ekfac
 from prism_jax.attribution.scoring import grad_dot
 from prism_jax.attribution.scoring import influence
 from prism_jax.attribution.scoring import influence_full
+from prism_jax.attribution.scoring import trak
 
 @dataclasses.dataclass(frozen=True)
 class Setting:
@@ -119,6 +122,13 @@ def _ekfac(s: Setting):
 def _grad_dot(s: Setting):
   """Gradient dot-products over every parameter, no curvature."""
   return grad_dot.grad_dot_scores(s.model, s.queries.batch(), s.packed, max_rows=s.num_rows)
+
+
+@register("trak")
+def _trak(s: Setting):
+  """TRAK: projected per-row gradients, kernel-regression preconditioned (seeded)."""
+  return trak.trak_scores(s.model, s.queries.batch(), s.packed, max_rows=s.num_rows,
+                          cfg=trak.TrakConfig(seed=s.seed))
 
 
 @register("random")

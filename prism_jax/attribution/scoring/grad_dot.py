@@ -26,7 +26,7 @@ from prism_jax.attribution.caching import cache_format
 from prism_jax.data import batch as batch_lib
 
 
-def _flat_grads(graphdef, params, rest, inputs_BxT, targets_BxT, mask_BxT):
+def flat_grads(graphdef, params, rest, inputs_BxT, targets_BxT, mask_BxT):
   """(B, P) float32: per row, the gradient of its summed masked CE w.r.t. every Param."""
 
   def one(inputs_T, targets_T, mask_T):
@@ -43,16 +43,16 @@ def _flat_grads(graphdef, params, rest, inputs_BxT, targets_BxT, mask_BxT):
 
 @functools.partial(jax.jit, static_argnums=0)
 def _query_grads(graphdef, params, rest, inputs_BxT, targets_BxT, mask_BxT):
-  return _flat_grads(graphdef, params, rest, inputs_BxT, targets_BxT, mask_BxT)
+  return flat_grads(graphdef, params, rest, inputs_BxT, targets_BxT, mask_BxT)
 
 
 @functools.partial(jax.jit, static_argnums=0)
 def _chunk_scores(graphdef, params, rest, q_QxP, inputs_BxT, targets_BxT, mask_BxT):
-  g_BxP = _flat_grads(graphdef, params, rest, inputs_BxT, targets_BxT, mask_BxT)
+  g_BxP = flat_grads(graphdef, params, rest, inputs_BxT, targets_BxT, mask_BxT)
   return q_QxP @ g_BxP.T
 
 
-def _device(batch):
+def device_batch(batch):
   return (jnp.asarray(batch["inputs"], jnp.int32), jnp.asarray(batch["targets"], jnp.int32),
           jnp.asarray(batch["mask"], bool))
 
@@ -67,7 +67,7 @@ def query_gradients(model, query: dict[str, np.ndarray], batch_rows: int = 16) -
   for start in range(0, num_q, batch_rows):
     chunk = {k: np.asarray(query[k])[start:start + batch_rows]
              for k in ("inputs", "targets", "mask")}
-    parts.append(_query_grads(graphdef, params, rest, *_device(
+    parts.append(_query_grads(graphdef, params, rest, *device_batch(
         batch_lib.pad_batch(chunk, batch_rows)))[:len(chunk["inputs"])])
   return jnp.concatenate(parts)
 
@@ -85,7 +85,7 @@ def grad_dot_scores(model, query: dict[str, np.ndarray], packed, *, split: str =
   for start, batch in cache_format.iter_rows(packed, split, batch_rows, 0, max_rows):
     n = len(batch["inputs"])
     s_QxB = _chunk_scores(graphdef, params, rest, q_QxP,
-                          *_device(batch_lib.pad_batch(batch, batch_rows)))
+                          *device_batch(batch_lib.pad_batch(batch, batch_rows)))
     cols.append(np.asarray(s_QxB, np.float64)[:, :n])
     ids.append(np.arange(start, start + n))
   if not ids:
