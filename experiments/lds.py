@@ -48,7 +48,7 @@ flags.DEFINE_integer("targets", 4, "target tokens per query (its measured loss i
 flags.DEFINE_integer("ceiling_subsets", 6, "subsets retrained with a second seed")
 flags.DEFINE_integer("removal_queries", 2, "queries with removal curves")
 flags.DEFINE_list("removal_m", ["16", "32", "64", "128"], "rows removed per curve point")
-flags.DEFINE_list("methods", ["prism", "full", "ekfac", "grad_dot", "random"], "methods")
+flags.DEFINE_list("methods", ["prism", "full", "ekfac", "grad_dot", "trak", "random"], "methods")
 flags.DEFINE_list("removal_methods", [], "methods with removal curves (default: --methods)")
 flags.DEFINE_integer("rank", 32, "cached PRISM's projection rank")
 flags.DEFINE_integer("seed", 0, "subsets, queries and random scores")
@@ -125,7 +125,7 @@ def _write_plot(path, ms, removal_ci):
   fig.savefig(path, dpi=120)
 
 
-METHODS = ("prism", "full", "ekfac", "grad_dot", "random")
+METHODS = ("prism", "full", "ekfac", "grad_dot", "trak", "random")
 
 
 def check_flags() -> list[int]:
