@@ -125,7 +125,8 @@ def _write_plot(path, ms, removal_ci):
   fig.savefig(path, dpi=120)
 
 
-METHODS = ("prism", "full", "ekfac", "grad_dot", "trak", "random")
+METHODS = ("prism", "full", "ekfac", "ekfac[bank]", "ekfac[last]", "ekfac[early]",
+           "ekfac[bank+last]", "ekfac[last+early]", "grad_dot", "trak", "random")
 
 
 def check_flags() -> list[int]:

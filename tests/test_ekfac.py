@@ -248,3 +248,27 @@ def test_fit_factors_needs_example_ids():
   b = {k: v for k, v in _batch(19).items() if k != "example_id"}
   with pytest.raises(ValueError, match="fit_factors needs the batch's example_id"):
     ekfac.fit_factors(model, [b])
+
+
+def test_parameter_group_scores_partition_the_whole_score():
+  """Σ_l is a sum over layers: on a 2-block model, the bank's, the last block's and the
+  early block's scores (each restricted by `layers`, layerwise and whole-program) add up
+  to the score over every layer; part of a block is refused."""
+  two = dataclasses.replace(CFG, n_layers=2)
+  with jax.enable_x64(True):
+    model = build_model(two, 4)
+    train = [_batch(20, batch=3), _batch(21, batch=2)]
+    factors = ekfac.fit_factors(model, train, ekfac.EkfacConfig(seed=1), dtype=jnp.float64)
+    query = _batch(22, batch=2, two_docs=False)
+    score = lambda layers, layerwise=True: ekfac.ekfac_scores(
+        model, factors, query, train, layers=layers, layerwise=layerwise,
+        dtype=jnp.float64)[0]
+    whole = score(None)
+    groups = (["bank"], [f"block1.{n}" for n in ekfac.BLOCK_LAYERS],
+              [f"block0.{n}" for n in ekfac.BLOCK_LAYERS])
+    parts = [score(g) for g in groups]
+    assert all(np.abs(p).max() > 1e-6 * np.abs(whole).max() for p in parts)
+    np.testing.assert_allclose(sum(parts), whole, rtol=1e-10, atol=1e-12 * np.abs(whole).max())
+    np.testing.assert_allclose(score(groups[1], layerwise=False), parts[1], rtol=1e-10)
+    with pytest.raises(ValueError, match="whole blocks"):
+      score(["block0.qkv"])

@@ -10,6 +10,8 @@ returns (row ids, scores (Q, E')), the one order for all.
                  sequences sharing no prototype with the query score 0
   full           influence_full.full_scores (path="full": the exact prototype-space score)
   ekfac          ekfac.fit_factors on the E rows, then ekfac.ekfac_scores
+  ekfac[GROUP]   the same restricted to a parameter group's layers (bank, last, early,
+                 bank+last, last+early: ekfac_group_layers)
   grad_dot       grad_dot.grad_dot_scores (all parameters, no curvature)
   trak           trak.trak_scores: gradients projected to 256 dimensions, a kernel
                  preconditioner there, an ensemble of 4 projections (one trained model)
@@ -107,15 +109,48 @@ def _full(s: Setting):
                                     path="full", cfg=ROW_UNIT, max_rows=s.num_rows)
 
 
+_FACTORS: dict[tuple, Any] = {}  # (scratch, model id) -> EK-FAC factors, fitted once
+
+
+def _ekfac_with(s: Setting, layers=None):
+  """EK-FAC factors fitted on the rows (once per scratch and model), then its scores over
+  `layers` (None: every linear layer and the bank)."""
+  batches = lambda: (b for _, b in cache_format.iter_rows(s.packed, "train", 16, 0,
+                                                          s.num_rows))
+  key = (s.scratch, id(s.model), s.num_rows)
+  if key not in _FACTORS:
+    _FACTORS.clear()
+    _FACTORS[key] = ekfac.fit_factors(s.model, batches(), lambda_batches=batches())
+  sc, ids = ekfac.ekfac_scores(s.model, _FACTORS[key], s.queries.batch(), batches,
+                               train_batch_size=16, by_example=False, layers=layers)
+  return ids, sc
+
+
 @register("ekfac")
 def _ekfac(s: Setting):
   """EK-FAC factors fitted on the rows, then its scores over every parameter."""
-  batches = lambda: (b for _, b in cache_format.iter_rows(s.packed, "train", 16, 0,
-                                                          s.num_rows))
-  factors = ekfac.fit_factors(s.model, batches(), lambda_batches=batches())
-  sc, ids = ekfac.ekfac_scores(s.model, factors, s.queries.batch(), batches,
-                               train_batch_size=16, by_example=False)
-  return ids, sc
+  return _ekfac_with(s)
+
+
+def ekfac_group_layers(model, group: str) -> list[str]:
+  """The EK-FAC layers of a parameter group: "bank", "last" (the final block), "early"
+  (every block before it), or several joined by "+" (issue 55's parameter-group LDS)."""
+  last = model.cfg.n_layers - 1
+  names = ekfac.layer_names(model)
+  parts = {"bank": [n for n in names if n == "bank"],
+           "last": [n for n in names if n.startswith(f"block{last}.")],
+           "early": [n for n in names if n.startswith("block")
+                     and not n.startswith(f"block{last}.")]}
+  unknown = [g for g in group.split("+") if g not in parts]
+  if unknown:
+    raise ValueError(f"EK-FAC parameter group {unknown[0]!r}: use bank, last, early or "
+                     "several joined by '+'")
+  return [n for g in group.split("+") for n in parts[g]]
+
+
+for _group in ("bank", "last", "early", "bank+last", "last+early"):
+  register(f"ekfac[{_group}]")(
+      lambda s, g=_group: _ekfac_with(s, ekfac_group_layers(s.model, g)))
 
 
 @register("grad_dot")

@@ -43,6 +43,7 @@ from prism_jax.attribution.hessians.ekfac_capture import (  # public names re-ex
     Batch, Capture, Split, _capture, capture, layer_names, per_sequence_grads, sample_labels,
     segment_weights, split_model, stream_capture)
 from prism_jax.data import batch as batch_lib
+from prism_jax.model.tap import BLOCK_LAYERS
 
 
 @dataclasses.dataclass(frozen=True)
@@ -194,6 +195,8 @@ def _query_layerwise(split, names, fac, tokens_BxT, labels_BxT, mask_BxT):
   """Preconditioned query gradients, group by group: {group: {local name: (Q, out, in)}}."""
   pre = {}
   for group, cap in stream_capture(split, names, tokens_BxT, labels_BxT, mask_BxT[None]):
+    if not set(group) <= set(names):  # a block left out of `layers`
+      continue
     sub = [{_local(n): d[n] for n in group} for d in fac]
     pre[group] = _group_precondition(*sub, cap.acts, cap.deltas)
   return pre
@@ -212,7 +215,8 @@ def _score_whole(split, names, pre_q, tokens_BxT, labels_BxT, weight_SxBxT):
 def _score_layerwise(split, names, pre_q, tokens_BxT, labels_BxT, weight_SxBxT):
   total = 0.0
   for group, cap in stream_capture(split, names, tokens_BxT, labels_BxT, weight_SxBxT):
-    total = total + _group_score(pre_q[group], cap.acts, cap.deltas)
+    if group in pre_q:
+      total = total + _group_score(pre_q[group], cap.acts, cap.deltas)
   return total
 
 
@@ -231,7 +235,8 @@ def _row_chunks(batch: Batch, rows: int | None):
 def ekfac_scores(model, factors: Factors, query: Batch, train_batches, *,
                  cfg: EkfacConfig = EkfacConfig(), query_batch_size: int | None = None,
                  train_batch_size: int | None = None, layerwise: bool = True,
-                 by_example: bool = True, dtype=None) -> tuple[np.ndarray, np.ndarray]:
+                 by_example: bool = True, dtype=None,
+                 layers=None) -> tuple[np.ndarray, np.ndarray]:
   """Influence of every training sequence on every query row: (Q, E) scores and E ids.
 
   Query rows are processed `query_batch_size` at a time, each chunk streaming over
@@ -244,9 +249,20 @@ def ekfac_scores(model, factors: Factors, query: Batch, train_batches, *,
   whole capture as one program (same scores).
   Sequences are documents (example ids) when `by_example`, else rows (row ids).
   The query loss is the summed CE over `query["mask"]`, the same convention as training.
+  `layers` (names of layer_names, whole blocks: "bank", "block{i}.*") restricts the score to
+  those layers' terms of Σ_l (the parameter-group LDS of issue 55); None: every layer.
   """
   split = split_model(model, dtype)
   names = tuple(layer_names(model, cfg.include_bank))
+  if layers is not None:
+    unknown = sorted(set(layers) - set(names))
+    if unknown or not layers:
+      raise ValueError(f"ekfac layers {unknown or '()'}: choose among {names}")
+    names = tuple(n for n in names if n in set(layers))
+    blocks = {n.split(".")[0] for n in names if n != "bank"}
+    partial = sorted(b for b in blocks if not all(f"{b}.{n}" in names for n in BLOCK_LAYERS))
+    if partial:
+      raise ValueError(f"ekfac layers: give whole blocks, not part of {partial}")
   num_q = np.asarray(query["inputs"]).shape[0]
   qbs = num_q if query_batch_size is None else int(query_batch_size)
   if qbs <= 0:
