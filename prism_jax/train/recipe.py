@@ -140,7 +140,8 @@ class Recipe:
     if warning:
       logging.warning("step %d: %s", step, warning)
     return state, (f"step {step}: prototypes set from {int(mask.sum())} hidden states "
-                   f"(k-means++; mean cosine to their mean direction {cos:.2f}{why})")
+                   f"({cfg.model.proto_init_pick}; mean cosine to their mean direction "
+                   f"{cos:.2f}{why})")
 
 
 BANK_SET_AT = "proto_init_at"  # the data item's key of the step "auto" set the bank at
