@@ -95,8 +95,12 @@ def _prepass_share(name):
   selection; training = 3 x the full forward (the LM head, reconstruction and residual
   added)."""
   m = config.preset(name).model
-  d, t, f, k_protos = m.d_model, 1024, m.mlp_ratio * m.d_model, m.num_prototypes
-  blocks = m.n_layers * (2 * (4 * d * d + 2 * d * f) + 4 * t * d)
+  d, t, f, k_protos = m.d_model, 1024, m.d_mlp, m.num_prototypes
+  if m.arch == "llama":  # q, o: D²; k|v: 2·D·(kv heads · Dh); SwiGLU: 3·D·F
+    matmul = 2 * d * d + 2 * d * m.kv_heads * m.head_dim + 3 * d * f
+  else:  # qkv 3D², o D², MLP 2·D·F
+    matmul = 4 * d * d + 2 * d * f
+  blocks = m.n_layers * (2 * matmul + 4 * t * d)
   head = 2 * d * k_protos + 3 * d + 2 * k_protos + k_protos
   prepass = blocks + head
   train = 3 * (blocks + 2 * d * m.vocab_size + head + 2 * m.k * d + 2 * d)

@@ -60,8 +60,8 @@ def check_tokenizer(tokenizer, source_tokenizer, where: str) -> None:
 
 
 def seed_tokenizer(cfg: Config, workdir: str) -> None:
-  """A retrofit whose tokenizer is trained here (data.tokenizer bpe or char) packs its text
-  with the source's tokenizer instead: its ids must be the source's (an imported Llama's
+  """A retrofit whose tokenizer is trained here (data.tokenizer bpe or char, the source's
+  kind) packs its text with the source's tokenizer instead: its ids must be the source's (an imported Llama's
   or Qwen2's tokenizer.json, a dense twin's BPE), and a BPE trained anew would not give
   them. Written beside the packed data before packing, unless one is there already."""
   from prism_jax import io_guard  # pylint: disable=g-import-not-at-top
@@ -75,6 +75,8 @@ def seed_tokenizer(cfg: Config, workdir: str) -> None:
   if not paths.path(os.path.join(src, "config.json")).is_file():
     return  # check_source names the problem
   source = ckpt_lib.load_config(src)
+  if source.data.tokenizer != cfg.data.tokenizer:
+    return  # another kind asked for: check_source refuses it by name
   data_lib.run_tokenizer(src, source.data.packed_dir).save(out_dir)
 
 
