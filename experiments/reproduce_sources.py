@@ -303,6 +303,7 @@ READERS: dict[str, Callable[[dict], list[dict]]] = {
     "demo_recipe_test": demo_recipe_rows,
     "hf_llama": hf_llama,
     "demo_recipe_llama": demo_recipe_rows,
+    "llama_imported_retrofit": demo_recipe_rows,
 }
 # Variants recorded beside a headline file (other selections, the dense twin): detail in
 # RESULTS.md's sections, not rows of the table.
@@ -330,6 +331,7 @@ SECTIONS: dict[str, tuple[Callable[[dict], str], str]] = {
     "demo_recipe_choose": (demo_recipe_markdown, "demo_recipe_choose"),
     "demo_recipe_test": (demo_recipe_markdown, "demo_recipe_test"),
     "demo_recipe_llama": (demo_recipe_markdown, "demo_recipe_llama"),
+    "llama_imported_retrofit": (demo_recipe_markdown, "llama_imported_retrofit"),
     "lds": (lds_markdown, "lds_kl1"),
     "lds_lambda_proto1": (lds_markdown, "lds_lambda_proto1"),
     "retrofit": (retrofit_markdown, "retrofit"),
