@@ -324,6 +324,7 @@ SECTIONS: dict[str, tuple[Callable[[dict], str], str]] = {
     "demo_time_cold": (demo_time_markdown, "demo_time_cold"),
     "lds_default_k128": (lds_markdown, "prototype_path_lds_k128"),
     "lds_default_k512": (lds_markdown, "prototype_path_lds_k512"),
+    "lds_groups_k128": (lds_markdown, "lds_groups_k128"),
     "preemption_repeat": (repeat_markdown, "preemption_repeat"),
     "bank_capacity_128x4_seeds": (capacity_markdown, "prototype_path_capacity_seeds"),
     "bank_capacity_nnls": (capacity_markdown, "prototype_path_capacity_nnls"),
