@@ -272,3 +272,25 @@ def test_parameter_group_scores_partition_the_whole_score():
     np.testing.assert_allclose(score(groups[1], layerwise=False), parts[1], rtol=1e-10)
     with pytest.raises(ValueError, match="whole blocks"):
       score(["block0.qkv"])
+
+
+def test_cached_group_scores_equal_streamed_ones_without_projection(tmp_path):
+  """ekfac_cached with R = 0 (the rows' gradients kept whole) is ekfac[GROUP] exactly: the
+  rows' gradients cached once, the query preconditioned, one product (float64)."""
+  from prism_jax.attribution.scoring import ekfac_cached  # pylint: disable=g-import-not-at-top
+  two = dataclasses.replace(CFG, n_layers=2)
+  train = [_batch(30, batch=4, two_docs=False), _batch(31, batch=4, two_docs=False)]
+  train[1]["row_id"] = train[1]["row_id"] + 4
+  with jax.enable_x64(True):
+    model = build_model(two, 6)
+    factors = ekfac.fit_factors(model, train, ekfac.EkfacConfig(seed=2), dtype=jnp.float64)
+    query = _batch(32, batch=2, two_docs=False)
+    layers = ["bank"] + [f"block0.{n}" for n in ekfac.BLOCK_LAYERS]
+    want, want_ids = ekfac.ekfac_scores(model, factors, query, train, layers=layers,
+                                        by_example=False, dtype=jnp.float64)
+    cfg = ekfac_cached.CachedEkfacConfig(tuple(layers), proj_dim=0)
+    ids, got = ekfac_cached.cached_ekfac_scores(model, factors, query, train, cfg,
+                                                dtype=jnp.float64)
+  np.testing.assert_array_equal(ids, want_ids)
+  np.testing.assert_allclose(got, want, rtol=1e-10, atol=1e-12 * np.abs(want).max())
+

@@ -340,6 +340,8 @@ def test_a_registered_method_is_scored_like_the_built_in_ones(micro):
     np.testing.assert_array_equal(out, want)
     assert methods_lib.METHODS == ("prism", "full", "ekfac", "ekfac[bank]", "ekfac[last]",
                                    "ekfac[early]", "ekfac[bank+last]", "ekfac[last+early]",
-                                   "grad_dot", "trak", "random")
+                                   "ekfac_cached[early]", "ekfac_cached[last+early]",
+                                   "ekfac_cached[bank+last+early]", "grad_dot", "trak",
+                                   "random")
   finally:
     methods_lib.REGISTRY.pop("test_sparse_method", None)

@@ -12,6 +12,8 @@ returns (row ids, scores (Q, E')), the one order for all.
   ekfac          ekfac.fit_factors on the E rows, then ekfac.ekfac_scores
   ekfac[GROUP]   the same restricted to a parameter group's layers (bank, last, early,
                  bank+last, last+early: ekfac_group_layers)
+  ekfac_cached[GROUP]  ekfac[GROUP] with each row's gradient projected to 1024 dimensions
+                 and cached once: a query is one backward pass and a product
   grad_dot       grad_dot.grad_dot_scores (all parameters, no curvature)
   trak           trak.trak_scores: gradients projected to 256 dimensions, a kernel
                  preconditioner there, an ensemble of 4 projections (one trained model)
@@ -33,6 +35,7 @@ from prism_jax.attribution.hessians import ekfac
 from prism_jax.attribution.scoring import grad_dot
 from prism_jax.attribution.scoring import influence
 from prism_jax.attribution.scoring import influence_full
+from prism_jax.attribution.scoring import ekfac_cached
 from prism_jax.attribution.scoring import trak
 
 @dataclasses.dataclass(frozen=True)
@@ -115,15 +118,24 @@ _FACTORS: dict[tuple, Any] = {}  # (scratch, model id) -> EK-FAC factors, fitted
 def _ekfac_with(s: Setting, layers=None):
   """EK-FAC factors fitted on the rows (once per scratch and model), then its scores over
   `layers` (None: every linear layer and the bank)."""
-  batches = lambda: (b for _, b in cache_format.iter_rows(s.packed, "train", 16, 0,
-                                                          s.num_rows))
+  batches = _row_batches(s)
+  sc, ids = ekfac.ekfac_scores(s.model, _factors(s), s.queries.batch(), batches,
+                               train_batch_size=16, by_example=False, layers=layers)
+  return ids, sc
+
+
+def _row_batches(s: Setting):
+  return lambda: (b for _, b in cache_format.iter_rows(s.packed, "train", 16, 0, s.num_rows))
+
+
+def _factors(s: Setting):
+  """EK-FAC's factors on the rows, fitted once per scratch and model."""
   key = (s.scratch, id(s.model), s.num_rows)
   if key not in _FACTORS:
     _FACTORS.clear()
+    batches = _row_batches(s)
     _FACTORS[key] = ekfac.fit_factors(s.model, batches(), lambda_batches=batches())
-  sc, ids = ekfac.ekfac_scores(s.model, _FACTORS[key], s.queries.batch(), batches,
-                               train_batch_size=16, by_example=False, layers=layers)
-  return ids, sc
+  return _FACTORS[key]
 
 
 @register("ekfac")
@@ -151,6 +163,18 @@ def ekfac_group_layers(model, group: str) -> list[str]:
 for _group in ("bank", "last", "early", "bank+last", "last+early"):
   register(f"ekfac[{_group}]")(
       lambda s, g=_group: _ekfac_with(s, ekfac_group_layers(s.model, g)))
+
+
+def _ekfac_cached(s: Setting, group: str):
+  """ekfac[GROUP] with the rows' projected gradients cached once (ekfac_cached.py)."""
+  cfg = ekfac_cached.CachedEkfacConfig(tuple(ekfac_group_layers(s.model, group)),
+                                       seed=s.seed)
+  return ekfac_cached.cached_ekfac_scores(s.model, _factors(s), s.queries.batch(),
+                                          _row_batches(s)(), cfg)
+
+
+for _group in ("early", "last+early", "bank+last+early"):
+  register(f"ekfac_cached[{_group}]")(lambda s, g=_group: _ekfac_cached(s, g))
 
 
 @register("grad_dot")
