@@ -12,8 +12,8 @@ returns (row ids, scores (Q, E')), the one order for all.
   ekfac          ekfac.fit_factors on the E rows, then ekfac.ekfac_scores
   ekfac[GROUP]   the same restricted to a parameter group's layers (bank, last, early,
                  bank+last, last+early: ekfac_group_layers)
-  ekfac_cached[GROUP]  ekfac[GROUP] with each row's gradient projected to 1024 dimensions
-                 and cached once: a query is one backward pass and a product
+  ekfac_cached[GROUP]  ekfac[GROUP] with each row's gradient cached once (whole; "/1024":
+                 projected to 1024 dimensions): a query is one backward pass and a product
   grad_dot       grad_dot.grad_dot_scores (all parameters, no curvature)
   trak           trak.trak_scores: gradients projected to 256 dimensions, a kernel
                  preconditioner there, an ensemble of 4 projections (one trained model)
@@ -165,16 +165,17 @@ for _group in ("bank", "last", "early", "bank+last", "last+early"):
       lambda s, g=_group: _ekfac_with(s, ekfac_group_layers(s.model, g)))
 
 
-def _ekfac_cached(s: Setting, group: str):
-  """ekfac[GROUP] with the rows' projected gradients cached once (ekfac_cached.py)."""
+def _ekfac_cached(s: Setting, group: str, proj_dim: int = 0):
+  """ekfac[GROUP] with the rows' gradients cached once, whole or projected (ekfac_cached)."""
   cfg = ekfac_cached.CachedEkfacConfig(tuple(ekfac_group_layers(s.model, group)),
-                                       seed=s.seed)
+                                       proj_dim=proj_dim, seed=s.seed)
   return ekfac_cached.cached_ekfac_scores(s.model, _factors(s), s.queries.batch(),
                                           _row_batches(s)(), cfg)
 
 
 for _group in ("early", "last+early", "bank+last+early"):
   register(f"ekfac_cached[{_group}]")(lambda s, g=_group: _ekfac_cached(s, g))
+register("ekfac_cached[early]/1024")(lambda s: _ekfac_cached(s, "early", 1024))
 
 
 @register("grad_dot")

@@ -3,13 +3,14 @@
 EK-FAC scores a query by streaming every training row through a backward pass
 (hessians/ekfac.py), so each query costs a pass over the data. Here that pass is made once:
 each training row's gradient on the chosen layers G_t (their EK-FAC layers: whole blocks
-and/or the bank) is flattened and projected to R dimensions by a seeded Gaussian S
-(P_g x R, N(0, 1/R)) and kept, (E, R). A query then costs one backward pass, EK-FAC's
+and/or the bank) is flattened, optionally projected to R dimensions by a seeded Gaussian S
+(P_g x R, N(0, 1/R)), and kept: (E, P_g) whole, (E, R) projected. A query then costs one backward pass, EK-FAC's
 preconditioner on its gradient and an (R x E) product:
 
     score(q, t) = ⟨S precondition(G_q), S G_t⟩ ≈ ⟨precondition(G_q), G_t⟩   (ekfac[GROUP])
 
-(exact at R = 0: no projection, the rows' gradients kept whole). **Sign: positive = the
+(exact at R = 0, the default: no projection, the rows' gradients kept whole; 4 bytes × P_g
+per row, e.g. 0.2 MB for one block of the LDS recipe). **Sign: positive = the
 training sequence helps the query.** Training sequences are rows (the LDS unit).
 """
 
@@ -34,7 +35,10 @@ _HI = jax.lax.Precision.HIGHEST
 @dataclasses.dataclass(frozen=True)
 class CachedEkfacConfig:
   layers: tuple[str, ...]  # EK-FAC layer names (ekfac.layer_names), whole blocks
-  proj_dim: int = 1024  # R; 0 keeps the gradients whole (exact)
+  # R; 0 keeps the gradients whole (exact). Projecting destroys the score at the LDS recipe
+  # (R 1024: LDS 0.03 against 0.36 whole, docs/RESULTS.md): a query's and a row's gradients
+  # are nearly orthogonal, so the projection's noise (~ |q| |g| / √R) swamps their product.
+  proj_dim: int = 0
   seed: int = 0
 
 
