@@ -59,6 +59,10 @@ def split_model(model, dtype=None) -> Split:
 
 
 def layer_names(model, include_bank: bool = True) -> list[str]:
+  if model.cfg.arch != "gpt2":
+    raise ValueError(f"EK-FAC captures the GPT-2 backbone's layers; model.arch="
+                     f"{model.cfg.arch!r} is not supported by it yet (cached PRISM "
+                     "attribution, grad_dot and TRAK are)")
   names = [f"block{i}.{n}" for i in range(model.cfg.n_layers) for n in BLOCK_LAYERS]
   if include_bank and isinstance(model, PrismLM):
     names.append("bank")
