@@ -164,3 +164,10 @@ def test_hub_export_of_a_llama_prism_run_loads_back_bit_exact(imported, tmp_path
   want = prism_jax.load(str(imported / f"{fam}_prism")).model(ids).logits_BxTxV
   got = prism_jax.load(str(tmp_path / "hub")).model(ids).logits_BxTxV
   assert np.array_equal(np.asarray(got), np.asarray(want))
+
+
+def test_ekfac_says_it_reads_gpt2_layers_only(imported):
+  from prism_jax.attribution.hessians import ekfac  # pylint: disable=g-import-not-at-top
+  model, _, _ = load_for_inference(str(imported / "llama_prism"))
+  with pytest.raises(ValueError, match="model.arch='llama' is not supported by it yet"):
+    ekfac.layer_names(model)
