@@ -128,7 +128,7 @@ def _write_plot(path, ms, removal_ci):
 METHODS = ("prism", "full", "ekfac", "ekfac[bank]", "ekfac[last]", "ekfac[early]",
            "ekfac[bank+last]", "ekfac[last+early]", "ekfac_cached[early]",
            "ekfac_cached[last+early]", "ekfac_cached[bank+last+early]",
-           "ekfac_cached[early]/1024", "grad_dot", "trak", "random")
+           "ekfac_cached_r1024[early]", "grad_dot", "trak", "random")
 
 
 def check_flags() -> list[int]:

@@ -12,7 +12,7 @@ returns (row ids, scores (Q, E')), the one order for all.
   ekfac          ekfac.fit_factors on the E rows, then ekfac.ekfac_scores
   ekfac[GROUP]   the same restricted to a parameter group's layers (bank, last, early,
                  bank+last, last+early: ekfac_group_layers)
-  ekfac_cached[GROUP]  ekfac[GROUP] with each row's gradient cached once (whole; "/1024":
+  ekfac_cached[GROUP]  ekfac[GROUP] with each row's gradient cached once (whole; "_r1024":
                  projected to 1024 dimensions): a query is one backward pass and a product
   grad_dot       grad_dot.grad_dot_scores (all parameters, no curvature)
   trak           trak.trak_scores: gradients projected to 256 dimensions, a kernel
@@ -175,7 +175,7 @@ def _ekfac_cached(s: Setting, group: str, proj_dim: int = 0):
 
 for _group in ("early", "last+early", "bank+last+early"):
   register(f"ekfac_cached[{_group}]")(lambda s, g=_group: _ekfac_cached(s, g))
-register("ekfac_cached[early]/1024")(lambda s: _ekfac_cached(s, "early", 1024))
+register("ekfac_cached_r1024[early]")(lambda s: _ekfac_cached(s, "early", 1024))
 
 
 @register("grad_dot")
