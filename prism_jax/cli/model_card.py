@@ -16,6 +16,7 @@ measurements.
 
 from __future__ import annotations
 
+import glob
 import json
 import os
 from collections.abc import Sequence
@@ -76,14 +77,28 @@ def default_scale_table() -> str:
 
 def read_scale_table(path: str | None) -> dict | None:
   """The scale table's data; None when the default file is absent or predates the recipe
-  plans (an explicit path that is missing is an error)."""
+  plans (an explicit path that is missing is an error). By default the tables of other
+  presets beside it (docs/results/scale_table_*.json, e.g. the Llama recipe's) are merged
+  in: their recipe plans, chips and targets."""
   if path is None:
     path = default_scale_table()
     if not os.path.exists(path):
       return None
+    extra = sorted(glob.glob(os.path.join(os.path.dirname(path), "scale_table_*.json")))
+  else:
+    extra = []
   with open(path) as f:
     data = json.load(f)
-  return data if "recipes" in data else None
+  if "recipes" not in data:
+    return None
+  for other_path in extra:
+    with open(other_path) as f:
+      other = json.load(f)
+    if "recipes" in other:
+      data = {**data, "recipes": data["recipes"] + other["recipes"],
+              "chips": {**data["chips"], **other["chips"]},
+              "targets": {**data["targets"], **other["targets"]}}
+  return data
 
 
 def recipe_rows(preset_names: Sequence[str]) -> list[dict]:
