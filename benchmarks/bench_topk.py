@@ -38,7 +38,7 @@ def stats_NxK(z, p, valid, k):
   """The forward statistics as before round 4: N x K similarity, lax.top_k."""
   s = reference.similarity(z, p)
   sim, idx = cpu.top_k(s.cos_NxK, k)
-  return (sim, idx) + reference._first_extremum(  # pylint: disable=protected-access
+  return (sim, idx) + reference.first_extremum(
       jnp.where(valid[:, None], s.cos_NxK, -jnp.inf), 0, largest=True)
 
 

@@ -2,6 +2,7 @@
 brute-force NumPy evaluation of PRISM.md §5's formula; resume after a real kill; refusal of a
 cache built from another checkpoint or config."""
 
+import dataclasses
 import json
 import os
 import signal
@@ -327,6 +328,21 @@ def test_pass1_interruption_resumes_identically(setup, tmp_path):
   cache_lib.build_cache(model, cfg, packed, out, CACHE_CFG, progress=False)
   got, _ = _read_all(out)
   want, _ = _read_all(cache.path)
+  for name in want:
+    np.testing.assert_array_equal(got[name], want[name], err_msg=name)
+
+
+def test_pass2_recomputed_equals_pass2_from_pass1s_held_outputs(setup, tmp_path):
+  """hold_bytes=0: pass 2 runs the model again (what a resumed build does) and writes the
+  bits of the default build, whose pass 2 wrote pass 1's held outputs."""
+  _, cfg, packed, model, cache = setup
+  assert cache_build._fits_in_memory(cfg, packed.num_rows("train"), CACHE_CFG)  # pylint: disable=protected-access
+  out = str(tmp_path / "recomputed")
+  cache_lib.build_cache(model, cfg, packed, out, dataclasses.replace(CACHE_CFG, hold_bytes=0),
+                        progress=False)
+  got, meta_got = _read_all(out)
+  want, meta_want = _read_all(cache.path)
+  assert meta_got["identity"] == meta_want["identity"]  # hold_bytes is not in the identity
   for name in want:
     np.testing.assert_array_equal(got[name], want[name], err_msg=name)
 

@@ -92,6 +92,8 @@ def test_gauss_newton_blocks_equal_autodiff(model, routing, distance):
     h_clu = h(path="linear", terms="clustering", method="jax_hessian")
     clu = hs.block_matrix(hs.clustering_blocks_from_head(head, spec, LOSS))
     mu = np.asarray(cv.clustering_curvature(head, spec, LOSS))
+    layer = cv.output_grads_and_head(head, spec, LOSS)[1].protos  # the cache's pass-1 route
+    mu_layer = np.asarray(cv.clustering_curvature(head, spec, LOSS, layer=layer))
     h_full_hvp = h(path="full", method="hvp")
     h_full_ref = h(path="full", method="jax_hessian")
   assert np.linalg.norm(gn) > 0 and np.linalg.norm(clu) > 0
@@ -102,6 +104,7 @@ def test_gauss_newton_blocks_equal_autodiff(model, routing, distance):
   blocks = hs.block_view(h_clu, K)
   np.testing.assert_allclose(mu, np.trace(blocks[np.arange(K), np.arange(K)], axis1=1,
                                           axis2=2) / D, rtol=1e-8, atol=1e-12)
+  np.testing.assert_allclose(mu_layer, mu, rtol=1e-12, atol=1e-15)  # any distance
   off = blocks.copy()
   off[np.arange(K), np.arange(K)] = 0
   assert np.abs(off).max() == 0  # clustering curvature is local to each prototype

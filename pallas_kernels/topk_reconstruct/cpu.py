@@ -25,26 +25,9 @@ import jax.numpy as jnp
 from pallas_kernels.topk_reconstruct import reference, topk_major
 
 
-SCOPE = "cpu_speed_path"  # the name scope of every CPU-only op (tests find them by it)
-
-
-def on_cpu(cpu_fn, default_fn, *args):
-  """`cpu_fn(*args)` in a program compiled for CPU, `default_fn(*args)` elsewhere: chosen
-  when the program is lowered (only the chosen branch is lowered), not while tracing."""
-  def cpu_scoped(*a):
-    with jax.named_scope(SCOPE):
-      return cpu_fn(*a)
-  return jax.lax.platform_dependent(*args, cpu=cpu_scoped, default=default_fn)
-
-
-def barrier(x):
-  """optimization_barrier on CPU (a value no-op that keeps x unfused), x elsewhere."""
-  return on_cpu(jax.lax.optimization_barrier, lambda y: y, x)
-
-
-def top_k(x_NxK: jax.Array, k: int) -> tuple[jax.Array, jax.Array]:
-  """lax.top_k along the last axis, kept unfused on CPU (see module docstring)."""
-  return barrier(jax.lax.top_k(x_NxK, k))
+# The CPU scheduling helpers live beside the reference (its top-k needs them too).
+SCOPE, on_cpu = reference.SCOPE, reference.on_cpu
+barrier, top_k = reference.barrier, reference.top_k
 
 
 class SimilarityKxN(NamedTuple):

@@ -29,7 +29,7 @@ from flax import nnx
 from pallas_kernels.topk_reconstruct import api
 from pallas_kernels.topk_reconstruct.api import IMPLEMENTATIONS
 from pallas_kernels.topk_reconstruct.reference import (  # re-exported: the one definition
-    EPS, Similarity, first_max, first_min, inv_norm, mixture_weights, similarity,
+    EPS, Similarity, first_extremum, first_max, first_min, inv_norm, mixture_weights, similarity,
     sparse_mixture, topk_mixture, topk_reconstruct_xla)
 from prism_jax import sharding
 from prism_jax.config import Mixture
@@ -37,7 +37,7 @@ from prism_jax.model import nnls
 from prism_jax.model.params import normal_param
 
 __all__ = ["EPS", "IMPLEMENTATIONS", "PrototypeBank", "PrototypeOutput", "Similarity",
-           "first_max", "first_min", "inv_norm", "mixture_weights", "prototype_layer",
+           "first_extremum", "first_max", "first_min", "inv_norm", "mixture_weights", "prototype_layer",
            "route_residual", "similarity", "sparse_mixture", "topk_mixture", "topk_reconstruct_on_mesh",
            "topk_reconstruct_xla", "validate_inputs"]
 

@@ -157,13 +157,16 @@ def write_cache(model, cfg: Config, packed, out_dir: str,
   if meta.get("complete"):
     return
   t_start = time.time()
+  # Pass 1's per-token outputs, kept for pass 2 when they fit (one model pass, not two);
+  # a resumed pass 2 recomputes them with the same program (the same bits).
+  held = {} if _fits_in_memory(cfg, num_rows, cache_cfg) else None
   if prog["pass"] == 1:
     curvature_pass(model, cfg, packed, out_dir, cache_cfg, num_rows, rank, meta,
-                   progress=progress, on_batch=on_batch)
+                   progress=progress, on_batch=on_batch, held=held)
     prog = {"pass": 2, "rows_done": 0}
   if prog["pass"] == 2:
     records_pass(model, cfg, packed, out_dir, cache_cfg, num_rows, progress=progress,
-                 on_batch=on_batch)
+                 on_batch=on_batch, held=held)
     prog = {"pass": 3, "rows_done": 0}
     if shards.process()[0] == 0:
       fmt.write_json(paths.join(out_dir, fmt.PROGRESS), prog)
@@ -238,13 +241,29 @@ def _create_records(out_dir: str, cache_cfg: fmt.CacheConfig, k: int, rank: int,
               create=True)
 
 
+def _fits_in_memory(cfg: Config, num_rows: int, cache_cfg: fmt.CacheConfig) -> bool:
+  per_token = 8 * cfg.model.k + 4 * cfg.model.d_model  # idx, act, raw g
+  return num_rows * cfg.data.seq_len * per_token <= cache_cfg.hold_bytes
+
+
+def _token_outputs(og, mask_BxT: np.ndarray) -> dict[str, np.ndarray]:
+  """idx, act and raw g of a batch's valid tokens, on the host (the records before g's
+  projection)."""
+  valid = mask_BxT.reshape(-1)
+  n = len(valid)
+  return {"idx": np.asarray(og.idx_Nxk)[:n][valid].astype(np.int32),
+          "act": np.asarray(og.act_Nxk)[:n][valid].astype(np.float32),
+          "g": np.asarray(og.g_NxD)[:n][valid].astype(np.float32)}
+
+
 def curvature_pass(model, cfg: Config, packed, out_dir: str, cache_cfg: fmt.CacheConfig,
                    num_rows: int, rank: int, meta: dict, *, progress: bool = True,
-                   on_batch=None) -> None:
+                   on_batch=None, held: dict | None = None) -> None:
   """Pass 1: A, G, μ, G's top-`rank` eigenpairs and each row's valid-token count. This
   process sums its stat shards (each resumed from its float64 snapshot, then saved whole);
   all shards are folded in shard order; process 0 writes the statistics and the empty
-  record arrays, updates metadata.json and marks pass 2 in progress.json."""
+  record arrays, updates metadata.json and marks pass 2 in progress.json. `held` (a dict)
+  receives each batch's token outputs, keyed by (first row, rows), for `records_pass`."""
   mcfg = cfg.model
   pid, count = shards.process()
   ranges = shards.stat_shards(num_rows, cache_cfg.batch_rows, cache_cfg.stat_shards)
@@ -269,7 +288,9 @@ def curvature_pass(model, cfg: Config, packed, out_dir: str, cache_cfg: fmt.Cach
     for start, batch in fmt.iter_rows(packed, cache_cfg.split, cache_cfg.batch_rows,
                                       rows_done, hi):
       n = batch["inputs"].shape[0]
-      acc.update(model, batch_lib.pad_batch(batch, cache_cfg.batch_rows))
+      og = acc.update(model, batch_lib.pad_batch(batch, cache_cfg.batch_rows))
+      if held is not None:
+        held[(start, n)] = _token_outputs(og, batch["mask"])
       row_counts[start - lo:start - lo + n] = batch["mask"].sum(1)
       done, batches = start + n, batches + 1
       if bar:
@@ -325,7 +346,8 @@ def _write_stats(out_dir, cache_cfg, cfg, num_rows, rank, meta, new_acc, ranges)
 
 
 def records_pass(model, cfg: Config, packed, out_dir: str, cache_cfg: fmt.CacheConfig,
-                 num_rows: int, *, progress: bool = True, on_batch=None) -> None:
+                 num_rows: int, *, progress: bool = True, on_batch=None,
+                 held: dict | None = None) -> None:
   """Pass 2: every valid token of this process's token share, at the place row_offsets
   gives; g is projected on the stored g_evecs. Records are buffered and written in whole
   chunks, each once (no read-modify-write of a chunk, which object stores make slow and
@@ -354,13 +376,15 @@ def records_pass(model, cfg: Config, packed, out_dir: str, cache_cfg: fmt.CacheC
   for start, batch in fmt.iter_rows(packed, cache_cfg.split, cache_cfg.batch_rows, row_lo,
                                     row_hi):
     n = batch["inputs"].shape[0]
-    og = cv.output_grads(model, batch_lib.pad_batch(batch, cache_cfg.batch_rows), cfg.loss)
+    out = (held or {}).pop((start, n), None)
+    if out is None:  # pass 1's program (batch_curvature), so the same bits as held ones
+      out = _token_outputs(cs.batch_output_grads(
+          model, batch_lib.pad_batch(batch, cache_cfg.batch_rows), cfg.loss,
+          cache_cfg.fisher), batch["mask"])
     valid = batch["mask"].reshape(-1)
     rec = {"example_id": batch["example_id"].reshape(-1)[valid],
            "offset": batch["offset"].reshape(-1)[valid],
-           "idx": np.asarray(og.idx_Nxk)[:len(valid)][valid].astype(np.int32),
-           "act": np.asarray(og.act_Nxk)[:len(valid)][valid].astype(np.float32),
-           "g": np.asarray(og.g_NxD)[:len(valid)][valid].astype(np.float32) @ evecs}
+           "idx": out["idx"], "act": out["act"], "g": out["g"] @ evecs}
     lo, hi = int(row_offsets[start]), int(row_offsets[start + n])
     if hi - lo != len(rec["idx"]):
       raise RuntimeError(f"rows {start}:{start + n} hold {len(rec['idx'])} valid tokens, "

@@ -51,7 +51,7 @@ from flax import nnx
 from prism_jax import losses
 from prism_jax.config import LossConfig, ModelConfig
 from prism_jax.model.head import HeadOutput, prism_head
-from prism_jax.model.prototypes import EPS, inv_norm, similarity
+from prism_jax.model.prototypes import EPS, PrototypeOutput, first_extremum, inv_norm, similarity
 from prism_jax.model.tap import Tap
 
 _HI = jax.lax.Precision.HIGHEST
@@ -184,6 +184,14 @@ def output_grads_and_logits(head: HeadInputs, model_cfg: ModelConfig, loss_cfg: 
                             ) -> tuple[OutputGrads, jax.Array]:
   """g_t = ∂ℓ_t/∂ẑ_t of every token from one vjp: the gradient of Σ_t ℓ_t w.r.t. the
   head's "bank" probe (ℓ_t depends on ẑ_t only), and the logits."""
+  og, out = output_grads_and_head(head, model_cfg, loss_cfg)
+  return og, out.logits
+
+
+def output_grads_and_head(head: HeadInputs, model_cfg: ModelConfig, loss_cfg: LossConfig
+                          ) -> tuple[OutputGrads, HeadOutput]:
+  """`output_grads_and_logits` with the whole head output (its layer statistics feed
+  `clustering_curvature` without a second N x K pass)."""
   m = head.mask_N
 
   def summed(probe_1xNxD):
@@ -195,7 +203,7 @@ def output_grads_and_logits(head: HeadInputs, model_cfg: ModelConfig, loss_cfg: 
                                                           head.z_NxD.dtype))
   p = out.protos
   return OutputGrads(p.idx_Nxk, jnp.where(m[:, None], p.act_Nxk, 0.0),
-                     jnp.where(m[:, None], g_1xNxD[0], 0.0), m), out.logits
+                     jnp.where(m[:, None], g_1xNxD[0], 0.0), m), out
 
 
 @functools.partial(jax.jit, static_argnames=("model_cfg", "loss_cfg"))
@@ -254,16 +262,17 @@ def output_hessian_sum(head: HeadInputs, model_cfg: ModelConfig, loss_cfg: LossC
 
 
 def _nearest(dist_NxK, mask_N):
-  """Nearest valid token of each prototype (R1) and nearest prototype of each token (R2)."""
+  """Nearest valid token of each prototype (R1) and nearest prototype of each token (R2),
+  lowest index on ties (jnp.argmin's pick, by plain reductions: XLA:CPU's variadic argmin
+  took 0.2 s over the demo's 2048 x 16384 batch)."""
   col_d = jnp.where(mask_N[:, None], dist_NxK, jnp.inf)
-  tok_of_K = jnp.argmin(col_d, axis=0)
-  has_tok_K = jnp.isfinite(jnp.min(col_d, axis=0))
-  proto_of_N = jnp.argmin(dist_NxK, axis=1)
-  return tok_of_K, has_tok_K, proto_of_N
+  col_min, tok_of_K = first_extremum(col_d, 0, largest=False)
+  proto_of_N = first_extremum(dist_NxK, 1, largest=False)[1]
+  return tok_of_K, jnp.isfinite(col_min), proto_of_N
 
 
 def clustering_curvature(head: HeadInputs, model_cfg: ModelConfig, loss_cfg: LossConfig, *,
-                         blocks: bool = False):
+                         blocks: bool = False, layer: PrototypeOutput | None = None):
   """Curvature of λ_1 R1 + λ_2 R2 w.r.t. each p_i; it is block-diagonal (local to p_i).
 
   With t*(i) the nearest valid token of prototype i, i*(t) the nearest prototype of token t,
@@ -278,7 +287,12 @@ def clustering_curvature(head: HeadInputs, model_cfg: ModelConfig, loss_cfg: Los
   approximation replaces C_i by μ_i I with μ_i = tr(C_i)/D (trace-matched):
       μ_i = (D−1)/(D ‖p_i‖²) (λ_1/K' c_{i,t*(i)} + λ_2/N Σ_{t: i*(t)=i} c_{i,t}).
   Returns mu_K, and with blocks=True also the exact C_KxDxD (small sizes).
+  `layer`: the prototype layer's output on these tokens (masked by head.mask_N); for the
+  cosine distance its row top-1 and column maxima are the arguments and values above, so
+  μ comes without another N x K pass (the cache's pass 1).
   """
+  if layer is not None and model_cfg.distance == "cosine" and not blocks:
+    return _cosine_mu_from_layer(head, loss_cfg, layer)
   # The layer's N x K similarities (prototypes.similarity, the op's), with the arguments of
   # the extrema R1/R2 pick: the curvature of dist is local to each (token, prototype) pair.
   sim = similarity(head.z_NxD, head.protos_KxD)
@@ -287,13 +301,7 @@ def clustering_curvature(head: HeadInputs, model_cfg: ModelConfig, loss_cfg: Los
   tok_of_K, has_tok_K, proto_of_N = _nearest(dist_NxK, head.mask_N)
   dt = head.z_NxD.dtype
   num_k, d = head.protos_KxD.shape
-  valid = head.mask_N.astype(dt)
-  n_valid = jnp.maximum(jnp.sum(valid), 1.0)
-  k_with = jnp.maximum(jnp.sum(has_tok_K.astype(dt)), 1.0)
-  w1_K = loss_cfg.lambda_r1 / k_with * has_tok_K.astype(dt)  # R1 weight of t*(i)
-  # R2's weight of (t, i) is λ_2/N on the one pair (t, i*(t)): sums over tokens are
-  # segment sums (no N x K one-hot: K is 8192+ on the demo's bank).
-  w2_N = loss_cfg.lambda_r2 / n_valid * valid
+  w1_K, w2_N = _extremum_weights(head, loss_cfg, has_tok_K)
   if model_cfg.distance == "sqeuclidean":
     mu_K = 2.0 * (w1_K + jax.ops.segment_sum(w2_N, proto_of_N, num_segments=num_k))
     if not blocks:
@@ -304,7 +312,7 @@ def clustering_curvature(head: HeadInputs, model_cfg: ModelConfig, loss_cfg: Los
   cos_r1_K = cos_NxK[tok_of_K, jnp.arange(num_k)]
   wc_K = (jax.ops.segment_sum(w2_N * cos_r2_N, proto_of_N, num_segments=num_k)
           + w1_K * cos_r1_K)
-  sqp, inv_p = _norm_inv(head.protos_KxD)
+  _, inv_p = _norm_inv(head.protos_KxD)
   inv_sqp = inv_p ** 2
   mu_K = (d - 1) / d * inv_sqp * wc_K
   if not blocks:
@@ -319,3 +327,32 @@ def clustering_curvature(head: HeadInputs, model_cfg: ModelConfig, loss_cfg: Los
   c = (u_KxD[:, :, None] * s_KxD[:, None, :] + s_KxD[:, :, None] * u_KxD[:, None, :]
        + wc_K[:, None, None] * (jnp.eye(d, dtype=dt) - 3.0 * uu))
   return mu_K, inv_sqp[:, None, None] * c
+
+
+def _extremum_weights(head: HeadInputs, loss_cfg: LossConfig, has_tok_K: jax.Array):
+  """(w1_K, w2_N): R1's weight of each prototype's nearest token, R2's of each token's
+  nearest prototype."""
+  dt = head.z_NxD.dtype
+  valid = head.mask_N.astype(dt)
+  n_valid = jnp.maximum(jnp.sum(valid), 1.0)
+  k_with = jnp.maximum(jnp.sum(has_tok_K.astype(dt)), 1.0)
+  w1_K = loss_cfg.lambda_r1 / k_with * has_tok_K.astype(dt)  # R1 weight of t*(i)
+  # R2's weight of (t, i) is λ_2/N on the one pair (t, i*(t)): sums over tokens are
+  # segment sums (no N x K one-hot: K is 8192+ on the demo's bank).
+  return w1_K, loss_cfg.lambda_r2 / n_valid * valid
+
+
+def _cosine_mu_from_layer(head: HeadInputs, loss_cfg: LossConfig,
+                          layer: PrototypeOutput) -> jax.Array:
+  """`clustering_curvature`'s cosine μ from the layer's statistics: i*(t) is the token's
+  top-1 (lowest id on ties, as argmin of 1 − cos), c_{i,t*(i)} the column maximum over
+  valid tokens (−inf where none: no R1 term)."""
+  num_k, d = head.protos_KxD.shape
+  has_tok_K = jnp.isfinite(layer.col_max_cos_K)
+  w1_K, w2_N = _extremum_weights(head, loss_cfg, has_tok_K)
+  proto_of_N = layer.idx_Nxk[:, 0]
+  cos_r1_K = jnp.where(has_tok_K, layer.col_max_cos_K, 0.0)
+  wc_K = (jax.ops.segment_sum(w2_N * layer.sim_Nxk[:, 0], proto_of_N, num_segments=num_k)
+          + w1_K * cos_r1_K)
+  _, inv_p = _norm_inv(head.protos_KxD)
+  return (d - 1) / d * inv_p ** 2 * wc_K

@@ -52,13 +52,21 @@ class CurvatureStats(NamedTuple):
 def batch_curvature(head: cv.HeadInputs, model_cfg: ModelConfig, loss_cfg: LossConfig,
                     fisher: str = "true"):
   """One batch: (OutputGrads, Σ_t G_t (D×D), μ (K,), number of valid tokens)."""
-  og, logits_NxV = cv.output_grads_and_logits(head, model_cfg, loss_cfg)
+  og, out = cv.output_grads_and_head(head, model_cfg, loss_cfg)
   if fisher == "true":
-    g_sum = cv.output_hessian_sum(head, model_cfg, loss_cfg, logits_NxV)
+    g_sum = cv.output_hessian_sum(head, model_cfg, loss_cfg, out.logits)
   else:
     g_sum = jnp.dot(og.g_NxD.T, og.g_NxD, precision=jax.lax.Precision.HIGHEST)
-  mu_K = cv.clustering_curvature(head, model_cfg, loss_cfg)
+  mu_K = cv.clustering_curvature(head, model_cfg, loss_cfg, layer=out.protos)
   return og, g_sum, mu_K, jnp.sum(og.mask_N)
+
+
+def batch_output_grads(model: Any, batch: dict[str, Any], loss_cfg: LossConfig,
+                       fisher: str = "true") -> cv.OutputGrads:
+  """The OutputGrads `CurvatureAccumulator.update` returns for `batch`, from the same
+  program (the same bits), without accumulating."""
+  return batch_curvature(cv.head_inputs(model, batch), cv.check_model(model), loss_cfg,
+                         fisher)[0]
 
 
 class CurvatureAccumulator:
