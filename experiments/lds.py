@@ -50,6 +50,8 @@ flags.DEFINE_integer("removal_queries", 2, "queries with removal curves")
 flags.DEFINE_list("removal_m", ["16", "32", "64", "128"], "rows removed per curve point")
 flags.DEFINE_list("methods", ["prism", "full", "ekfac", "grad_dot", "trak", "random"], "methods")
 flags.DEFINE_list("removal_methods", [], "methods with removal curves (default: --methods)")
+flags.DEFINE_list("choose_among", [], "methods (variants: groups, projection) the choose half "
+                  "of the queries picks from; every method is then reported on the other half")
 flags.DEFINE_integer("rank", 32, "cached PRISM's projection rank")
 flags.DEFINE_integer("seed", 0, "subsets, queries and random scores")
 flags.DEFINE_multi_string("set", [], "config overrides on top of RECIPE")
@@ -154,6 +156,11 @@ def check_flags() -> list[int]:
   unknown = sorted(set(FLAGS.methods) - set(METHODS))
   if unknown:
     raise ValueError(f"--methods: unknown {unknown}")
+  if set(FLAGS.choose_among) - set(FLAGS.methods):
+    raise ValueError(f"--choose_among {sorted(set(FLAGS.choose_among) - set(FLAGS.methods))} "
+                     "are not in --methods")
+  if FLAGS.choose_among and FLAGS.queries < 4:
+    raise ValueError(f"--choose_among needs --queries >= 4 (two halves), got {FLAGS.queries}")
   removal_methods = FLAGS.removal_methods or FLAGS.methods
   if set(removal_methods) - set(FLAGS.methods):
     raise ValueError(f"--removal_methods {sorted(set(removal_methods) - set(FLAGS.methods))} "
@@ -271,6 +278,30 @@ def _lds_table(cfg, packed, E: int, scores, cost, measured) -> tuple[list[str], 
   return lines, rows_json
 
 
+def _held_out_choice(scores, measured) -> tuple[list[str], list[dict]]:
+  """--choose_among: the variant the choose half of the queries picks, and every method's
+  LDS on the report half (the chosen one's measured there once)."""
+  from prism_jax.evaluation import lds  # pylint: disable=g-import-not-at-top
+  per_q = {n: lds.lds_per_query(scores[n], measured["keep"], measured["meas"])
+           for n in FLAGS.methods}
+  choose_q, report_q = lds.query_halves(FLAGS.queries, FLAGS.seed)
+  best, means = lds.choose_best(per_q, list(FLAGS.choose_among), choose_q)
+  lines = ["", f"Held-out choice: the choose half ({len(choose_q)} queries) picks **{best}** "
+               "among " + ", ".join(f"{m} {v:.3f}" for m, v in means.items())
+           + f"; every method on the report half ({len(report_q)} queries):", "",
+           "| method | LDS on the report half [95% CI] |", "|---|---|"]
+  rows = []
+  for name in FLAGS.methods:
+    mean, lo, hi = lds.bootstrap_ci(per_q[name][report_q])
+    mark = " (chosen)" if name == best else ""
+    lines.append(f"| {name}{mark} | {mean:.3f} [{lo:.3f}, {hi:.3f}] |")
+    rows.append({"metric": f"LDS report half ({name}{mark})", "paper": "not reported",
+                 "ours": round(mean, 4), "ci": [round(lo, 4), round(hi, 4)], "section": "§5",
+                 "note": f"chosen on the other {len(choose_q)} queries among "
+                         f"{', '.join(FLAGS.choose_among)}"})
+  return lines, rows
+
+
 def main(argv):
   del argv
   ms = check_flags()
@@ -309,6 +340,9 @@ def main(argv):
   scores, cost = _method_scores(cfg, packed, queries, E, score_dir)
   measured = _measure(run, E, ms, removal_methods, scores)
   lines, rows_json = _lds_table(cfg, packed, E, scores, cost, measured)
+  if FLAGS.choose_among:
+    held_lines, held_rows = _held_out_choice(scores, measured)
+    lines, rows_json = lines + held_lines, rows_json + held_rows
   deltas = measured["deltas"]
   removal_lines, removal_ci = removal_section(
       deltas, ms, np.abs(measured["full1"] - measured["full0"]))

@@ -109,10 +109,13 @@ class TokenAttribution:
   query_prototypes: tuple[int, ...]
   agrees: bool  # the prototypes pick the model's prediction here (else the residual did)
   note: str  # "" or the trust line: the residual decided, use a whole-model method
+  method: str = ""  # the attribution method that ranked them (influence.METHOD_LABEL)
 
   def __str__(self) -> str:
     lines = [f"{self.text!r}, token {self.position} {self.token_text!r} (prototypes "
              f"{list(self.query_prototypes)})"]
+    if self.method:
+      lines.append(f"by {self.method}")
     if self.note:
       lines.append(f"note: {self.note}")
     lines += [f"  {r + 1}. score {s:+.4g}  doc {e}  {snip!r}"

@@ -332,7 +332,8 @@ def attribute(run: "Run", text, position: int | None = None, *, top: int = 5,
       run.tokenizer.decode(ids.tolist()), position, run.tokenizer.decode([int(ids[position])]),
       tuple((int(e), float(sc), snip) for e, sc, snip in zip(att.example_ids, att.scores,
                                                                att.snippets)),
-      tuple(int(i) for i in att.query_protos), agrees, "" if agrees else RESIDUAL_DECIDED)
+      tuple(int(i) for i in att.query_protos), agrees, "" if agrees else RESIDUAL_DECIDED,
+      influence.METHOD_LABEL)
 
 
 def run_cards(run: "Run", cache=None, *, build: bool = True,

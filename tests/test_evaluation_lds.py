@@ -77,7 +77,25 @@ def test_bootstrap_ci():
   assert lds.bootstrap_ci(np.full(5, 0.25)) == pytest.approx((0.25, 0.25, 0.25))
 
 
+def test_query_halves_partition_and_the_choice_is_made_on_the_choose_half_only():
+  choose, report = lds.query_halves(9, seed=3)
+  assert len(choose) == 4 and len(report) == 5
+  assert sorted(np.r_[choose, report].tolist()) == list(range(9))
+  assert np.array_equal(choose, lds.query_halves(9, seed=3)[0])  # seeded
+  assert not np.array_equal(choose, lds.query_halves(9, seed=4)[0])
+  rng = np.random.default_rng(11)
+  per_q = {m: rng.normal(size=9) for m in ("a", "b", "c")}
+  per_q["b"][choose] += 5.0  # best where it is chosen ...
+  per_q["c"][report] += 9.0  # ... whatever the report half says
+  best, means = lds.choose_best(per_q, ["a", "b", "c"], choose)
+  assert best == "b" and means["b"] == pytest.approx(per_q["b"][choose].mean())
+  tie = {"x": np.ones(9), "y": np.ones(9)}
+  assert lds.choose_best(tie, ["y", "x"], choose)[0] == "y"  # ties: the first listed
+
+
 @pytest.mark.parametrize("call, match", [
+    (lambda: lds.query_halves(1, 0), ">= 2 queries"),
+    (lambda: lds.choose_best({"a": np.ones(3)}, ["a", "b"], np.arange(2)), "no LDS for"),
     (lambda: lds.subset_masks(10, 3, 1.0, 0), "alpha"),
     (lambda: lds.spearman_rows(np.ones((2, 2)), np.ones((2, 2))), ">= 3 subsets"),
     (lambda: lds.spearman_rows(np.ones((2, 4)), np.ones((2, 5))), "one shape"),
@@ -188,9 +206,11 @@ def test_micro_lds_end_to_end(micro, gd, tmp_path):
   assert os.path.getmtime(store.path("s0")) == mtime  # skipped: [] would not even train
 
 
-def test_lds_cli_bad_flag_is_one_line(tmp_path):
-  flag, match = "--subsets=2", "needs >= 3"
-  r = subprocess.run([sys.executable, "-m", "experiments.lds", f"--out={tmp_path}", flag],
+@pytest.mark.parametrize("flags, match", [
+    (["--subsets=2"], "needs >= 3"),
+    (["--methods=prism,ekfac", "--choose_among=trak"], "are not in --methods")])
+def test_lds_cli_bad_flag_is_one_line(tmp_path, flags, match):
+  r = subprocess.run([sys.executable, "-m", "experiments.lds", f"--out={tmp_path}", *flags],
                      capture_output=True, text=True, env=dict(os.environ, JAX_PLATFORMS="cpu"),
                      cwd=os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
   assert r.returncode == 2 and match in r.stderr.strip().splitlines()[-1], r.stderr

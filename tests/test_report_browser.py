@@ -101,6 +101,7 @@ def test_report_in_browser(page_setup):
       gen = next(j for j, t in enumerate(data["tokens"]) if t["attributions"])
       toks.nth(gen).click()
       assert page.locator("#attr li").count() == len(data["tokens"][gen]["attributions"])
+      assert data["attribution_method"] in page.locator("#attr").inner_text()  # says which
     # The map has K points; a point opens its card; the search filters the list.
     assert page.locator("#map circle.pt").count() == tiny_run.K
     page.locator('#map circle.pt[data-proto="3"]').click()

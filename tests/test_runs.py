@@ -135,6 +135,7 @@ def test_attribute_and_report_from_the_run(run_dir):
                              cfg=influence.InfluenceConfig(top=4), packed=packed)
   assert [e for e, _, _ in att.sequences] == [int(e) for e in want.example_ids]
   assert "score" in str(att) and "<table>" in att._repr_html_()
+  assert att.method == influence.METHOD_LABEL and f"by {att.method}" in str(att)
   with pytest.raises(ValueError, match="position must be in"):
     run.attribute(text, position=0)
   page = run.report("the token", max_new_tokens=4)

@@ -170,6 +170,7 @@ def test_attribution_ranks_match_the_caches_own_query(srv):
   want = influence.attribute(srv["model"], cache, np.asarray(ids[:pos + 1]), [pos],
                              cfg=influence.InfluenceConfig(top=5), packed=ex.packed())
   assert [s["document"] for s in out["sequences"]] == want.example_ids.tolist()
+  assert out["method"] == influence.METHOD_LABEL  # the explorer says which method ranked them
   np.testing.assert_allclose([s["score"] for s in out["sequences"]], want.scores, rtol=1e-6)
   for s, snip in zip(out["sequences"], want.snippets):
     assert f"{s['before']}[[{s['span']}]]{s['after']}" in snip

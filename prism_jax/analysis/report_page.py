@@ -188,7 +188,7 @@ function showToken(i) {
           'part no prototype explains</td></tr>';
   $('#ptable').innerHTML = rows;
   $('#attr').innerHTML = t.attributions.length ? '<h2>top attributed training sequences' +
-    '</h2><ol>' + t.attributions.map(a => `<li><span class="muted">doc ${a.example_id}, ` +
+    '</h2><p class="muted">by ' + esc(D.attribution_method) + '</p><ol>' + t.attributions.map(a => `<li><span class="muted">doc ${a.example_id}, ` +
     `score ${a.score.toExponential(2)}</span> <span class="snip">${inline(a.snippet)}</span>` +
     '</li>').join('') + '</ol>' : '<p class="muted">' + esc(D.attribution_note) + '</p>';
   det.querySelectorAll('a[data-card]').forEach(a =>

@@ -108,3 +108,25 @@ def removal_keep(scores_E: np.ndarray, m: int) -> np.ndarray:
   keep = np.ones(len(scores_E), bool)
   keep[np.argsort(-scores_E, kind="stable")[:m]] = False
   return keep
+
+
+def query_halves(num_queries: int, seed: int) -> tuple[np.ndarray, np.ndarray]:
+  """(choose, report): the query indices split at random in two (seeded; the report half
+  takes the odd one), each sorted. Choices (which groups, projection, damping) are made on
+  the first and measured once on the second."""
+  if num_queries < 2:
+    raise ValueError(f"splitting queries in halves needs >= 2 queries, got {num_queries}")
+  perm = np.random.default_rng([seed, 55]).permutation(num_queries)
+  half = num_queries // 2
+  return np.sort(perm[:half]), np.sort(perm[half:])
+
+
+def choose_best(lds_by_method: dict[str, np.ndarray], among: list[str],
+                choose_Q: np.ndarray) -> tuple[str, dict[str, float]]:
+  """(the method of `among` with the highest mean LDS over the `choose_Q` queries, every
+  candidate's mean there); ties go to the first listed, NaN queries are dropped."""
+  missing = [m for m in among if m not in lds_by_method]
+  if not among or missing:
+    raise ValueError(f"choose among {among}: no LDS for {missing or 'an empty list'}")
+  means = {m: float(np.nanmean(np.asarray(lds_by_method[m])[choose_Q])) for m in among}
+  return max(among, key=lambda m: (means[m], -among.index(m))), means

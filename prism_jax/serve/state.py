@@ -310,4 +310,4 @@ class Explorer:
                    "prototypes": [{"id": p, "share": v} for p, v in list(br.items())[:4]]})
     return {"position": pos, "token": self.decode_one(ids[pos]), "sequences": seqs,
             "query_prototypes": [int(i) for i in att.query_protos], "agrees": agrees,
-            "note": "" if agrees else RESIDUAL_DECIDED}
+            "note": "" if agrees else RESIDUAL_DECIDED, "method": influence.METHOD_LABEL}

@@ -39,6 +39,15 @@ from flax import nnx
 
 from prism_jax.attribution.caching import cache as cache_lib
 from prism_jax.attribution.hessians import curvature as cv
+
+# What the attribution cache scores, as every surface names it (Run.attribute, prism
+# attribute, the report, the explorer). It is the best method the cache supports: the
+# whole-model methods that score higher on LDS (EK-FAC, ekfac_cached; docs/RESULTS.md "Where
+# EK-FAC's signal lives") need every parameter's gradient per training row, which the
+# cache, holding the bank's alone, does not keep.
+METHOD = "prism"  # its name in the methods registry (prism_jax.evaluation.methods)
+METHOD_LABEL = ("cached PRISM: prototype-space influence from the attribution cache "
+                "(PRISM.md §5)")
 from prism_jax.config import LossConfig
 from prism_jax.data import batch as batch_lib
 from prism_jax.model.token_ids import check_token_ids

@@ -125,7 +125,8 @@ async function attribute() {
         await new Promise((r) => setTimeout(r, 1000));
         continue;
       }
-      out.innerHTML = (data.note ? `<div class="err">${esc(data.note)}</div>` : "") + "<ol>" +
+      out.innerHTML = `<div class="msg">by ${esc(data.method)}</div>` +
+        (data.note ? `<div class="err">${esc(data.note)}</div>` : "") + "<ol>" +
         data.sequences.map((s) => `<li>score ${s.score.toExponential(2)} · ${esc(s.name)}<br><code>${esc(s.before)}<span class="span">${esc(s.span)}</span>${esc(s.after)}</code></li>`).join("") + "</ol>";
       return;
     } catch (e) { out.innerHTML = `<div class="err">${esc(e.message)}</div>`; return; }
