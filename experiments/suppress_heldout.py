@@ -28,6 +28,7 @@ from absl import flags, logging
 from benchmarks import flag_checks as check
 from prism_jax.cli import launcher as cli
 from prism_jax.cli import provenance
+from prism_jax.cli import sampling_flags
 
 flags.DEFINE_string("workdir", None, "the trained PRISM run (planted corpus for 'planted')")
 flags.DEFINE_enum("behaviour", "planted", ["planted", "doctest"], "behaviour")
@@ -42,16 +43,14 @@ flags.DEFINE_integer("test_prompts", 24, "planted: test prompts")
 flags.DEFINE_integer("doctest_validation", 10, "doctest: validation prompts (rest: test)")
 flags.DEFINE_integer("num_samples", 16, "generations per prompt")
 flags.DEFINE_integer("max_new_tokens", 48, "tokens per generation")
-flags.DEFINE_float("temperature", 1.0, "sampling temperature")
-flags.DEFINE_integer("top_k", 40, "top-k sampling filter (0: off)")
 flags.DEFINE_integer("random_sets", 8, "random prototype sets of the chosen size")
 flags.DEFINE_float("ban_common", 0.1, "the token ban skips tokens in more than this share "
                    "of the without-texts (fixed, not chosen on validation)")
-flags.DEFINE_integer("seed", 0, "protocol texts, prompts, samples, random sets")
 flags.DEFINE_string("results_json", None, "write the results here (default: "
                     "<workdir>/suppression_heldout_<behaviour>.json)")
 flags.mark_flag_as_required("workdir")
 FLAGS = flags.FLAGS
+sampling_flags.define(temperature=1.0, seed_help="protocol texts, prompts, samples, random sets")
 
 
 def _bool(text: str) -> bool:
@@ -168,7 +167,7 @@ def main(argv):
   packed, neutral = _neutral(FLAGS.workdir, cfg)
   split = _split(packed, tok)
   gen_kw = dict(num_samples=FLAGS.num_samples, max_new_tokens=FLAGS.max_new_tokens,
-                temperature=FLAGS.temperature, top_k=FLAGS.top_k or None, seed=FLAGS.seed)
+                **sampling_flags.kwargs())  # --greedy included
   ranked = heldout.rankings(model, tok, split, max_num=max(nums), seq_len=cfg.data.seq_len,
                             ban_common=FLAGS.ban_common)
 

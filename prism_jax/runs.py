@@ -329,7 +329,7 @@ def attribute(run: "Run", text, position: int | None = None, *, top: int = 5,
                             cfg=influence.InfluenceConfig(top=top), packed=packed)
   agrees = bool(prediction_trust(run.model, ids, [position]).agrees_N[0])
   return TokenAttribution(
-      run.tokenizer.decode(ids.tolist()), position, run.tokenizer.decode([int(ids[position])]),
+      run.tokenizer.decode(ids.tolist()), position, piece(run.tokenizer, ids[position]),
       tuple((int(e), float(sc), snip) for e, sc, snip in zip(att.example_ids, att.scores,
                                                                att.snippets)),
       tuple(int(i) for i in att.query_protos), agrees, "" if agrees else RESIDUAL_DECIDED,

@@ -65,3 +65,16 @@ def test_signatures_and_token_report_show_bytes():
   assert token_text(tok.decode, 0x99) == repr("<0x99>")
   plain = lambda ids: "".join(chr(i) for i in ids)  # a user's decode function: used as is
   assert card_stats.signatures(sig, plain, 1)[0][0][0][0] == chr(0xE2)
+
+
+def test_the_demos_signature_line_shows_bytes():
+  from prism_jax.cli import demo  # pylint: disable=import-outside-toplevel
+  tok = T.ByteTokenizer()
+  sig = np.zeros((2, tok.vocab_size), np.float32)
+  sig[1, 0xE2], sig[1, ord("x")], sig[1, 0x99] = 3.0, 2.0, 1.0
+
+  class _Model:
+    def proto_logit_signatures(self):
+      return sig
+
+  assert demo._signature(_Model(), 1, tok.decode) == "'<0xE2>' 'x' '<0x99>'"  # pylint: disable=protected-access

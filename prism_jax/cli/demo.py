@@ -46,10 +46,13 @@ def distinct_ratio(ids) -> float:
 
 
 def _signature(model, proto_id: int, decode, n: int = 3) -> str:
-  """The tokens prototype `proto_id` pushes up most: top entries of W p_i."""
+  """The tokens prototype `proto_id` pushes up most: top entries of W p_i (a byte that is
+  not a character on its own as <0xNN>, as the cards and the report show it)."""
   import numpy as np  # pylint: disable=g-import-not-at-top
+  from prism_jax.data.tokenizers import piece_fn  # pylint: disable=g-import-not-at-top
   sig_V = np.asarray(model.proto_logit_signatures()[proto_id])
-  return " ".join(repr(decode([int(t)])) for t in np.argsort(-sig_V)[:n])
+  show = piece_fn(decode)
+  return " ".join(repr(show(t)) for t in np.argsort(-sig_V)[:n])
 
 
 def _steps_override(sets: list[str]) -> int | None:

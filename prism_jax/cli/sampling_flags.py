@@ -11,13 +11,17 @@ from absl import flags
 FLAGS = flags.FLAGS
 
 
-def define() -> None:
+def define(temperature: float | None = None,
+           seed_help: str = "sampling seed (same seed, same text)") -> None:
+  """The flags, at the library's defaults; a protocol with its own (the suppression
+  measurements sample at temperature 1) passes its temperature and says what else its
+  seed draws."""
   from prism_jax.generate import SAMPLING  # pylint: disable=g-import-not-at-top
-  flags.DEFINE_float("temperature", SAMPLING["temperature"], "softmax temperature of the "
-                     "sample; 0 = greedy")
+  flags.DEFINE_float("temperature", SAMPLING["temperature"] if temperature is None
+                     else temperature, "softmax temperature of the sample; 0 = greedy")
   flags.DEFINE_integer("top_k", SAMPLING["top_k"], "sample from the k most likely tokens; "
                        "0 = off")
-  flags.DEFINE_integer("seed", SAMPLING["seed"], "sampling seed (same seed, same text)")
+  flags.DEFINE_integer("seed", SAMPLING["seed"], seed_help)
   flags.DEFINE_bool("greedy", False, "greedy decoding (temperature 0) instead of sampling")
 
 

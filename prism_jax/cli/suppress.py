@@ -21,6 +21,7 @@ from absl import flags, logging
 
 from prism_jax.cli import launcher
 from prism_jax.cli import provenance
+from prism_jax.cli import sampling_flags
 
 flags.DEFINE_string("workdir", None, "the trained PRISM run")
 flags.DEFINE_string("behaviour", "planted", "planted | doctest | profanity | negative_sentiment")
@@ -35,9 +36,6 @@ flags.DEFINE_enum("keywords_in", "text", ["text", "trigger", "next"], "where a c
                   "context must hold a keyword: its window, trigger or next token")
 flags.DEFINE_integer("num_samples", 32, "generations per prompt")
 flags.DEFINE_integer("max_new_tokens", 48, "tokens per generation")
-flags.DEFINE_float("temperature", 1.0, "sampling temperature")
-flags.DEFINE_integer("top_k", 40, "top-k sampling filter (0: off)")
-flags.DEFINE_integer("seed", 0, "generation seed and random sets")
 flags.DEFINE_integer("random_sets", 3, "random prototype sets of the same size")
 flags.DEFINE_integer("contrast_rows", 96, "training rows per side for contrast/probe")
 flags.DEFINE_bool("refill", False, "fill freed top-k slots with the next prototypes")
@@ -48,6 +46,7 @@ flags.DEFINE_string("results_json", None, "write the table to this JSON file (de
                     "<workdir>/suppression_<behaviour>.json)")
 flags.mark_flag_as_required("workdir")
 FLAGS = flags.FLAGS
+sampling_flags.define(temperature=1.0, seed_help="generation seed and random sets")
 
 
 def _val_batch(workdir, cfg):
@@ -161,7 +160,7 @@ def main(argv):
   from prism_jax.loading import load_for_inference  # pylint: disable=g-import-not-at-top
   b = behaviours.behaviour(FLAGS.behaviour)
   gen_kw = dict(num_samples=FLAGS.num_samples, max_new_tokens=FLAGS.max_new_tokens,
-                temperature=FLAGS.temperature, top_k=FLAGS.top_k or None, seed=FLAGS.seed)
+                **sampling_flags.kwargs())  # --greedy included
   if FLAGS.dense_only:
     _dense_only(b, gen_kw)
     return
