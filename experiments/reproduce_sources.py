@@ -339,6 +339,7 @@ SECTIONS: dict[str, tuple[Callable[[dict], str], str]] = {
     "lds_default_k128": (lds_markdown, "prototype_path_lds_k128"),
     "lds_default_k512": (lds_markdown, "prototype_path_lds_k512"),
     "lds_groups_k128": (lds_markdown, "lds_groups_k128"),
+    "lds_groups_d128x4": (lds_markdown, "lds_groups_d128x4"),
     "preemption_repeat": (repeat_markdown, "preemption_repeat"),
     "bank_capacity_128x4_seeds": (capacity_markdown, "prototype_path_capacity_seeds"),
     "bank_capacity_nnls": (capacity_markdown, "prototype_path_capacity_nnls"),
