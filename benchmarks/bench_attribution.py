@@ -25,7 +25,7 @@ import time
 import numpy as np
 from absl import flags
 
-from benchmarks import flag_checks as check
+from prism_jax.cli import flag_checks as check
 from prism_jax.cli import launcher, provenance
 
 flags.DEFINE_string("workdir", "/tmp/prism_attr_bench", "trained tiny run (trained if absent)")

@@ -13,7 +13,7 @@ import time
 
 from absl import flags
 
-from benchmarks import flag_checks as check
+from prism_jax.cli import flag_checks as check
 from prism_jax.cli import launcher
 
 _MB = flags.DEFINE_integer("mb", 256, "MB of array data per row")

@@ -11,7 +11,7 @@ and forward+backward, side by side, and checks that outputs and gradients are bi
 from absl import flags
 
 from benchmarks import configs
-from benchmarks import flag_checks as check
+from prism_jax.cli import flag_checks as check
 from prism_jax.cli import launcher
 import jax
 import jax.numpy as jnp

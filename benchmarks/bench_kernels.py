@@ -8,7 +8,7 @@ shapes (timings then only show the interpreter works, not kernel speed) and says
 
 from absl import flags
 
-from benchmarks import flag_checks as check
+from prism_jax.cli import flag_checks as check
 from prism_jax.cli import launcher
 import jax
 import numpy as np

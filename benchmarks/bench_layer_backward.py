@@ -18,7 +18,7 @@ Both report max |g_new - g_old| / max |g_old| for dz and dprotos.
 from absl import flags
 
 from benchmarks import configs
-from benchmarks import flag_checks as check
+from prism_jax.cli import flag_checks as check
 from prism_jax.cli import launcher
 import jax
 import jax.numpy as jnp

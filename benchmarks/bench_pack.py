@@ -33,7 +33,7 @@ REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, REPO)
 
 # after the path: run as a file too
-from benchmarks import flag_checks as check  # noqa: E402
+from prism_jax.cli import flag_checks as check  # noqa: E402
 from prism_jax.cli import launcher  # noqa: E402
 from prism_jax.cli import provenance  # noqa: E402
 

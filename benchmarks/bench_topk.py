@@ -22,7 +22,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from benchmarks import configs
-from benchmarks import flag_checks as check
+from prism_jax.cli import flag_checks as check
 from pallas_kernels.topk_reconstruct import cpu, reference, topk_major
 from prism_jax.cli import launcher
 

@@ -275,7 +275,7 @@ def format_table(rows: list[dict]) -> str:
 def check_flags() -> None:
   """Every flag combination, before any model is built (one `error:` line). Plain
   Python: the --baseline worker runs this file on an older checkout, without
-  benchmarks/flag_checks.py."""
+  prism_jax/cli/flag_checks.py."""
   if not FLAGS.config:
     raise ValueError("--config is empty: give at least one config")
   for name in FLAGS.config:

@@ -31,7 +31,7 @@ os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
 
 from absl import flags  # noqa: E402
 
-from benchmarks import flag_checks as check  # noqa: E402
+from prism_jax.cli import flag_checks as check  # noqa: E402
 from prism_jax.cli import launcher
 
 FLAGS = flags.FLAGS

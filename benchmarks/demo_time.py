@@ -22,7 +22,7 @@ import time
 
 from absl import flags
 
-from benchmarks import flag_checks as check
+from prism_jax.cli import flag_checks as check
 from prism_jax.cli import launcher
 
 flags.DEFINE_string("baseline", "14df241", "the commit compared against")

@@ -24,7 +24,7 @@ from absl import flags
 from flax import nnx
 
 from benchmarks import configs
-from benchmarks import flag_checks as check
+from prism_jax.cli import flag_checks as check
 from prism_jax.cli import launcher
 
 flags.DEFINE_list("config", ["byte", "small"], "configs to profile (benchmarks/configs.py)")

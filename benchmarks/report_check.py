@@ -14,7 +14,7 @@ import re
 
 from absl import flags
 
-from benchmarks import flag_checks as check
+from prism_jax.cli import flag_checks as check
 from prism_jax.cli import launcher
 
 flags.DEFINE_string("workdir", "runs/demo", "the run the report was written for")

@@ -17,7 +17,7 @@ import time
 import numpy as np
 from absl import flags
 
-from benchmarks import flag_checks as check
+from prism_jax.cli import flag_checks as check
 from prism_jax.cli import launcher
 
 flags.DEFINE_string("workdir", "runs/demo", "trained PRISM run")

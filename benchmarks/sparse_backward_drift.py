@@ -16,7 +16,7 @@ from __future__ import annotations
 from absl import flags
 
 from benchmarks import bench_train
-from benchmarks import flag_checks as check
+from prism_jax.cli import flag_checks as check
 from prism_jax.cli import launcher
 
 flags.DEFINE_string("config", "byte", "a bench_train config")

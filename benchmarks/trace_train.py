@@ -28,7 +28,7 @@ import tempfile
 from absl import flags
 
 from benchmarks import bench_train
-from benchmarks import flag_checks as check
+from prism_jax.cli import flag_checks as check
 from prism_jax.cli import launcher
 
 flags.DEFINE_string("config", "byte", "a bench_train config")

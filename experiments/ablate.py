@@ -22,7 +22,7 @@ import resource
 
 from absl import flags
 
-from benchmarks import flag_checks as check
+from prism_jax.cli import flag_checks as check
 from prism_jax.cli import launcher
 from prism_jax.cli import provenance
 

@@ -29,7 +29,7 @@ import os
 import numpy as np
 from absl import flags, logging
 
-from benchmarks import flag_checks as check
+from prism_jax.cli import flag_checks as check
 from prism_jax.cli import launcher as cli
 from prism_jax.cli import provenance
 from experiments.prototype_path_md import capacity_markdown as markdown

@@ -33,7 +33,7 @@ import numpy as np
 from absl import flags, logging
 
 from experiments import lds_recipe
-from benchmarks import flag_checks as check
+from prism_jax.cli import flag_checks as check
 from experiments.lds_report import removal_section
 from prism_jax.cli import launcher
 from prism_jax.cli import provenance

@@ -9,7 +9,7 @@ import json
 
 from absl import flags
 
-from benchmarks import flag_checks as check
+from prism_jax.cli import flag_checks as check
 from prism_jax.cli import launcher
 
 flags.DEFINE_string("out", None, "output directory (train.jsonl, neutral.jsonl, planted.json)")

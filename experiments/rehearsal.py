@@ -44,7 +44,7 @@ import time
 
 from absl import flags
 
-from benchmarks import flag_checks as check
+from prism_jax.cli import flag_checks as check
 from experiments import reproduce_sources
 from prism_jax.cli import launcher as cli
 from prism_jax.cli import provenance

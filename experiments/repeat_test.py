@@ -16,7 +16,7 @@ import time
 
 from absl import flags
 
-from benchmarks import flag_checks as check
+from prism_jax.cli import flag_checks as check
 from prism_jax.cli import launcher
 
 flags.DEFINE_string("test", None, "pytest node id")

@@ -25,7 +25,7 @@ import os
 
 from absl import flags, logging
 
-from benchmarks import flag_checks as check
+from prism_jax.cli import flag_checks as check
 from prism_jax.cli import launcher as cli
 from prism_jax.cli import provenance
 from prism_jax.cli import sampling_flags

@@ -40,7 +40,6 @@ HELPERS = {
     "experiments/reproduce_sources.py": "readers and renderers of experiments/reproduce.py",
     "experiments/reproduce_summary.py": "readers and renderers of experiments/reproduce.py",
     "benchmarks/configs.py": "the benchmark configs table (no flags)",
-    "benchmarks/flag_checks.py": "the scripts' shared flag checks (no flags)",
     "benchmarks/kernel_bench_lib.py": "library half of benchmarks/bench_kernels.py",
     "benchmarks/demo_time_render.py": "renderer read by experiments/reproduce.py",
     "benchmarks/serve_render.py": "renderer read by experiments/reproduce.py",

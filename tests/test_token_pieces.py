@@ -9,7 +9,7 @@ import re
 import numpy as np
 
 from prism_jax.analysis import card_stats
-from prism_jax.analysis.token_report import token_text
+from prism_jax.analysis.token_report import signature_line, token_text
 from prism_jax.data import tokenizers as T
 
 _HEX = re.compile(r"<0x([0-9A-F]{2})>")
@@ -68,7 +68,6 @@ def test_signatures_and_token_report_show_bytes():
 
 
 def test_the_demos_signature_line_shows_bytes():
-  from prism_jax.cli import demo  # pylint: disable=import-outside-toplevel
   tok = T.ByteTokenizer()
   sig = np.zeros((2, tok.vocab_size), np.float32)
   sig[1, 0xE2], sig[1, ord("x")], sig[1, 0x99] = 3.0, 2.0, 1.0
@@ -77,4 +76,4 @@ def test_the_demos_signature_line_shows_bytes():
     def proto_logit_signatures(self):
       return sig
 
-  assert demo._signature(_Model(), 1, tok.decode) == "'<0xE2>' 'x' '<0x99>'"  # pylint: disable=protected-access
+  assert signature_line(_Model(), 1, tok.decode) == "'<0xE2>' 'x' '<0x99>'"

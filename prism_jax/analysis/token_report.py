@@ -30,6 +30,13 @@ def token_text(decode: Decode, token_id: int) -> str:
   return repr(piece_fn(decode)(token_id))
 
 
+def signature_line(model, proto_id: int, decode: Decode, n: int = 3) -> str:
+  """The tokens prototype `proto_id` pushes up most (top entries of W p_i), each as
+  `token_text` shows it: the demo's signature line."""
+  sig_V = np.asarray(model.proto_logit_signatures()[proto_id])
+  return " ".join(token_text(decode, int(t)) for t in np.argsort(-sig_V, kind="stable")[:n])
+
+
 def token_rows(out: GenerationOutput, row: int = 0, top: int = 3) -> list[dict]:
   """Per generated token of batch row `row`: id, logit and (PRISM) top prototypes, residual."""
   if not 0 <= row < out.tokens_BxL.shape[0]:

@@ -45,16 +45,6 @@ def distinct_ratio(ids) -> float:
   return len(set(ids)) / max(len(ids), 1)
 
 
-def _signature(model, proto_id: int, decode, n: int = 3) -> str:
-  """The tokens prototype `proto_id` pushes up most: top entries of W p_i (a byte that is
-  not a character on its own as <0xNN>, as the cards and the report show it)."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from prism_jax.data.tokenizers import piece_fn  # pylint: disable=g-import-not-at-top
-  sig_V = np.asarray(model.proto_logit_signatures()[proto_id])
-  show = piece_fn(decode)
-  return " ".join(repr(show(t)) for t in np.argsort(-sig_V)[:n])
-
-
 def _steps_override(sets: list[str]) -> int | None:
   """train.steps among the --set overrides (the demo's bank is placed from it), else None."""
   steps = [s.split("=", 1)[1] for s in sets if s.split("=", 1)[0].strip() == "train.steps"]
@@ -101,7 +91,7 @@ def main(argv):
                           subsequent_indent="   "))
 
   from prism_jax.generate import generate  # pylint: disable=g-import-not-at-top
-  from prism_jax.analysis.token_report import token_report  # pylint: disable=g-import-not-at-top
+  from prism_jax.analysis.token_report import signature_line, token_report  # pylint: disable=g-import-not-at-top
   model, cfg, tok = load_for_inference(FLAGS.workdir)
   prompt_ids = tok.encode(FLAGS.prompt)
   max_new = min(FLAGS.max_new_tokens, cfg.model.max_len - len(prompt_ids))
@@ -117,7 +107,7 @@ def main(argv):
     shown = sorted({int(i) for i in out.trace.idx_BxLxk[0, :n, 0]})[:12]
     print("\nprototype signatures (tokens each pushes up most, from W p_i):")
     for pid in shown:
-      print(f"  #{pid:<4} {_signature(model, pid, tok.decode)}")
+      print(f"  #{pid:<4} {signature_line(model, pid, tok.decode)}")
   print("\n" + NEXT.format(w=FLAGS.workdir))
 
 

@@ -1,4 +1,5 @@
-"""Flag checks shared by the scripts of experiments/ and benchmarks/ (issue 47, item 6).
+"""Flag checks shared by the scripts of experiments/ and benchmarks/ (issue 47, item 6;
+here beside sampling_flags, issue 56: one module both import, neither from the other).
 
 A script checks its flag combination at the top of main, before data, training, compiles or
 big reads; each check raises a ValueError of one line naming the flag and the fix, which
