@@ -6,9 +6,9 @@
   python -m experiments.lds --plot_from=docs/results/lds.json --plot=docs/lds_removal.png
 
 The model: experiments/lds_recipe.py's RECIPE (every model option and loss weight pinned;
---set changes them) trained with the model's own recipe (evaluation/retrain.py) on the
+--set changes them) trained with the model's own recipe (attribution/quality/retrain.py) on the
 first --num_rows training rows, seed 0. Every method scores
-every (query, row) pair on it (evaluation/methods.py). Then:
+every (query, row) pair on it (attribution/quality/methods.py). Then:
   LDS      --subsets random subsets at --alpha, each retrained (seed 0); per query the
            Spearman of the predicted loss (−Σ kept scores) with the measured summed loss;
            mean ± bootstrap CI over queries. Noise ceiling: the first --ceiling_subsets
@@ -68,7 +68,7 @@ RETENTION_M = 100  # the retention of the top-m rows (the cache's projection vs 
 
 
 def _queries(packed, num, targets, seed):
-  from prism_jax.evaluation.retrain import Queries  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.quality.retrain import Queries  # pylint: disable=g-import-not-at-top
   rows = packed.rows("val")
   rng = np.random.default_rng(seed)
   picked, masks = [], []
@@ -191,7 +191,7 @@ def _plot_from(path: str) -> None:
 def _method_scores(cfg, packed, queries, E: int, score_dir: str):
   """Every method's (query, row) scores and seconds: saved under score_dir, the full model
   (seed 0 on every row) retrained only when some method's scores are missing."""
-  from prism_jax.evaluation import methods, retrain  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.quality import methods, retrain  # pylint: disable=g-import-not-at-top
   scores, cost, model = {}, {}, None
   for name in FLAGS.methods:
     path = os.path.join(score_dir, f"{name}.npz")
@@ -212,7 +212,7 @@ def _method_scores(cfg, packed, queries, E: int, score_dir: str):
 def _measure(run, E: int, ms: list[int], removal_methods, scores) -> dict:
   """The retrains: both full models, the LDS subsets (and the ceiling's second seed), and
   the removal curves' query loss changes against the full model."""
-  from prism_jax.evaluation import lds  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.quality import lds  # pylint: disable=g-import-not-at-top
   everything = np.ones(E, bool)
   full0 = run("full_s0", everything, 0)
   full1 = run("full_s1", everything, 1)
@@ -236,7 +236,7 @@ def _measure(run, E: int, ms: list[int], removal_methods, scores) -> dict:
 def _lds_table(cfg, packed, E: int, scores, cost, measured) -> tuple[list[str], list[dict]]:
   """The LDS table's markdown lines and its results rows (with the ceiling and, with both
   prism and full scored, the cache's top-m retention)."""
-  from prism_jax.evaluation import lds  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.quality import lds  # pylint: disable=g-import-not-at-top
   ceiling, keep, meas = measured["ceiling"], measured["keep"], measured["meas"]
   # Two seeds' measurements correlate at ρ ≈ reliability; the best possible predictor of one
   # seed's measurement correlates with it at ≈ √ρ: that is the LDS ceiling.
@@ -281,7 +281,7 @@ def _lds_table(cfg, packed, E: int, scores, cost, measured) -> tuple[list[str], 
 def _held_out_choice(scores, measured) -> tuple[list[str], list[dict]]:
   """--choose_among: the variant the choose half of the queries picks, and every method's
   LDS on the report half (the chosen one's measured there once)."""
-  from prism_jax.evaluation import lds  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.quality import lds  # pylint: disable=g-import-not-at-top
   per_q = {n: lds.lds_per_query(scores[n], measured["keep"], measured["meas"])
            for n in FLAGS.methods}
   choose_q, report_q = lds.query_halves(FLAGS.queries, FLAGS.seed)
@@ -314,7 +314,7 @@ def main(argv):
   jax.config.update("jax_compilation_cache_dir", os.path.join(FLAGS.out, "jax_cache"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   from prism_jax.data import prepare_data  # pylint: disable=g-import-not-at-top
-  from prism_jax.evaluation import retrain  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.quality import retrain  # pylint: disable=g-import-not-at-top
   cfg = lds_recipe.config(FLAGS.set)
   os.makedirs(FLAGS.out, exist_ok=True)
   packed = prepare_data(cfg.data, cfg.model.vocab_size, FLAGS.out)

@@ -7,7 +7,7 @@ def removal_section(deltas: dict, ms: list[int], seed_gap: np.ndarray
                     ) -> tuple[list[str], dict]:
   """The removal table's lines and per method the (mean, lo, hi) per m; removal curves off
   (--removal_queries=0: `deltas` of 0 queries) gives one line saying so and no curves."""
-  from prism_jax.evaluation import lds  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.quality import lds  # pylint: disable=g-import-not-at-top
   n_queries = next(iter(deltas.values())).shape[0] if deltas else 0
   if n_queries == 0:
     return ["", "removal curves: off (--removal_queries=0)"], {}

@@ -6,7 +6,7 @@ import numpy as np
 
 from prism_jax.config import preset
 from prism_jax.data import prepare_data
-from prism_jax.evaluation import retrain
+from prism_jax.attribution.quality import retrain
 from prism_jax.train import apply_overrides
 
 MICRO = ("model.d_model=32", "model.n_layers=1", "model.n_heads=2", "model.num_prototypes=32",

@@ -1,4 +1,4 @@
-"""Every attribution method of the registry (evaluation/methods.py) against one protocol,
+"""Every attribution method of the registry (attribution/quality/methods.py) against one protocol,
 on the micro LDS setting (tests/micro_lds.py): (Q, E) float scores over the rows asked for,
 finite, the same on a rerun with the same seed, query q's scores in row q; and agreement
 with an independent float64 reference where one exists:
@@ -31,7 +31,7 @@ from flax import nnx
 from prism_jax.attribution.caching import cache as cache_lib
 from prism_jax.attribution.caching import cache_format
 from prism_jax.attribution.hessians import ekfac
-from prism_jax.evaluation import methods, retrain
+from prism_jax.attribution.quality import methods, retrain
 
 from micro_lds import ROWS, micro_setting
 from test_ekfac import _numpy_ekfac_scores, _per_document

@@ -16,7 +16,7 @@ from scipy import stats
 
 from prism_jax import losses
 from prism_jax.attribution.scoring import grad_dot
-from prism_jax.evaluation import lds, methods, retrain
+from prism_jax.attribution.quality import lds, methods, retrain
 from prism_jax.train import apply_overrides
 
 from micro_lds import ROWS, micro_setting

@@ -9,7 +9,7 @@ import numpy as np
 
 from prism_jax.config import preset
 from prism_jax.data import prepare_data
-from prism_jax.evaluation import retrain as retrain_lib
+from prism_jax.attribution.quality import retrain as retrain_lib
 from prism_jax.train import Recipe, apply_overrides, train
 from prism_jax.train import recipe as recipe_lib
 from prism_jax.train import step as step_lib

@@ -1,4 +1,4 @@
-"""prism_jax.attribution: training-data attribution, in three rooms.
+"""prism_jax.attribution: training-data attribution, in four rooms.
 
   caching/    the attribution cache: build (curvature + records passes), format, shards,
               the per-prototype index, opening it for queries
@@ -6,6 +6,6 @@
               and EK-FAC over every parameter
   scoring/    scoring training sequences against a query: cached PRISM (influence), the
               exact prototype-space score (influence_full), gradient dot-products
-
-The methods behind one interface (a registry) live in prism_jax/evaluation/methods.py.
+  quality/    attribution quality: the methods behind one registry (methods.py), retrains
+              on subsets of the rows (retrain.py), the LDS and removal sets (lds.py)
 """

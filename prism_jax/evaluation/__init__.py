@@ -1,2 +1,3 @@
 """Evaluation: offline multiple choice (tasks, scoring harness, synthetic tasks, statistics)
-and counterfactual attribution quality (retrains on subsets, LDS, removal curves)."""
+and the lm-evaluation-harness adapter. Attribution quality (retrains, LDS, the methods
+registry) is prism_jax.attribution.quality."""

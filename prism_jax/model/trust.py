@@ -30,7 +30,7 @@ import numpy as np
 RESIDUAL_DECIDED = ("the residual, not the prototypes, decided this prediction (argmax "
                     "W z_hat != argmax W z): its prototypes do not explain it; a method over "
                     "the whole model does: EK-FAC or gradient dot-products "
-                    "(prism_jax.evaluation.methods 'ekfac' / 'grad_dot')")
+                    "(prism_jax.attribution.quality.methods 'ekfac' / 'grad_dot')")
 
 
 class Trust(NamedTuple):

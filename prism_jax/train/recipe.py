@@ -14,7 +14,7 @@ What a PRISM run does besides taking optimiser steps, built once per (config, me
     `train.revive_every` steps the prototypes no token selected are set anew
     (prism_jax/train/revive.py).
 `train()` (train/run.py: data, checkpoints, evaluation, the loop) and the LDS retrains
-(evaluation/retrain.py: the same recipe on a subset of rows) both run it: a change to the
+(attribution/quality/retrain.py: the same recipe on a subset of rows) both run it: a change to the
 recipe made here changes both.
 """
 

@@ -45,7 +45,7 @@ from prism_jax.attribution.hessians import curvature as cv
 # whole-model methods that score higher on LDS (EK-FAC, ekfac_cached; docs/RESULTS.md "Where
 # EK-FAC's signal lives") need every parameter's gradient per training row, which the
 # cache, holding the bank's alone, does not keep.
-METHOD = "prism"  # its name in the methods registry (prism_jax.evaluation.methods)
+METHOD = "prism"  # its name in the methods registry (prism_jax.attribution.quality.methods)
 METHOD_LABEL = ("cached PRISM: prototype-space influence from the attribution cache "
                 "(PRISM.md §5)")
 from prism_jax.config import LossConfig
