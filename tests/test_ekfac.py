@@ -163,6 +163,7 @@ def test_dense_model_and_bad_query_batch():
     ekfac.fit_factors(model, [dict(b, mask=np.zeros_like(b["mask"]))])
 
 
+@pytest.mark.long  # ~20 s: `make test-long`
 def test_streamed_chunked_scores_equal_whole_batch_scores():
   """Layer-group streaming with 1-query chunks and 2-row chunks (the 3-row batch's last one
   padded) == one whole-model program."""
@@ -250,6 +251,7 @@ def test_fit_factors_needs_example_ids():
     ekfac.fit_factors(model, [b])
 
 
+@pytest.mark.long  # ~15 s: `make test-long`
 def test_parameter_group_scores_partition_the_whole_score():
   """Σ_l is a sum over layers: on a 2-block model, the bank's, the last block's and the
   early block's scores (each restricted by `layers`, layerwise and whole-program) add up

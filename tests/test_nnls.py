@@ -75,6 +75,7 @@ def test_duplicate_prototypes_reach_the_optimum():
   np.testing.assert_allclose(got, ref, rtol=1e-7, atol=1e-9)
 
 
+@pytest.mark.long  # ~45 s: `make test-long` (make test's 12 minutes)
 def test_gradients_match_finite_differences():
   z, rows = _problem(2, n=6, k=5, d=7)
   c = np.random.default_rng(3).normal(size=(6, 5))

@@ -202,6 +202,7 @@ def test_sigterm_to_one_of_two_processes_saves_one_step_and_resumes_exactly(tmp_
     assert got[s] == want[s], (s, got[s], want[s])
 
 
+@pytest.mark.long  # 2 x ~16 s of 2-process runs: `make test-long`
 @pytest.mark.parametrize("death", ["SIGKILL", "exception"])
 def test_a_dead_process_makes_the_other_exit_with_an_error(tmp_path, jit_cache, death):
   """Killed, or failed with an exception (which used to wait out jax.distributed's 300 s
