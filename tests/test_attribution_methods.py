@@ -72,7 +72,14 @@ def _skip_empty_group(name, model):
                 "and the partition test cover the early path on 2 blocks)")
 
 
-@pytest.mark.parametrize("name", methods.METHODS)
+# The cached EK-FAC groups but the whole one run in `make test-long` (make test's 12 minutes):
+# each equals its streamed ekfac[GROUP] (test_ekfac) and shares the whole one's code path.
+_LONG = ("ekfac_cached[early]", "ekfac_cached[last+early]")
+PROTOCOL_CASES = [pytest.param(n, marks=pytest.mark.long) if n in _LONG else n
+                  for n in methods.METHODS]
+
+
+@pytest.mark.parametrize("name", PROTOCOL_CASES)
 def test_every_method_keeps_the_protocol(name, micro, scored):
   cfg, packed, queries, model = micro
   _skip_empty_group(name, model)
@@ -258,7 +265,7 @@ REFERENCES = {
 }
 
 
-@pytest.mark.parametrize("name", methods.METHODS)
+@pytest.mark.parametrize("name", PROTOCOL_CASES)
 def test_every_method_agrees_with_its_float64_reference(name, micro, scored):
   _skip_empty_group(name, micro[3])
   ids, sc = scored(name)

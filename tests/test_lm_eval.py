@@ -154,6 +154,7 @@ def test_rolling_loglikelihood_is_the_direct_float64_sum_over_windows(run):
   assert empty == 0.0
 
 
+@pytest.mark.long  # ~20 s: `make test-long` (make test's 12 minutes)
 def test_generate_until_is_run_generate_cut_at_the_stop_string(run):
   seed = secrets.randbits(16)
   rng = np.random.default_rng(seed)
