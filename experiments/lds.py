@@ -211,7 +211,8 @@ def _method_scores(cfg, packed, queries, E: int, score_dir: str):
 
 def _measure(run, E: int, ms: list[int], removal_methods, scores) -> dict:
   """The retrains: both full models, the LDS subsets (and the ceiling's second seed), and
-  the removal curves' query loss changes against the full model."""
+  the removal curves' query loss changes against the full model, and each method's
+  per-query LDS."""
   from prism_jax.attribution.quality import lds  # pylint: disable=g-import-not-at-top
   everything = np.ones(E, bool)
   full0 = run("full_s0", everything, 0)
@@ -229,15 +230,16 @@ def _measure(run, E: int, ms: list[int], removal_methods, scores) -> dict:
       for q in range(FLAGS.removal_queries):
         loss = run(f"rm_{name}_q{q}_m{m}", lds.removal_keep(scores[name][q], m), 0)
         deltas[name][q, j] = loss[q] - full0[q]
+  per_query = {n: lds.lds_per_query(scores[n], keep, meas) for n in FLAGS.methods}
   return {"full0": full0, "full1": full1, "keep": keep, "meas": meas, "ceiling": ceiling,
-          "deltas": deltas}
+          "deltas": deltas, "per_query": per_query}
 
 
 def _lds_table(cfg, packed, E: int, scores, cost, measured) -> tuple[list[str], list[dict]]:
   """The LDS table's markdown lines and its results rows (with the ceiling and, with both
   prism and full scored, the cache's top-m retention)."""
   from prism_jax.attribution.quality import lds  # pylint: disable=g-import-not-at-top
-  ceiling, keep, meas = measured["ceiling"], measured["keep"], measured["meas"]
+  ceiling = measured["ceiling"]
   # Two seeds' measurements correlate at ρ ≈ reliability; the best possible predictor of one
   # seed's measurement correlates with it at ≈ √ρ: that is the LDS ceiling.
   ceil_txt = "–" if ceiling is None else (
@@ -253,7 +255,7 @@ def _lds_table(cfg, packed, E: int, scores, cost, measured) -> tuple[list[str], 
            "|---|---|---|---|"]
   rows_json = []
   for name in FLAGS.methods:
-    mean, lo, hi = lds.bootstrap_ci(lds.lds_per_query(scores[name], keep, meas))
+    mean, lo, hi = lds.bootstrap_ci(measured["per_query"][name])
     lines.append(f"| {name} | {mean:.3f} [{lo:.3f}, {hi:.3f}] | {ceil_txt} | "
                  f"{cost[name]:.1f} |")
     rows_json.append({"metric": f"LDS ({name})", "paper": "not reported", "ours": round(mean, 4),
@@ -278,12 +280,11 @@ def _lds_table(cfg, packed, E: int, scores, cost, measured) -> tuple[list[str], 
   return lines, rows_json
 
 
-def _held_out_choice(scores, measured) -> tuple[list[str], list[dict]]:
+def _held_out_choice(measured) -> tuple[list[str], list[dict]]:
   """--choose_among: the variant the choose half of the queries picks, and every method's
   LDS on the report half (the chosen one's measured there once)."""
   from prism_jax.attribution.quality import lds  # pylint: disable=g-import-not-at-top
-  per_q = {n: lds.lds_per_query(scores[n], measured["keep"], measured["meas"])
-           for n in FLAGS.methods}
+  per_q = measured["per_query"]
   choose_q, report_q = lds.query_halves(FLAGS.queries, FLAGS.seed)
   best, means = lds.choose_best(per_q, list(FLAGS.choose_among), choose_q)
   lines = ["", f"Held-out choice: the choose half ({len(choose_q)} queries) picks **{best}** "
@@ -341,7 +342,7 @@ def main(argv):
   measured = _measure(run, E, ms, removal_methods, scores)
   lines, rows_json = _lds_table(cfg, packed, E, scores, cost, measured)
   if FLAGS.choose_among:
-    held_lines, held_rows = _held_out_choice(scores, measured)
+    held_lines, held_rows = _held_out_choice(measured)
     lines, rows_json = lines + held_lines, rows_json + held_rows
   deltas = measured["deltas"]
   removal_lines, removal_ci = removal_section(

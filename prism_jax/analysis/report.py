@@ -31,7 +31,7 @@ from prism_jax import faithfulness, io_guard, paths
 from prism_jax.analysis import report_page
 from prism_jax.analysis.cards import LABEL_METHOD, CardSet
 from prism_jax.attribution.caching import cache_format as fmt
-from prism_jax.attribution.scoring.influence import METHOD_LABEL
+from prism_jax.attribution.scoring import influence
 from prism_jax.config import Config
 from prism_jax.data.tokenizers import piece_fn
 from prism_jax.generate import SAMPLING, sampling_label
@@ -54,7 +54,6 @@ def _generate(model, prompt, max_new_tokens, cache, packed, eos_id, top, samplin
     out = gen.generate(model, prompt[None], max_new_tokens=max_new_tokens, eos_id=eos_id,
                        **sampling)
     return out.tokens_BxL[0, :int(out.lengths_B[0])].astype(np.int32), None
-  from prism_jax.attribution.scoring import influence  # pylint: disable=import-outside-toplevel
   new, atts = [], []
   for tok, att in influence.attribute_generation(
       model, cache, prompt, max_new_tokens=max_new_tokens,
@@ -234,7 +233,7 @@ def report_data(model, cfg: Config, decode: Callable, prompt_ids: Sequence[int],
       "attribution_note": ("top attributed training sequences are listed for generated "
                            "tokens" if atts is not None else
                            "no attribution cache given: no attributed training sequences"),
-      "attribution_method": METHOD_LABEL if atts is not None else "",
+      "attribution_method": influence.METHOD_LABEL if atts is not None else "",
       "cards": [_card_json(c, i in detail) for i, c in enumerate(cards.cards)],
       "detail_cards": len(detail), "map_method": cards.map_method,
       "label_method": LABEL_METHOD, "usage_hist": _usage_hist(usage),

@@ -39,6 +39,9 @@ from flax import nnx
 
 from prism_jax.attribution.caching import cache as cache_lib
 from prism_jax.attribution.hessians import curvature as cv
+from prism_jax.config import LossConfig
+from prism_jax.data import batch as batch_lib
+from prism_jax.model.token_ids import check_token_ids
 
 # What the attribution cache scores, as every surface names it (Run.attribute, prism
 # attribute, the report, the explorer). It is the best method the cache supports: the
@@ -48,9 +51,6 @@ from prism_jax.attribution.hessians import curvature as cv
 METHOD = "prism"  # its name in the methods registry (prism_jax.attribution.quality.methods)
 METHOD_LABEL = ("cached PRISM: prototype-space influence from the attribution cache "
                 "(PRISM.md §5)")
-from prism_jax.config import LossConfig
-from prism_jax.data import batch as batch_lib
-from prism_jax.model.token_ids import check_token_ids
 
 
 @dataclasses.dataclass(frozen=True)
