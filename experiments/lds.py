@@ -67,27 +67,6 @@ FLAGS = flags.FLAGS
 RETENTION_M = 100  # the retention of the top-m rows (the cache's projection vs none)
 
 
-def _queries(packed, num, targets, seed):
-  from prism_jax.attribution.quality.retrain import Queries  # pylint: disable=g-import-not-at-top
-  rows = packed.rows("val")
-  rng = np.random.default_rng(seed)
-  picked, masks = [], []
-  for r in rng.permutation(packed.num_rows("val")):
-    valid = np.flatnonzero(rows["offset"][r, 1:] > 0)  # target columns with a real prediction
-    if len(valid) < targets:
-      continue
-    mask = np.zeros(packed.seq_len, bool)
-    mask[rng.choice(valid, targets, replace=False)] = True
-    picked.append(int(r))
-    masks.append(mask)
-    if len(picked) == num:
-      break
-  if len(picked) < num:
-    raise ValueError(f"--queries={num}: only {len(picked)} validation rows have "
-                     f"{targets} target tokens")
-  return picked, Queries(np.asarray(rows["tokens"][picked]), np.stack(masks))
-
-
 class _Retrains:
   """The store plus a log line per retrain (done / total, its time, the ETA)."""
 
@@ -324,7 +303,8 @@ def main(argv):
     raise ValueError(f"--num_rows={E} but the data has {packed.num_rows('train')} train rows")
   if any(m >= E for m in ms):
     raise ValueError(f"--removal_m {ms}: every m must be below the {E} training rows")
-  q_rows, queries = _queries(packed, FLAGS.queries, FLAGS.targets, FLAGS.seed)
+  q_rows, queries = retrain.sample_queries(packed, FLAGS.queries, FLAGS.targets,
+                                            FLAGS.seed)
   key = retrain.content_key(
       np.asarray(packed.rows("train")["tokens"][:E]), queries, cfg, provenance.git_commit(),
       {"num_rows": E, "alpha": FLAGS.alpha, "seed": FLAGS.seed, "rank": FLAGS.rank})

@@ -74,6 +74,7 @@ BAD = [
                               "--results_json={tmp}/r.json"], "--results_json needs --runs"),
     ("experiments.size_trend", ["--root={tmp}/r", "--setting=2048"], "--setting entry"),
     ("experiments.suppress_heldout", ["--workdir={tmp}/run", "--nums=16,0"], "--nums: 0"),
+    ("experiments.lds_costs", ["--lds_json={tmp}/lds.json", "--rounds=0"], "--rounds=0"),
     ("benchmarks.bench_attribution", ["--workdir={tmp}/run", "--sweep_ranks=16,x"],
      "--sweep_ranks: 'x'"),
     ("benchmarks.bench_checksum", ["--iters=0"], "--iters=0"),

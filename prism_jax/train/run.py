@@ -171,27 +171,10 @@ def _run(cfg, workdir, mesh, ckpt, packed, train_loader, val_loader, callbacks, 
   tc = cfg.train
   with jax.set_mesh(mesh):
     recipe = Recipe(cfg, mesh)  # optimiser, template, shardings, phases: built once
-    graphdef, shardings = recipe.graphdef, recipe.shardings
     restored = ckpt.restore_latest(recipe.abstract_state(), cfg, allow, start_over)
-    if restored is not None:
-      state, data_state, start = restored
-      data_state = recipe.restore_bank_state(data_state)  # "auto": when the bank was set
-      if recipe.auto_init and recipe.bank_set_at is None:
-        _check_auto_schedule(ckpt, start, cfg)
-      logging.info("resumed from checkpoint %d in %s", start, ckpt.directory)
-    else:
-      state = recipe.init_state()
-      data_state, start = train_loader.state(0), 0
-      if tc.init_from:
-        state = init_from_lib.with_pretrained_backbone(state, shardings, cfg)
+    state, data_state, start = _starting_state(recipe, restored, ckpt, cfg, train_loader)
     ckpt_lib.write_config(workdir, cfg)
-
-    eval_fn = evaluation.Evaluator(graphdef, cfg, shardings.params, mesh, val_loader)
-    train_eval_fn = None
-    if val_loader is not None:  # the train-split loss on as many batches as val uses
-      train_eval_fn = evaluation.Evaluator(graphdef, cfg, shardings.params, mesh,
-                                           _train_sample_loader(packed, cfg, mesh),
-                                           num_batches=eval_fn.num_batches)
+    eval_fn, train_eval_fn = _evaluators(recipe, cfg, mesh, packed, val_loader)
     thr = metrics_lib.Throughput(cfg.model, cfg.data.seq_len,
                                  tc.batch_size * cfg.data.seq_len, mesh.devices.size,
                                  loss_cfg=cfg.loss)
@@ -247,7 +230,35 @@ def _run(cfg, workdir, mesh, ckpt, packed, train_loader, val_loader, callbacks, 
     last_eval = {k: v for k, v in vals[-1].items() if k not in ("step", "split")} if vals else {}
   return TrainResult(workdir, out.start_step, out.final_step, out.checkpoint_step,
                      dict(out.train), last_eval, time.time() - t_start,
-                     out.steady_tokens_per_s, out.state, graphdef, out.preempted)
+                     out.steady_tokens_per_s, out.state, recipe.graphdef, out.preempted)
+
+
+def _starting_state(recipe: Recipe, restored, ckpt, cfg: Config, train_loader):
+  """(state, data-loader state, step) to start from: the restored checkpoint's (the bank's
+  "auto" schedule checked), else the recipe's init (the pretrained backbone loaded in)."""
+  if restored is not None:
+    state, data_state, start = restored
+    data_state = recipe.restore_bank_state(data_state)  # "auto": when the bank was set
+    if recipe.auto_init and recipe.bank_set_at is None:
+      _check_auto_schedule(ckpt, start, cfg)
+    logging.info("resumed from checkpoint %d in %s", start, ckpt.directory)
+    return state, data_state, start
+  state = recipe.init_state()
+  if cfg.train.init_from:
+    state = init_from_lib.with_pretrained_backbone(state, recipe.shardings, cfg)
+  return state, train_loader.state(0), 0
+
+
+def _evaluators(recipe: Recipe, cfg: Config, mesh, packed, val_loader):
+  """(val evaluator, train-split evaluator or None): the train-split loss on a fixed sample
+  of as many batches as val uses."""
+  params = recipe.shardings.params
+  eval_fn = evaluation.Evaluator(recipe.graphdef, cfg, params, mesh, val_loader)
+  if val_loader is None:
+    return eval_fn, None
+  return eval_fn, evaluation.Evaluator(recipe.graphdef, cfg, params, mesh,
+                                       _train_sample_loader(packed, cfg, mesh),
+                                       num_batches=eval_fn.num_batches)
 
 
 def _check_auto_schedule(ckpt, step: int, cfg: Config) -> None:

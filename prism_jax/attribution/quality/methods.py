@@ -4,7 +4,10 @@ A training sequence is a packed row (unit="row", kronfluence's example). Sign: p
 helps the query, for every method (influence.py, influence_full.py, ekfac.py, grad_dot.py).
 Queries are `retrain.Queries` (rows with target masks), the same the retrains measure.
 Each method is a `Method` in REGISTRY (`register(name)` adds one): it takes a `Setting` and
-returns (row ids, scores (Q, E')), the one order for all.
+returns (row ids, scores (Q, E')), the one order for all. What a method builds before it
+scores (the cache, factors, cached rows, Φ) goes through `Setting.built` into a `Builds`
+store: built once per store, its seconds and bytes recorded (experiments/lds_costs.py
+reads them to separate build time from per-query time).
 
   cached PRISM   influence.attribute_batch over an AttributionCache (rank `rank`);
                  sequences sharing no prototype with the query score 0
@@ -25,7 +28,7 @@ from __future__ import annotations
 import dataclasses
 import os
 import time
-from typing import Any, Protocol
+from typing import Any, Callable, Protocol
 
 import numpy as np
 
@@ -52,6 +55,41 @@ class Setting:
   scratch: str
   rank: int = 32
   seed: int = 0
+  builds: Builds | None = None  # None: the module's shared store (BUILDS)
+
+  def built(self, what: str, build: Callable[[], Any], nbytes: Callable[[Any], int] = None):
+    """`build()`'s result, built once per (what, scratch, model, rows, rank, seed) in
+    (self.builds or BUILDS); `nbytes(result)`: what it keeps per training row set."""
+    return (self.builds or BUILDS).get(self, what, build, nbytes)
+
+
+class Builds:
+  """What the methods build once and then score every query against (the prototype cache,
+  EK-FAC's factors, cached EK-FAC's rows, TRAK's Φ), kept in this process, with each build's
+  seconds and bytes: a second `scores` call on the same store pays for its queries alone,
+  which is how the attribution cost bench separates build time from per-query time.
+  Holds one (scratch, model, rows) at a time: a new one drops the old builds."""
+
+  def __init__(self):
+    self._owner, self._built = None, {}
+    self.seconds: dict[str, float] = {}  # what -> seconds its build took
+    self.nbytes: dict[str, int] = {}  # what -> bytes it keeps (0: nothing per row)
+
+  def get(self, s: Setting, what: str, build: Callable[[], Any],
+          nbytes: Callable[[Any], int] | None = None):
+    owner = (s.scratch, id(s.model), s.num_rows)
+    if owner != self._owner:
+      self._owner, self._built = owner, {}
+    key = (what, s.rank, s.seed)
+    if key not in self._built:
+      t = time.time()
+      self._built[key] = build()
+      self.seconds[what] = time.time() - t
+      self.nbytes[what] = int(nbytes(self._built[key])) if nbytes else 0
+    return self._built[key]
+
+
+BUILDS = Builds()
 
 
 class Method(Protocol):
@@ -84,12 +122,17 @@ def _prism_queries(queries):
 
 
 def _cache(s: Setting):
-  """The AttributionCache of the first num_rows rows under scratch (built once, shared)."""
+  """The AttributionCache of the first num_rows rows under scratch (built once, shared by
+  prism and full; a cache already on disk is opened, not rebuilt)."""
   cache_dir = os.path.join(s.scratch, "cache")
-  if cache_format.is_cache_dir(cache_dir):
-    return cache_lib.AttributionCache(cache_dir, s.model, s.cfg)
-  return cache_lib.build_cache(s.model, s.cfg, s.packed, cache_dir, cache_lib.CacheConfig(
-      rank=s.rank, max_rows=s.num_rows), overwrite=True)
+
+  def build():
+    if cache_format.is_cache_dir(cache_dir):
+      return cache_lib.AttributionCache(cache_dir, s.model, s.cfg)
+    return cache_lib.build_cache(s.model, s.cfg, s.packed, cache_dir, cache_lib.CacheConfig(
+        rank=s.rank, max_rows=s.num_rows), overwrite=True)
+  return s.built("prototype cache", build,
+                 lambda c: round(c.nbytes_per_token() * c.num_tokens))
 
 
 ROW_UNIT = influence.InfluenceConfig(unit="row")  # a training sequence = a packed row
@@ -112,9 +155,6 @@ def _full(s: Setting):
                                     path="full", cfg=ROW_UNIT, max_rows=s.num_rows)
 
 
-_FACTORS: dict[tuple, Any] = {}  # (scratch, model id) -> EK-FAC factors, fitted once
-
-
 def _ekfac_with(s: Setting, layers=None):
   """EK-FAC factors fitted on the rows (once per scratch and model), then its scores over
   `layers` (None: every linear layer and the bank)."""
@@ -129,13 +169,12 @@ def _row_batches(s: Setting):
 
 
 def _factors(s: Setting):
-  """EK-FAC's factors on the rows, fitted once per scratch and model."""
-  key = (s.scratch, id(s.model), s.num_rows)
-  if key not in _FACTORS:
-    _FACTORS.clear()
+  """EK-FAC's factors on the rows, fitted once per scratch and model (their bytes do not
+  grow with the rows: counted as 0 per row)."""
+  def fit():
     batches = _row_batches(s)
-    _FACTORS[key] = ekfac.fit_factors(s.model, batches(), lambda_batches=batches())
-  return _FACTORS[key]
+    return ekfac.fit_factors(s.model, batches(), lambda_batches=batches())
+  return s.built("EK-FAC factors", fit)
 
 
 @register("ekfac")
@@ -169,8 +208,12 @@ def _ekfac_cached(s: Setting, group: str, proj_dim: int = 0):
   """ekfac[GROUP] with the rows' gradients cached once, whole or projected (ekfac_cached)."""
   cfg = ekfac_cached.CachedEkfacConfig(tuple(ekfac_group_layers(s.model, group)),
                                        proj_dim=proj_dim, seed=s.seed)
-  return ekfac_cached.cached_ekfac_scores(s.model, _factors(s), s.queries.batch(),
-                                          _row_batches(s)(), cfg)
+  factors = _factors(s)
+  ids, rows = s.built(f"cached EK-FAC rows [{group}] r{proj_dim}",
+                      lambda: ekfac_cached.build_rows(s.model, _row_batches(s)(), cfg),
+                      lambda built: built[1].nbytes)
+  q = ekfac_cached.query_features(s.model, factors, s.queries.batch(), cfg)
+  return ids, np.asarray(q, np.float64) @ np.asarray(rows, np.float64).T
 
 
 for _group in ("early", "last+early", "bank+last+early"):
@@ -187,8 +230,11 @@ def _grad_dot(s: Setting):
 @register("trak")
 def _trak(s: Setting):
   """TRAK: projected per-row gradients, kernel-regression preconditioned (seeded)."""
-  return trak.trak_scores(s.model, s.queries.batch(), s.packed, max_rows=s.num_rows,
-                          cfg=trak.TrakConfig(seed=s.seed))
+  cfg = trak.TrakConfig(seed=s.seed)
+  rows = s.built("TRAK rows", lambda: trak.trak_rows(s.model, s.packed, max_rows=s.num_rows,
+                                                     cfg=cfg),
+                 lambda built: built.phi_ExMR.nbytes)  # the projections: fixed, not per row
+  return rows.ids_E, trak.trak_query_scores(s.model, s.queries.batch(), rows, cfg=cfg)
 
 
 @register("random")
@@ -202,13 +248,15 @@ METHODS = tuple(REGISTRY)  # the built-in ones, in the tables' order
 
 
 def scores(method: str, model, cfg, packed, queries, num_rows: int, scratch: str, *,
-           rank: int = 32, seed: int = 0) -> tuple[np.ndarray, float]:
+           rank: int = 32, seed: int = 0, builds: Builds | None = None
+           ) -> tuple[np.ndarray, float]:
   """(scores_QxE float64 over the first `num_rows` rows, seconds) of a registered method.
 
-  `scratch` holds the cache (prism and full share one; built once)."""
+  `scratch` holds the cache (prism and full share one; built once); `builds` keeps what the
+  method builds for the next call (default: the module's shared store)."""
   if method not in REGISTRY:
     raise ValueError(f"unknown attribution method {method!r}; choose from {tuple(REGISTRY)}")
   t0 = time.time()
   ids, sc = REGISTRY[method](Setting(model, cfg, packed, queries, num_rows, scratch, rank,
-                                     seed))
+                                     seed, builds))
   return _dense(ids, np.asarray(sc, np.float64), num_rows), time.time() - t0

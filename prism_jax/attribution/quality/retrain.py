@@ -128,6 +128,29 @@ class Queries:
     return batch_lib.next_token(self.tokens_QxL, self.mask_QxT)
 
 
+def sample_queries(packed, num: int, targets: int, seed: int) -> tuple[list[int], Queries]:
+  """(val row ids, Queries): the first `num` validation rows of a seeded permutation that
+  have `targets` target tokens with a real prediction, `targets` of them drawn per row (the
+  LDS protocol's queries; the cost bench draws the same ones)."""
+  rows = packed.rows("val")
+  rng = np.random.default_rng(seed)
+  picked, masks = [], []
+  for r in rng.permutation(packed.num_rows("val")):
+    valid = np.flatnonzero(rows["offset"][r, 1:] > 0)  # target columns with a real prediction
+    if len(valid) < targets:
+      continue
+    mask = np.zeros(packed.seq_len, bool)
+    mask[rng.choice(valid, targets, replace=False)] = True
+    picked.append(int(r))
+    masks.append(mask)
+    if len(picked) == num:
+      break
+  if len(picked) < num:
+    raise ValueError(f"--queries={num}: only {len(picked)} validation rows have "
+                     f"{targets} target tokens")
+  return picked, Queries(np.asarray(rows["tokens"][picked]), np.stack(masks))
+
+
 @nnx.jit
 def _summed_loss(model, inputs_QxT, targets_QxT, mask_QxT):
   out = model(inputs_QxT, mask_BxT=mask_QxT)

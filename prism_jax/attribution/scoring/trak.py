@@ -67,16 +67,21 @@ def kernel_scores(phi_q_QxR: np.ndarray, phi_ExR: np.ndarray, damping: float) ->
   return np.linalg.solve(gram + lam * np.eye(len(gram)), phi_q.T).T @ phi.T
 
 
-def trak_scores(model, query: dict[str, np.ndarray], packed, *, split: str = "train",
-                max_rows: int | None = None, cfg: TrakConfig = TrakConfig(),
-                batch_rows: int = 16) -> tuple[np.ndarray, np.ndarray]:
-  """(ids_E, scores_QxE): TRAK's score of every training row (the first `max_rows` rows of
-  `split`) for every query row of the batch `query`, the ensemble's mean."""
+@dataclasses.dataclass(frozen=True)
+class TrakRows:
+  """What TRAK keeps to score queries: the rows' ids (E,), their projected gradients Φ
+  (E, M·R: the M members side by side) and the projections themselves (P, M·R)."""
+
+  ids_E: np.ndarray
+  phi_ExMR: np.ndarray
+  proj_PxMR: jax.Array
+
+
+def trak_rows(model, packed, *, split: str = "train", max_rows: int | None = None,
+              cfg: TrakConfig = TrakConfig(), batch_rows: int = 16) -> TrakRows:
+  """Every training row's projected gradient (the first `max_rows` rows of `split`)."""
   graphdef, params, rest = nnx.split(model, nnx.Param, ...)
-  num_params = sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params))
-  proj = projections(cfg, num_params)
-  q_QxP = grad_dot.query_gradients(model, query, batch_rows)
-  phi_q = np.asarray(jnp.matmul(q_QxP, proj, precision=jax.lax.Precision.HIGHEST))
+  proj = projections(cfg, sum(int(np.prod(x.shape)) for x in jax.tree.leaves(params)))
   ids, parts = [], []
   for start, batch in cache_format.iter_rows(packed, split, batch_rows, 0, max_rows):
     n = len(batch["inputs"])
@@ -86,8 +91,25 @@ def trak_scores(model, query: dict[str, np.ndarray], packed, *, split: str = "tr
     ids.append(np.arange(start, start + n))
   if not ids:
     raise ValueError(f"split {split!r} has no rows to score")
-  phi_all = np.concatenate(parts)
-  r = cfg.proj_dim
-  scores = np.mean([kernel_scores(phi_q[:, m * r:(m + 1) * r], phi_all[:, m * r:(m + 1) * r],
-                                  cfg.damping) for m in range(cfg.ensemble)], axis=0)
-  return np.concatenate(ids), scores
+  return TrakRows(np.concatenate(ids), np.concatenate(parts), proj)
+
+
+def trak_query_scores(model, query: dict[str, np.ndarray], rows: TrakRows, *,
+                      cfg: TrakConfig = TrakConfig(), batch_rows: int = 16) -> np.ndarray:
+  """(Q, E): every query row of the batch `query` scored against `rows` (trak_rows, the
+  same `cfg`), the ensemble's mean."""
+  q_QxP = grad_dot.query_gradients(model, query, batch_rows)
+  phi_q = np.asarray(jnp.matmul(q_QxP, rows.proj_PxMR, precision=jax.lax.Precision.HIGHEST))
+  r, phi = cfg.proj_dim, rows.phi_ExMR
+  return np.mean([kernel_scores(phi_q[:, m * r:(m + 1) * r], phi[:, m * r:(m + 1) * r],
+                                cfg.damping) for m in range(cfg.ensemble)], axis=0)
+
+
+def trak_scores(model, query: dict[str, np.ndarray], packed, *, split: str = "train",
+                max_rows: int | None = None, cfg: TrakConfig = TrakConfig(),
+                batch_rows: int = 16) -> tuple[np.ndarray, np.ndarray]:
+  """(ids_E, scores_QxE): TRAK's score of every training row (the first `max_rows` rows of
+  `split`) for every query row of the batch `query`, the ensemble's mean."""
+  rows = trak_rows(model, packed, split=split, max_rows=max_rows, cfg=cfg,
+                   batch_rows=batch_rows)
+  return rows.ids_E, trak_query_scores(model, query, rows, cfg=cfg, batch_rows=batch_rows)
