@@ -19,7 +19,7 @@ from __future__ import annotations
 import glob
 import json
 import os
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 
 from absl import flags
 
@@ -42,17 +42,20 @@ def card_rows(preset_names: Sequence[str], seq_len: int | None = None) -> list[d
   return rows
 
 
+def _markdown_table(columns: Sequence[str], cells: Iterable[Sequence[object]]) -> list[str]:
+  """A markdown table's lines: the header of `columns`, then one row of cells each."""
+  return (["| " + " | ".join(columns) + " |", "|" + " --- |" * len(columns)]
+          + ["| " + " | ".join(map(str, row)) + " |" for row in cells])
+
+
 def format_card(rows: Sequence[dict]) -> str:
-  header = ("| preset | K | k | T | dense params | PRISM params | prototype overhead | "
-            "backbone fwd FLOPs/token | prototype head fwd FLOPs/token | head / backbone |")
-  lines = [header, "|" + " --- |" * 10]
-  for r in rows:
-    lines.append(
-        f"| {r['preset']} | {r['K']} | {r['k']} | {r['seq_len']} | {r['dense']:,} "
-        f"({r['dense'] / 1e6:.1f}M) | {r['prism']:,} ({r['prism'] / 1e6:.1f}M) | "
-        f"{r['overhead_pct']:.1f}% | {r['backbone_fwd'] / 1e6:,.2f} MFLOP | "
-        f"{r['proto_fwd'] / 1e6:,.2f} MFLOP | {r['proto_fwd_pct']:.2f}% |")
-  return "\n".join(lines)
+  return "\n".join(_markdown_table(
+      ("preset", "K", "k", "T", "dense params", "PRISM params", "prototype overhead",
+       "backbone fwd FLOPs/token", "prototype head fwd FLOPs/token", "head / backbone"),
+      ((r["preset"], r["K"], r["k"], r["seq_len"], f"{r['dense']:,} ({r['dense'] / 1e6:.1f}M)",
+        f"{r['prism']:,} ({r['prism'] / 1e6:.1f}M)", f"{r['overhead_pct']:.1f}%",
+        f"{r['backbone_fwd'] / 1e6:,.2f} MFLOP", f"{r['proto_fwd'] / 1e6:,.2f} MFLOP",
+        f"{r['proto_fwd_pct']:.2f}%") for r in rows)))
 
 
 def define_flags() -> None:
@@ -144,16 +147,16 @@ def slice_rows(recipes: Sequence[dict], data: dict) -> list[dict]:
 
 
 def format_recipes(rows: Sequence[dict]) -> str:
-  lines = ["| preset | PRISM params | tokens (per param) | batch (rows x T = tokens) | steps "
-           "| peak LR | warm-up | bank from data at | eval / ckpt every | training FLOPs "
-           "(evals) |", "|" + " --- |" * 10]
-  for r in rows:
-    lines.append(
-        f"| {r['preset']} | {r['params'] / 1e6:,.1f}M | {r['tokens'] / 1e9:.2f}B "
-        f"({r['tokens_per_param']:.1f}) | {r['batch_size']} x {r['seq_len']} = "
-        f"{r['batch_tokens']:,} | {r['steps']:,} | {r['lr']:.1e} | {r['warmup_steps']} | "
-        f"step {r['proto_init_step']} | {r['eval_every']} / {r['ckpt_every']} | "
-        f"{r['train_flops']:.3g} ({100 * r['eval_share']:.1f}%) |")
+  lines = _markdown_table(
+      ("preset", "PRISM params", "tokens (per param)", "batch (rows x T = tokens)", "steps",
+       "peak LR", "warm-up", "bank from data at", "eval / ckpt every",
+       "training FLOPs (evals)"),
+      ((r["preset"], f"{r['params'] / 1e6:,.1f}M",
+        f"{r['tokens'] / 1e9:.2f}B ({r['tokens_per_param']:.1f})",
+        f"{r['batch_size']} x {r['seq_len']} = {r['batch_tokens']:,}", f"{r['steps']:,}",
+        f"{r['lr']:.1e}", r["warmup_steps"], f"step {r['proto_init_step']}",
+        f"{r['eval_every']} / {r['ckpt_every']}",
+        f"{r['train_flops']:.3g} ({100 * r['eval_share']:.1f}%)") for r in rows))
   lines.append(
       "\nSchedule: linear warm-up, cosine decay to 10% of the peak LR; --set train.steps=N "
       "rescales warm-up, bank init, evals and checkpoints (prism_jax.config.recipe_train).")
@@ -161,15 +164,14 @@ def format_recipes(rows: Sequence[dict]) -> str:
 
 
 def format_slices(rows: Sequence[dict], data: dict) -> str:
-  lines = ["| preset | slice | chips | remat | rows/chip that fit | N (train.grad_accum) "
-           "| microbatch rows/chip | predicted MFU (full overlap – none) "
-           "| predicted hours (full overlap – none) |", "|" + " --- |" * 9]
-  for r in rows:
-    lines.append(
-        f"| {r['preset']} | {r['slice']} | {r['chips']} | {'on' if r['remat'] else 'off'} "
-        f"| {r['fits_per_chip']} | {r['grad_accum']} | {r['microbatch']} "
-        f"| {100 * r['mfu']:.0f}% – {100 * r['mfu_no_overlap']:.0f}% "
-        f"| {r['hours']:.1f} – {r['hours_no_overlap']:.1f} |")
+  lines = _markdown_table(
+      ("preset", "slice", "chips", "remat", "rows/chip that fit", "N (train.grad_accum)",
+       "microbatch rows/chip", "predicted MFU (full overlap – none)",
+       "predicted hours (full overlap – none)"),
+      ((r["preset"], r["slice"], r["chips"], "on" if r["remat"] else "off",
+        r["fits_per_chip"], r["grad_accum"], r["microbatch"],
+        f"{100 * r['mfu']:.0f}% – {100 * r['mfu_no_overlap']:.0f}%",
+        f"{r['hours']:.1f} – {r['hours_no_overlap']:.1f}") for r in rows))
   peaks = ", ".join(f"{k}: {v['peak_flops'] / 1e12:.0f} TFLOP/s" for k, v in
                     data["chips"].items())
   lines.append(
