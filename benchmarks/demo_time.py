@@ -22,6 +22,7 @@ import time
 
 from absl import flags
 
+from benchmarks import side_by_side
 from prism_jax.cli import flag_checks as check
 from prism_jax.cli import launcher
 
@@ -34,15 +35,6 @@ STAGES = (("install", ["make", "-s", ".venv/.installed-base"]),
           ("train + sample", [".venv/bin/prism", "demo"]),
           ("report", [".venv/bin/prism", "report", "--workdir=runs/demo",
                       "--prompt=The for statement"]))
-
-
-def _uv_cache() -> dict:
-  path = os.environ.get("UV_CACHE_DIR") or os.path.expanduser("~/.cache/uv")
-  size = 0
-  for root, _, files in os.walk(path):
-    size += sum(os.path.getsize(os.path.join(root, f)) for f in files
-                if os.path.isfile(os.path.join(root, f)))
-  return {"path": path, "bytes": size, "state": "warm" if size > 100e6 else "cold"}
 
 
 def demo_facts(stdout: str) -> dict:
@@ -61,27 +53,19 @@ def demo_facts(stdout: str) -> dict:
   return facts
 
 
-def _clone(repo: str, commit: str, into: str) -> str:
-  subprocess.run(["git", "clone", "-q", repo, into], check=True)
-  subprocess.run(["git", "checkout", "-q", commit], cwd=into, check=True)
-  return subprocess.run(["git", "rev-parse", "HEAD"], cwd=into, check=True,
-                        capture_output=True, text=True).stdout.strip()
-
-
 def main(argv):
   del argv
   # written after minutes of cloning, installing and training; relative to the cwd
   check.output_file("results_json", FLAGS.results_json)
   from prism_jax.cli import provenance  # pylint: disable=g-import-not-at-top
-  repo = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  cache = _uv_cache()
+  cache = side_by_side.uv_cache()
   tmp = tempfile.mkdtemp(prefix="demo_time_")
   runs = {"baseline": {"ref": FLAGS.baseline}, "commit": {"ref": FLAGS.commit}}
   env = dict(os.environ, JAX_PLATFORMS="cpu")
   try:
     for label, run in runs.items():
       run["dir"] = os.path.join(tmp, label)
-      run["sha"] = _clone(repo, run["ref"], run["dir"])
+      run["sha"] = side_by_side.clone(run["ref"], run["dir"])
       run["stages_s"] = {}
     for i, (stage, cmd) in enumerate(STAGES):
       order = list(runs) if i % 2 == 0 else list(runs)[::-1]

@@ -189,6 +189,7 @@ def main(argv):
   check_flags()
   if FLAGS.method:
     return _worker()
+  record = provenance.record("experiments.lds_costs")  # the commit the methods ran at
   with open(FLAGS.lds_json) as f:
     lds = json.load(f)
   from prism_jax.attribution.quality import methods  # pylint: disable=g-import-not-at-top
@@ -205,9 +206,9 @@ def main(argv):
   table = "\n".join(lines)
   print(table)
   if FLAGS.results_json:
-    provenance.write_results(FLAGS.results_json, {"costs": costs, "table": table,
-                                                  "lds_json": FLAGS.lds_json},
-                             "experiments.lds_costs")
+    provenance.write_results(FLAGS.results_json, {**record, "costs": costs, "table": table,
+                                                  "lds_json": FLAGS.lds_json,
+                                                  "lds": _lds_of(lds)})
 
 
 if __name__ == "__main__":

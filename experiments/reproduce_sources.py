@@ -12,7 +12,8 @@ from __future__ import annotations
 import os
 from typing import Callable
 
-from benchmarks.demo_time_render import demo_time_markdown, demo_time_rows
+from benchmarks.clone_timing_render import (demo_time_markdown, demo_time_rows,
+                                              suite_time_markdown, suite_time_rows)
 from benchmarks.scale_render import scale_table_markdown
 from benchmarks.serve_render import serve_load_markdown, serve_load_rows
 from experiments.prototype_path_md import (alive_markdown, alive_rows, capacity_markdown,
@@ -308,6 +309,7 @@ READERS: dict[str, Callable[[dict], list[dict]]] = {
     "serve_load": serve_load_rows,
     "demo_time": demo_time_rows,
     "demo_time_cold": demo_time_rows,
+    "suite_time": suite_time_rows,
     "preemption_repeat": repeat_rows,
     "bank_capacity_128x4_seeds": capacity_seed_rows,
     "bank_capacity_nnls": capacity_rows,
@@ -336,6 +338,9 @@ SECTIONS: dict[str, tuple[Callable[[dict], str], str]] = {
     "serve_load": (serve_load_markdown, "serve_load"),
     "demo_time": (demo_time_markdown, "demo_time"),
     "demo_time_cold": (demo_time_markdown, "demo_time_cold"),
+    "suite_time": (suite_time_markdown, "suite_time"),
+    "lds_costs_k128": (lds_markdown, "lds_costs_k128"),
+    "lds_costs_d128x4": (lds_markdown, "lds_costs_d128x4"),
     "lds_default_k128": (lds_markdown, "prototype_path_lds_k128"),
     "lds_default_k512": (lds_markdown, "prototype_path_lds_k512"),
     "lds_groups_k128": (lds_markdown, "lds_groups_k128"),

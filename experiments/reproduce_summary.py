@@ -125,6 +125,18 @@ def alive(cut: dict, trained: dict) -> str:
   return f"{part(cut)}; {part(trained)}: " + _verdict(best >= 0.95)
 
 
+def attribution_speed(small: dict, large: dict) -> str:
+  """Cached PRISM's per-query speed against EK-FAC's (all queries in one EK-FAC pass), and
+  their peak RSS, at the pinned recipe and the larger model (experiments.lds_costs)."""
+  def part(d):
+    p, e = d["costs"]["prism"], d["costs"]["ekfac"]
+    return (f"{e['per_query_s'] / p['per_query_s']:.0f}× at {p['num_rows']} rows "
+            f"({p['peak_rss_bytes'] / 2 ** 20:.0f} vs {e['peak_rss_bytes'] / 2 ** 20:.0f} MiB)")
+  return (f"cached PRISM vs EK-FAC per query: {part(small)} on the LDS recipe (d 64 × 2), "
+          f"{part(large)} at d 128 × 4 (EK-FAC's 64 queries in one pass; LDS beside it in "
+          "'Cost beside quality')")
+
+
 def rehearsal(d: dict) -> str:
   c = d["checks"]
   passed = sum(bool(c.get(k)) for k in sources.REHEARSAL_CHECKS)
@@ -190,6 +202,15 @@ def demo_time_ratio(d: dict) -> str:
           + _verdict(d["within_target"]))
 
 
+def suite_time_ratio(d: dict) -> str:
+  base, new = d["runs"]["baseline"], d["runs"]["commit"]
+  longer = new.get("test_long")
+  return (f"{new['test']['wall_s']:.0f} s vs {base['test']['wall_s']:.0f} s for "
+          f"{base['sha'][:7]}, side by side on one box ({d['machine']}, install included): "
+          f"ratio {d['ratio']:.2f}: " + _verdict(d["within_target"])
+          + (f"; make test-long {longer['wall_s']:.0f} s" if longer else ""))
+
+
 def serve(d: dict) -> str:
   return sources.serve_load_rows(d)[0]["ours"]
 
@@ -243,8 +264,8 @@ SUMMARY: tuple = (
     ("training throughput on TPU, predicted (issue 26)", "97.3% (paper: H200, XL)",
      ("scale_table",), throughput_tpu),
     ("grounding (§7)", "R̄1, R̄2 in 0.94–1.00", ("demo_recipe_test",), grounding_demo),
-    ("attribution speed (§7)", "~470× EK-FAC at equal memory (124M)", (),
-     "no results JSON: hand-recorded ('Attribution speed: cached PRISM vs EK-FAC')"),
+    ("attribution speed (§7)", "~470× EK-FAC at equal memory (124M)",
+     ("lds_costs_k128", "lds_costs_d128x4"), attribution_speed),
     ("attribution signal (§7)", "~80% of top-ranked sequences kept", ("lds_default_k512",),
      retention),
     ("counterfactual attribution, LDS (issues 17, 30, 44)", "measured with a noise ceiling",
@@ -262,6 +283,8 @@ SUMMARY: tuple = (
      ("rehearsal",), rehearsal),
     ("`make demo` from a fresh clone (issues 45, 53)", "≤ 0.6 × 14df241's, side by side",
      ("demo_time",), demo_time_ratio),
+    ("`make test` from a fresh clone (issue 56)", "≤ 0.7 × 14df241's, side by side",
+     ("suite_time",), suite_time_ratio),
     ("explorer under load (issue 48)", "reported; no recompiles", ("serve_load",), serve),
     ("2-process preemption test under load (issue 46)", "passes every time",
      ("preemption_repeat",), preemption),

@@ -1,6 +1,7 @@
-"""docs/RESULTS.md's "make demo on a fresh clone" lines and summary row, from
-docs/results/demo_time*.json (benchmarks/demo_time.py). Two layouts: one commit timed alone
-(`stages_s`, issue 45's budget) or two commits side by side (`runs`, issue 53's ratio).
+"""docs/RESULTS.md's fresh-clone timings and their summary rows: `make demo` from
+docs/results/demo_time*.json (benchmarks/demo_time.py; two layouts: one commit timed alone,
+`stages_s`, issue 45's budget, or two commits side by side, `runs`, issue 53's ratio) and
+`make test` from docs/results/suite_time.json (benchmarks/suite_time.py, issue 56's ratio).
 Flag-free: experiments.reproduce imports it."""
 
 
@@ -56,4 +57,36 @@ def demo_time_rows(data: dict) -> list[dict]:
            "paper": "not reported",
            "ours": f"{data['total_s'] / 60:.1f} min (uv cache {data['uv_cache']['state']}; "
                    f"budget {data['budget_s'] / 60:.0f} min)",
+           "command": data["command"]}]
+
+
+def _suite(part: dict | None) -> str:
+  if not part:
+    return "–"
+  counts = ", ".join(f"{part[k]} {k}" for k in ("passed", "skipped", "failed") if k in part)
+  return f"{part['wall_s']:.0f} s ({counts}; pytest {part.get('pytest_s', 0):.0f} s)"
+
+
+def suite_time_markdown(data: dict) -> str:
+  base, new = data["runs"]["baseline"], data["runs"]["commit"]
+  lines = [f"`{data['command']}` (commit `{data['commit'][:12]}`), {data['machine']}; "
+           f"{_cache(data)}; fresh clones, `make test` in one after the other (install, "
+           "import contracts, bytecode, suite).", "",
+           f"| target | baseline `{base['sha'][:7]}` | `{new['sha'][:7]}` |", "|---|---|---|",
+           f"| make test | {_suite(base['test'])} | {_suite(new['test'])} |"]
+  if "test_long" in new or "test_long" in base:
+    lines.append(f"| make test-long | {_suite(base.get('test_long'))} | "
+                 f"{_suite(new.get('test_long'))} |")
+  lines += ["", f"make test ratio **{data['ratio']:.2f}** (target ≤ {data['target_ratio']}: "
+                f"{'met' if data['within_target'] else 'NOT met'})."]
+  return "\n".join(lines)
+
+
+def suite_time_rows(data: dict) -> list[dict]:
+  base, new = data["runs"]["baseline"], data["runs"]["commit"]
+  return [{"metric": "make test on a fresh clone, install included (CPU), against "
+                     f"{base['sha'][:7]} side by side",
+           "paper": "not reported",
+           "ours": f"{new['test']['wall_s']:.0f} s vs {base['test']['wall_s']:.0f} s: ratio "
+                   f"{data['ratio']:.2f} (target ≤ {data['target_ratio']})",
            "command": data["command"]}]
