@@ -3,8 +3,8 @@
   python -m benchmarks.suite_time [--baseline=14df241] [--commit=HEAD] [--long] \
       [--results_json=docs/results/suite_time.json]
 
-Clones this repository twice (--baseline and --commit) into a temporary directory and runs
-`make test` in each, as CI does on a clean clone (the venv's install, the import contracts,
+Clones this repository twice (--commit, then --baseline) into a temporary directory and runs
+`make test` in each, the measured commit first, as CI does on a clean clone (the venv's install, the import contracts,
 the bytecode, the suite), sharing uv's package cache (its state is recorded). Wall seconds
 of each, the ratio commit / baseline (issue 56: <= 0.7), and each suite's pytest summary
 (passed, skipped, pytest's own seconds). With --long, `make test-long` runs after it in
@@ -54,7 +54,8 @@ def main(argv):
   from prism_jax.cli import provenance  # pylint: disable=g-import-not-at-top
   cache = side_by_side.uv_cache()
   tmp = tempfile.mkdtemp(prefix="suite_time_")
-  runs = {"baseline": {"ref": FLAGS.baseline}, "commit": {"ref": FLAGS.commit}}
+  # The measured commit first: a suite that fails there stops the run before the baseline's.
+  runs = {"commit": {"ref": FLAGS.commit}, "baseline": {"ref": FLAGS.baseline}}
   env = {k: v for k, v in os.environ.items() if not k.startswith(("PYTEST", "VIRTUAL_ENV"))}
   env["JAX_PLATFORMS"] = "cpu"
   try:

@@ -283,28 +283,21 @@ def test_every_method_agrees_with_its_float64_reference(name, micro, scored):
 
 
 def test_a_build_is_kept_for_the_next_call_and_costed(micro, tmp_path, monkeypatch):
-  """methods.Builds: what a method builds (TRAK's Φ, cached EK-FAC's rows) is built once per
-  store, its seconds and bytes recorded; a second call on the same store scores against it
-  (the attribution cost bench's build / per-query split), another seed builds anew."""
-  from prism_jax.attribution.scoring import ekfac_cached  # pylint: disable=g-import-not-at-top
+  """methods.Builds: what a method builds (here TRAK's Φ) is built once per store, its
+  seconds and bytes recorded; a second call on the same store scores against it (the
+  attribution cost bench's build / per-query split); another seed builds anew."""
   from prism_jax.attribution.scoring import trak  # pylint: disable=g-import-not-at-top
   cfg, packed, queries, model = micro
-  calls = []
-  for module, fn in ((trak, "trak_rows"), (ekfac_cached, "build_rows")):
-    real = getattr(module, fn)
-    monkeypatch.setattr(module, fn, lambda *a, real=real, fn=fn, **k: (calls.append(fn),
-                                                                     real(*a, **k))[1])
-  builds, scratch = methods.Builds(), str(tmp_path)
-  run = lambda name, seed=0: methods.scores(name, model, cfg, packed, queries, ROWS, scratch,
-                                            seed=seed, builds=builds)[0]
-  for name, what in (("trak", "TRAK rows"), ("ekfac_cached[bank+last+early]",
-                                             "cached EK-FAC rows [bank+last+early] r0")):
-    first = run(name)
-    np.testing.assert_array_equal(run(name), first)
-    assert builds.seconds[what] > 0
-    assert calls.count(calls[-1]) == 1  # the second call built nothing
+  calls, real = [], trak.trak_rows
+  monkeypatch.setattr(trak, "trak_rows", lambda *a, **k: (calls.append(1), real(*a, **k))[1])
+  builds = methods.Builds()
+  run = lambda seed=0: methods.scores("trak", model, cfg, packed, queries, ROWS,
+                                      str(tmp_path), seed=seed, builds=builds)[0]
+  first = run()
+  np.testing.assert_array_equal(run(), first)
+  assert len(calls) == 1 and builds.seconds["TRAK rows"] > 0  # the second call built nothing
   cfg_t = trak.TrakConfig()
   assert builds.nbytes["TRAK rows"] == ROWS * cfg_t.ensemble * cfg_t.proj_dim * 4  # float32 Φ
-  assert builds.nbytes["EK-FAC factors"] == 0  # fixed size, nothing kept per row
-  assert not np.array_equal(run("trak", seed=1), run("trak"))  # another projection: rebuilt
-  assert calls == ["trak_rows", "build_rows", "trak_rows"]
+  assert not np.array_equal(run(seed=1), first) and len(calls) == 2  # another projection
+  np.testing.assert_array_equal(run(), first)
+  assert len(calls) == 2  # seed 0's Φ is still kept
