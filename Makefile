@@ -75,10 +75,9 @@ test: $(STAMP) browser
 	    $(PYTEST_ARGS); \
 	  rc=$$?; rm -rf "$$cache"; exit $$rc
 
-# The long checks (`@pytest.mark.long`, and tests/conftest.py's LONG list with a reason
-# each): end to end (browsers, notebooks, processes killed and resumed, 2-process runs, TPU
-# compiles, the CLI demo) and the further cases of parametrized checks; .ci/run runs this
-# target after `make test`.
+# The checks that take a minute or more each (`@pytest.mark.long`: 2-process runs, the
+# `small` TPU compile, end-to-end load/attribute/report, accumulation on 8 devices), kept out
+# of `make test`'s 12 minutes; .ci/run runs this target after `make test`.
 test-long: $(STAMP) browser
 	@cache="$$(mktemp -d -t prism_jax_jit.XXXXXX)"; \
 	  PRISM_JAX_TEST_JIT_CACHE="$$cache" $(PY) -m pytest -q -n 2 --dist loadfile -m long \

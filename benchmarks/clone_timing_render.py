@@ -43,15 +43,18 @@ def _side_by_side_markdown(data: dict) -> str:
   return "\n".join(lines)
 
 
+def _ratio_row(target: str, data: dict, seconds) -> dict:
+  """The summary row of `make TARGET` on fresh clones side by side: seconds(run) of each."""
+  base, new = data["runs"]["baseline"], data["runs"]["commit"]
+  return {"metric": f"make {target} on a fresh clone, install included (CPU), against "
+                    f"{base['sha'][:7]} side by side", "paper": "not reported",
+          "ours": f"{seconds(new):.0f} s vs {seconds(base):.0f} s: ratio {data['ratio']:.2f} "
+                  f"(target ≤ {data['target_ratio']})", "command": data["command"]}
+
+
 def demo_time_rows(data: dict) -> list[dict]:
   if "runs" in data:
-    base, new = data["runs"]["baseline"], data["runs"]["commit"]
-    return [{"metric": "make demo on a fresh clone, install included (CPU), against "
-                       f"{base['sha'][:7]} side by side",
-             "paper": "not reported",
-             "ours": f"{new['total_s']:.0f} s vs {base['total_s']:.0f} s: ratio "
-                     f"{data['ratio']:.2f} (target ≤ {data['target_ratio']})",
-             "command": data["command"]}]
+    return [_ratio_row("demo", data, lambda run: run["total_s"])]
   return [{"metric": f"make demo on a fresh clone, install included (CPU, uv cache "
                      f"{data['uv_cache']['state']})",
            "paper": "not reported",
@@ -83,10 +86,4 @@ def suite_time_markdown(data: dict) -> str:
 
 
 def suite_time_rows(data: dict) -> list[dict]:
-  base, new = data["runs"]["baseline"], data["runs"]["commit"]
-  return [{"metric": "make test on a fresh clone, install included (CPU), against "
-                     f"{base['sha'][:7]} side by side",
-           "paper": "not reported",
-           "ours": f"{new['test']['wall_s']:.0f} s vs {base['test']['wall_s']:.0f} s: ratio "
-                   f"{data['ratio']:.2f} (target ≤ {data['target_ratio']})",
-           "command": data["command"]}]
+  return [_ratio_row("test", data, lambda run: run["test"]["wall_s"])]

@@ -4,8 +4,9 @@
       [--results_json=docs/results/suite_time.json]
 
 Clones this repository twice (--commit, then --baseline) into a temporary directory and runs
-`make test` in each, the measured commit first, as CI does on a clean clone (the venv's install, the import contracts,
-the bytecode, the suite), sharing uv's package cache (its state is recorded). Wall seconds
+`make test` in each, the measured commit first, as CI does on a clean clone (the venv's
+install, the import contracts, the bytecode, the suite), sharing uv's package cache (its
+state is recorded). Wall seconds
 of each, the ratio commit / baseline (issue 56: <= 0.7), and each suite's pytest summary
 (passed, skipped, pytest's own seconds). With --long, `make test-long` runs after it in
 each clone that has the target, so CI's whole suite (test + test-long) stands beside it:

@@ -183,6 +183,8 @@ def _method_scores(cfg, packed, queries, E: int, score_dir: str):
                                rank=FLAGS.rank, seed=FLAGS.seed)
       np.savez(path, scores=sc, seconds=sec)
       logging.info("%s: scores in %.1f s", name, sec)
+      # the factors serve every EK-FAC form; another method's row caches need not stay
+      methods.BUILDS.keep_only("EK-FAC factors", "prototype cache")
     with np.load(path) as f:
       scores[name], cost[name] = f["scores"], float(f["seconds"])
   return scores, cost

@@ -18,9 +18,9 @@ methods protocol (attribution/quality/methods.py) with its own `Builds` store:
            build's seconds and bytes) and every query scored;
   call 2   the same call on the same store: the queries alone. Per-query seconds = its wall
            (and CPU) time / #queries, the fastest of --rounds.
-A bare process (imports, model, data, queries; no method) gives the RSS floor. Methods
-without a build (ekfac streams the training gradients per query batch, grad_dot too) pay
-the whole pass in every call; their per-query time says so.
+A bare process (imports, model, data, queries; no method) gives the RSS floor. The streamed
+methods (EK-FAC and its groups, whose build is their factors alone; gradient dot, with no
+build) pass over every training row in each call; their per-query time is that pass / Q.
 
 Prints one table (markdown) joining each method's LDS (the LDS JSON's rows: all queries, and
 the held-out report half where recorded) with its costs; writes the results JSON.
@@ -45,7 +45,8 @@ flags.DEFINE_string("lds_json", None, "the experiments.lds results JSON whose me
                     "and queries are costed (its LDS rows go beside the costs)")
 flags.DEFINE_string("out", "/tmp/prism_lds_costs", "scratch: each method's cache and "
                     "result JSON")
-flags.DEFINE_list("methods", [], "methods to cost (default: every method the LDS JSON has)")
+flags.DEFINE_list("methods", [], "methods to cost (default: every method with an LDS row in "
+                  "the LDS JSON)")
 # The LDS run's own flags, read from --lds_json's argv and handed to each method's process
 # (defaults: experiments.lds's).
 LDS_FLAGS = ("set", "num_rows", "queries", "targets", "seed", "rank")
@@ -71,7 +72,12 @@ def _setting():
   from prism_jax.data import prepare_data  # pylint: disable=g-import-not-at-top
   cfg = lds_recipe.config(FLAGS.set)
   packed = prepare_data(cfg.data, cfg.model.vocab_size, FLAGS.out)
-  _, queries = retrain.sample_queries(packed, FLAGS.queries, FLAGS.targets, FLAGS.seed)
+  q_rows, queries = retrain.sample_queries(packed, FLAGS.queries, FLAGS.targets, FLAGS.seed)
+  with open(FLAGS.lds_json) as f:
+    recorded = json.load(f).get("queries")
+  if recorded is not None and list(recorded) != q_rows:
+    raise ValueError(f"--lds_json {FLAGS.lds_json}: its queries are val rows {recorded[:4]}..., "
+                     f"drawn here {q_rows[:4]}...: not the LDS run's data")
   model, _ = retrain.retrain(cfg, packed, np.arange(FLAGS.num_rows), 0)
   return cfg, packed, queries, model
 
@@ -84,7 +90,7 @@ def _worker() -> None:
   jax.config.update("jax_compilation_cache_dir", os.path.join(FLAGS.out, "jax_cache"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   cfg, packed, queries, model = _setting()
-  res = {"method": FLAGS.method}
+  res = {"method": FLAGS.method, "lds_json": os.path.abspath(FLAGS.lds_json)}
   if FLAGS.method != BARE:
     builds, scratch = methods.Builds(), os.path.join(FLAGS.out, "scratch", FLAGS.method)
     shutil.rmtree(scratch, ignore_errors=True)  # the cache is built here, not reused
@@ -115,15 +121,30 @@ def _result_path(method: str) -> str:
 
 
 def _lds_args(lds: dict) -> list[str]:
-  """The LDS run's LDS_FLAGS as it passed them (its recorded argv)."""
-  return [a for a in lds["argv"] if a.split("=", 1)[0].lstrip("-") in LDS_FLAGS]
+  """The LDS run's LDS_FLAGS as it passed them (its recorded argv, every flag written
+  --name=value, as provenance records a launcher's argv)."""
+  args = [a for a in lds["argv"] if a.split("=", 1)[0].lstrip("-") in LDS_FLAGS]
+  bare = [a for a in args if "=" not in a]
+  if bare:
+    raise ValueError(f"--lds_json {FLAGS.lds_json}: flag {bare[0]} recorded without "
+                     "'=value': pass the LDS run's flags as --name=value")
+  return args
+
+
+def _reusable(path: str) -> bool:
+  """--reuse: a method's result of this same LDS run (another run's is measured again)."""
+  if not (FLAGS.reuse and os.path.exists(path)):
+    return False
+  with open(path) as f:
+    return json.load(f).get("lds_json") == os.path.abspath(FLAGS.lds_json)
 
 
 def _run(method: str, lds_args: list[str]) -> dict:
   path = _result_path(method)
-  if not (FLAGS.reuse and os.path.exists(path)):
+  if not _reusable(path):
     args = [sys.executable, "-m", "experiments.lds_costs", f"--method={method}",
-            f"--out={FLAGS.out}", f"--rounds={FLAGS.rounds}", *lds_args]
+            f"--out={FLAGS.out}", f"--rounds={FLAGS.rounds}", f"--lds_json={FLAGS.lds_json}",
+            *lds_args]
     t = time.time()
     subprocess.run(args, check=True, env=dict(os.environ, JAX_PLATFORMS="cpu"))
     logging.info("%s costed in %.0f s", method, time.time() - t)
@@ -193,7 +214,7 @@ def main(argv):
   with open(FLAGS.lds_json) as f:
     lds = json.load(f)
   from prism_jax.attribution.quality import methods  # pylint: disable=g-import-not-at-top
-  names = FLAGS.methods or [m for m in lds["removal"] if m in methods.REGISTRY]
+  names = FLAGS.methods or [m for m in _lds_of(lds) if m in methods.REGISTRY]
   check.known("methods", names, methods.REGISTRY)
   _check_config(lds, [a.split("=", 1)[1] for a in _lds_args(lds) if a.startswith("--set=")])
   # The bare process last: the first process compiles the retrain for the others (the

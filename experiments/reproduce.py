@@ -69,8 +69,6 @@ EXTRA = (("faithfulness", "faithfulness (W ẑ alone vs the full model)", "not r
 NO_JSON = {
     "overhead": "no results JSON: an analytic count, printed by `prism model-card` "
                 "(section 'Model card')",
-    "attribution_speed": "no results JSON: hand-recorded (section 'Attribution speed: "
-                         "cached PRISM vs EK-FAC')",
 }
 REQUIRED = ("metric", "ours", "command")
 

@@ -23,8 +23,8 @@ from experiments.prototype_path_md import (alive_markdown, alive_rows, capacity_
 from experiments.reproduce_control import (CAVEATS, heldout_markdown, mc_eval, mc_markdown,
                                            suppression_heldout, suppression_heldout_headline,
                                            suppression_superseded)
-from experiments.reproduce_readers import (bench_pack, hf_llama, lds, lds_default, retrofit,
-                                           retrofit_markdown)
+from experiments.reproduce_readers import (bench_pack, hf_llama, lds, lds_costs, lds_default,
+                                           retrofit, retrofit_markdown)
 
 
 def throughput(data: dict) -> list[dict]:
@@ -310,6 +310,7 @@ READERS: dict[str, Callable[[dict], list[dict]]] = {
     "demo_time": demo_time_rows,
     "demo_time_cold": demo_time_rows,
     "suite_time": suite_time_rows,
+    "lds_costs_d128x4": lds_costs,
     "preemption_repeat": repeat_rows,
     "bank_capacity_128x4_seeds": capacity_seed_rows,
     "bank_capacity_nnls": capacity_rows,

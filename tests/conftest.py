@@ -89,61 +89,6 @@ LONGEST_FIRST = ("test_kernels.py", "test_faults.py", "test_preemption.py", "tes
                  "test_serve_fuzz.py", "test_proto_init_auto.py", "test_run_integrity.py")
 
 
-# `make test` runs the library's behaviour in-process; `make test-long` (CI runs both) adds
-# the end-to-end checks and the second, third ... cases of a parametrized check whose first
-# case stays in `make test` (issue 56, item 7: make test <= 0.7 x 14df241's). Node ids (a
-# file alone: all of it) -> why the check is long. Beside these, tests marked
-# `@pytest.mark.long` where they are written.
-LONG = {
-    # processes, signals, browsers, notebooks, TPU compiles: end-to-end
-    "test_report_browser.py": "headless Chromium over a written report",
-    "test_serve_browser.py": "headless Chromium over the live explorer",
-    "test_notebook.py": "every tutorial notebook executed",
-    "test_readme.py": "the README's snippets executed",
-    "test_train_resume.py": "SIGKILLed training processes resumed",
-    "test_failure_exit.py": "2-process runs with a failing process",
-    "test_data_pack_parallel.py": "2-process packing, killed and resumed",
-    "test_cache_multihost.py": "2-process cache builds",
-    "test_preemption.py": "preemption signals to training processes",
-    "test_scale_table.py": "TPU programs compiled ahead of time",
-    "test_scale_recipes.py": "TPU programs compiled ahead of time",
-    "test_sharding_aot.py": "TPU programs compiled ahead of time",
-    "test_kernels_tpu_aot.py": "TPU programs compiled ahead of time",
-    "test_kernels.py::test_edge_cases_match_reference[tpu]": "the TPU kernel in interpret "
-        "mode (the GPU and default paths' edge cases stay)",
-    "test_cli.py::test_demo_samples_by_default_greedy_on_request_and_a_mismatch_is_one_line":
-        "`prism demo` trained and sampled end to end",
-    "test_cli_overrides.py::test_a_run_started_from_a_runs_config_json_trains_like_the_original":
-        "two training runs compared",
-    "test_train_extend.py::test_finished_run_extends_with_the_new_schedule_and_the_same_data_order":
-        "two training runs compared",
-    "test_faults.py::test_start_over_flag_of_the_cli": "the train command run three times",
-    "test_hub.py::test_export_then_load_is_bit_exact_and_transformers_shaped":
-        "train, export and load end to end",
-    "test_evaluation_scoring.py::test_evaluate_tasks_accuracy_equals_float64_brute_force":
-        "every task scored twice (option log-probs stay)",
-    # a parametrized check's further cases (its other cases stay in make test)
-    "test_head.py::test_attribution_and_hessian_blocks_equal_autodiff_through_prismlm"
-    "[raw-none-cosine-straight_through]": "4 other option sets stay",
-    "test_hessian.py::test_gauss_newton_blocks_equal_autodiff[straight_through-cosine]":
-        "[plain-sqeuclidean] stays",
-    "test_grad_accum.py::test_accumulated_training_equals_the_whole_batch[1-8]":
-        "the other accumulations stay",
-    "test_sharding.py::test_training_matches_single_device[shape2]": "shapes 0, 1 stay",
-    "test_sharding.py::test_training_matches_single_device[shape3]": "shapes 0, 1 stay",
-    "test_sharding.py::test_llama_training_matches_single_device[shape0]": "shape 1 stays",
-    "test_sharding.py::test_llama_remat_and_bf16_steps_track_the_plain_one":
-        "Llama on meshes stays (shape 1)",
-    "test_ekfac.py::test_cached_group_scores_equal_streamed_ones_without_projection":
-        "cached EK-FAC's float64 reference stays (test_attribution_methods)",
-}
-
-
-@pytest.hookimpl(tryfirst=True)  # before -m "not long" deselects
 def pytest_collection_modifyitems(items):
-  for item in items:
-    node = item.nodeid.split("/")[-1]
-    if item.path.name in LONG or node in LONG:
-      item.add_marker(pytest.mark.long)
   rank = {name: i for i, name in enumerate(LONGEST_FIRST)}
   items.sort(key=lambda item: rank.get(item.path.name, len(rank)))

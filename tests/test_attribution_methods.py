@@ -102,6 +102,7 @@ def test_every_method_keeps_the_protocol(name, micro, scored):
     return
   # The queries reversed, the same seed: the same scores (a rerun is deterministic), and
   # query q's scores stay with query q (the rows' order is the references' test below).
+  # (scored against what the first call built: test_a_build_is_kept_... rebuilds one)
   flipped = retrain.Queries(queries.tokens_QxL[::-1], queries.mask_QxT[::-1])
   again, _ = methods.scores(name, model, cfg, packed, flipped, ROWS, scored.scratch)
   assert again.shape == (num_q, ROWS)
@@ -301,3 +302,6 @@ def test_a_build_is_kept_for_the_next_call_and_costed(micro, tmp_path, monkeypat
   assert not np.array_equal(run(seed=1), first) and len(calls) == 2  # another projection
   np.testing.assert_array_equal(run(), first)
   assert len(calls) == 2  # seed 0's Φ is still kept
+  rebuilt, _ = methods.scores("trak", model, cfg, packed, queries, ROWS, str(tmp_path),
+                              builds=methods.Builds())  # a fresh store builds the same Φ
+  np.testing.assert_array_equal(rebuilt, first)

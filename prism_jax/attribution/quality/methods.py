@@ -18,7 +18,7 @@ reads them to separate build time from per-query time).
   ekfac_cached[GROUP]  ekfac[GROUP] with each row's gradient cached once (whole; "_r1024":
                  projected to 1024 dimensions): a query is one backward pass and a product
   grad_dot       grad_dot.grad_dot_scores (all parameters, no curvature)
-  trak           trak.trak_scores: gradients projected to 256 dimensions, a kernel
+  trak           trak.trak_rows + trak_query_scores: gradients projected to 256 dimensions, a kernel
                  preconditioner there, an ensemble of 4 projections (one trained model)
   random         iid N(0, 1) scores (seeded): the floor
 """
@@ -68,18 +68,23 @@ class Builds:
   EK-FAC's factors, cached EK-FAC's rows, TRAK's Φ), kept in this process, with each build's
   seconds and bytes: a second `scores` call on the same store pays for its queries alone,
   which is how the attribution cost bench separates build time from per-query time.
-  Holds one (scratch, model, rows) at a time: a new one drops the old builds."""
+  Holds one (scratch, model, data, config, rows) at a time, compared by identity (the store
+  keeps them, so a freed model's id cannot come back as another's): a new one drops the old
+  builds and their costs."""
 
   def __init__(self):
     self._owner, self._built = None, {}
-    self.seconds: dict[str, float] = {}  # what -> seconds its build took
-    self.nbytes: dict[str, int] = {}  # what -> bytes it keeps (0: nothing per row)
+    self.seconds: dict[str, float] = {}  # what -> seconds its latest build took
+    self.nbytes: dict[str, int] = {}  # what -> bytes it keeps per training-row set
 
   def get(self, s: Setting, what: str, build: Callable[[], Any],
           nbytes: Callable[[Any], int] | None = None):
-    owner = (s.scratch, id(s.model), s.num_rows)
-    if owner != self._owner:
+    owner = (s.scratch, s.num_rows, s.model, s.packed, s.cfg)
+    same = self._owner is not None and self._owner[:2] == owner[:2] and all(
+        a is b for a, b in zip(self._owner[2:], owner[2:]))
+    if not same:
       self._owner, self._built = owner, {}
+      self.seconds, self.nbytes = {}, {}
     key = (what, s.rank, s.seed)
     if key not in self._built:
       t = time.time()
@@ -87,6 +92,11 @@ class Builds:
       self.seconds[what] = time.time() - t
       self.nbytes[what] = int(nbytes(self._built[key])) if nbytes else 0
     return self._built[key]
+
+  def keep_only(self, *whats: str) -> None:
+    """Drops every build but those named (experiments.lds scores method after method in one
+    process: the factors are shared, the rows' caches of one method need not outlive it)."""
+    self._built = {k: v for k, v in self._built.items() if k[0] in whats}
 
 
 BUILDS = Builds()
@@ -128,7 +138,10 @@ def _cache(s: Setting):
 
   def build():
     if cache_format.is_cache_dir(cache_dir):
-      return cache_lib.AttributionCache(cache_dir, s.model, s.cfg)
+      cache = cache_lib.AttributionCache(cache_dir, s.model, s.cfg)
+      rows = min(s.num_rows, s.packed.num_rows("train"))
+      if cache.rank == s.rank and cache.num_sequences("row") == rows:
+        return cache  # another rank or row count: built anew below
     return cache_lib.build_cache(s.model, s.cfg, s.packed, cache_dir, cache_lib.CacheConfig(
         rank=s.rank, max_rows=s.num_rows), overwrite=True)
   return s.built("prototype cache", build,

@@ -75,6 +75,7 @@ class TrakRows:
   ids_E: np.ndarray
   phi_ExMR: np.ndarray
   proj_PxMR: jax.Array
+  cfg: TrakConfig
 
 
 def trak_rows(model, packed, *, split: str = "train", max_rows: int | None = None,
@@ -91,13 +92,15 @@ def trak_rows(model, packed, *, split: str = "train", max_rows: int | None = Non
     ids.append(np.arange(start, start + n))
   if not ids:
     raise ValueError(f"split {split!r} has no rows to score")
-  return TrakRows(np.concatenate(ids), np.concatenate(parts), proj)
+  return TrakRows(np.concatenate(ids), np.concatenate(parts), proj, cfg)
 
 
 def trak_query_scores(model, query: dict[str, np.ndarray], rows: TrakRows, *,
                       cfg: TrakConfig = TrakConfig(), batch_rows: int = 16) -> np.ndarray:
   """(Q, E): every query row of the batch `query` scored against `rows` (trak_rows, the
   same `cfg`), the ensemble's mean."""
+  if rows.cfg != cfg:
+    raise ValueError(f"TRAK rows built with {rows.cfg}, scored with {cfg}: use the same")
   q_QxP = grad_dot.query_gradients(model, query, batch_rows)
   phi_q = np.asarray(jnp.matmul(q_QxP, rows.proj_PxMR, precision=jax.lax.Precision.HIGHEST))
   r, phi = cfg.proj_dim, rows.phi_ExMR
