@@ -305,3 +305,20 @@ def test_a_build_is_kept_for_the_next_call_and_costed(micro, tmp_path, monkeypat
   rebuilt, _ = methods.scores("trak", model, cfg, packed, queries, ROWS, str(tmp_path),
                               builds=methods.Builds())  # a fresh store builds the same Φ
   np.testing.assert_array_equal(rebuilt, first)
+
+
+def test_a_prototype_cache_of_another_rank_or_model_is_not_reused(micro, tmp_path):
+  """The prototype cache on disk under a scratch is opened only at the rank and rows asked
+  for (another is built anew), and a store holds one model's builds: another model object,
+  even with equal weights, starts from nothing."""
+  cfg, packed, queries, model = micro
+  setting = lambda rank, builds, m=model: methods.Setting(
+      m, cfg, packed, queries, ROWS, str(tmp_path), rank=rank, builds=builds)
+  store = methods.Builds()
+  assert methods._cache(setting(8, store)).rank == 8  # pylint: disable=protected-access
+  assert methods._cache(setting(4, store)).rank == 4  # pylint: disable=protected-access
+  reopened = methods.Builds()
+  assert methods._cache(setting(4, reopened)).rank == 4  # pylint: disable=protected-access
+  twin = nnx.merge(*nnx.split(model))
+  methods._cache(setting(4, store, twin))  # pylint: disable=protected-access
+  assert list(store.seconds) == ["prototype cache"] and len(store._built) == 1  # pylint: disable=protected-access
