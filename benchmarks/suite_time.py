@@ -6,11 +6,10 @@
 Clones this repository twice (--commit, then --baseline) into a temporary directory and runs
 `make test` in each, the measured commit first, as CI does on a clean clone (the venv's
 install, the import contracts, the bytecode, the suite), sharing uv's package cache (its
-state is recorded). Wall seconds
-of each, the ratio commit / baseline (issue 56: <= 0.7), and each suite's pytest summary
-(passed, skipped, pytest's own seconds). With --long, `make test-long` runs after it in
-each clone that has the target, so CI's whole suite (test + test-long) stands beside it:
-what moved to test-long is still run and still timed.
+state is recorded). Wall seconds of each, the ratio commit / baseline (issue 56: <= 0.7),
+and each suite's pytest summary (passed, skipped, pytest's own seconds). With --long,
+`make test-long` runs after it in each clone that has the target, so CI's whole suite
+(test + test-long) stands beside it.
 """
 
 import os

@@ -108,7 +108,7 @@ def _worker() -> None:
       cpus.append(time.process_time() - c)
     num_q = len(queries.tokens_QxL)
     res.update(per_query_s=min(walls) / num_q, per_query_cpu_s=min(cpus) / num_q,
-               rounds_s=walls, queries=num_q)
+               rounds_s=walls)
   res.update(peak_rss_bytes=resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
              num_rows=FLAGS.num_rows, num_queries=len(queries.tokens_QxL),
              training_tokens=int(np.count_nonzero(
@@ -176,14 +176,14 @@ def _check_config(lds: dict, sets: list[str]) -> None:
                          f"{value!r}, this recipe has {here[section][key]!r} (pass its --set)")
 
 
-def _table(lds: dict, costs: dict[str, dict]) -> list[str]:
+def _table(scores: dict[str, dict], costs: dict[str, dict]) -> list[str]:
+  """The cost table's lines: each costed method's LDS (`scores`: _lds_of) and costs."""
   floor = costs[BARE]["peak_rss_bytes"] / 2 ** 20
   ek = costs.get("ekfac", {}).get("per_query_s")
   fmt_lds = lambda v: f"{v[0]:.3f} [{v[1][0]:.3f}, {v[1][1]:.3f}]" if v else "–"
   lines = ["| method | LDS (all queries) | LDS (report half) | scoring s / query | "
            "CPU s / query | × EK-FAC's speed | build s | cache bytes / training token | "
            "peak RSS MiB (floor " + f"{floor:.0f})" + " |", "|---|---|---|---|---|---|---|---|---|"]
-  scores = _lds_of(lds)
   for name, c in costs.items():
     if name == BARE:
       continue
@@ -214,22 +214,23 @@ def main(argv):
   with open(FLAGS.lds_json) as f:
     lds = json.load(f)
   from prism_jax.attribution.quality import methods  # pylint: disable=g-import-not-at-top
-  names = FLAGS.methods or [m for m in _lds_of(lds) if m in methods.REGISTRY]
+  scores, lds_args = _lds_of(lds), _lds_args(lds)
+  names = FLAGS.methods or [m for m in scores if m in methods.REGISTRY]
   check.known("methods", names, methods.REGISTRY)
-  _check_config(lds, [a.split("=", 1)[1] for a in _lds_args(lds) if a.startswith("--set=")])
+  _check_config(lds, [a.split("=", 1)[1] for a in lds_args if a.startswith("--set=")])
   # The bare process last: the first process compiles the retrain for the others (the
   # persistent cache), which would lift its RSS above the floor.
-  costs = {name: _run(name, _lds_args(lds)) for name in [*names, BARE]}
+  costs = {name: _run(name, lds_args) for name in [*names, BARE]}
   bare = costs[BARE]
   lines = [f"costs of the methods of {FLAGS.lds_json} (LDS from there; {bare['num_queries']} "
            f"queries, {bare['num_rows']} training rows, {bare['training_tokens']} training "
-           "tokens; each method in its own process, CPU)", ""] + _table(lds, costs)
+           "tokens; each method in its own process, CPU)", ""] + _table(scores, costs)
   table = "\n".join(lines)
   print(table)
   if FLAGS.results_json:
     provenance.write_results(FLAGS.results_json, {**record, "costs": costs, "table": table,
                                                   "lds_json": FLAGS.lds_json,
-                                                  "lds": _lds_of(lds)})
+                                                  "lds": scores})
 
 
 if __name__ == "__main__":

@@ -44,7 +44,7 @@ def lds_costs(data: dict) -> list[dict]:
            "claim": "attribution_speed",
            "ours": f"{e['per_query_s'] / p['per_query_s']:.0f}× ({p['per_query_s']:.4f} vs "
                    f"{e['per_query_s']:.3f} s; peak RSS {mib(p):.0f} vs {mib(e):.0f} MiB; "
-                   f"EK-FAC's {p['queries']} queries in one pass over the rows)",
+                   f"EK-FAC's {p['num_queries']} queries in one pass over the rows)",
            "command": data["command"]}]
 
 

@@ -133,8 +133,8 @@ def attribution_speed(small: dict, large: dict) -> str:
     return (f"{e['per_query_s'] / p['per_query_s']:.0f}× at {p['num_rows']} rows "
             f"({p['peak_rss_bytes'] / 2 ** 20:.0f} vs {e['peak_rss_bytes'] / 2 ** 20:.0f} MiB)")
   return (f"cached PRISM vs EK-FAC per query: {part(small)} on the LDS recipe (d 64 × 2), "
-          f"{part(large)} at d 128 × 4 (EK-FAC's 64 queries in one pass; LDS beside it in "
-          "'Cost beside quality')")
+          f"{part(large)} at d 128 × 4 (EK-FAC's {large['costs']['ekfac']['num_queries']} "
+          "queries in one pass; LDS beside it in 'Cost beside quality')")
 
 
 def rehearsal(d: dict) -> str:

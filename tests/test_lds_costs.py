@@ -66,7 +66,7 @@ def test_costs_split_build_from_queries_and_join_the_lds(tmp_path):
   assert cache["seconds"] > 0 and cache["bytes"] > 0
   assert costs["random"]["builds"] == {}  # nothing built: its cost is all per query
   for name in ("prism", "random"):
-    assert costs[name]["queries"] == 3 and costs[name]["per_query_s"] > 0
+    assert costs[name]["num_queries"] == 3 and costs[name]["per_query_s"] > 0
   assert costs["(bare process)"]["num_rows"] == 48
   rows = {l.split(" | ")[0].lstrip("| "): l for l in res["table"].splitlines()
           if l.startswith("| ") and not l.startswith("| method")}

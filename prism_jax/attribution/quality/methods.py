@@ -18,8 +18,9 @@ reads them to separate build time from per-query time).
   ekfac_cached[GROUP]  ekfac[GROUP] with each row's gradient cached once (whole; "_r1024":
                  projected to 1024 dimensions): a query is one backward pass and a product
   grad_dot       grad_dot.grad_dot_scores (all parameters, no curvature)
-  trak           trak.trak_rows + trak_query_scores: gradients projected to 256 dimensions, a kernel
-                 preconditioner there, an ensemble of 4 projections (one trained model)
+  trak           trak.trak_rows + trak_query_scores: gradients projected to 256
+                 dimensions, a kernel preconditioner there, an ensemble of 4 projections
+                 (one trained model)
   random         iid N(0, 1) scores (seeded): the floor
 """
 
@@ -225,8 +226,7 @@ def _ekfac_cached(s: Setting, group: str, proj_dim: int = 0):
   ids, rows = s.built(f"cached EK-FAC rows [{group}] r{proj_dim}",
                       lambda: ekfac_cached.build_rows(s.model, _row_batches(s)(), cfg),
                       lambda built: built[1].nbytes)
-  q = ekfac_cached.query_features(s.model, factors, s.queries.batch(), cfg)
-  return ids, np.asarray(q, np.float64) @ np.asarray(rows, np.float64).T
+  return ids, ekfac_cached.score_rows(s.model, factors, s.queries.batch(), rows, cfg)
 
 
 for _group in ("early", "last+early", "bank+last+early"):
@@ -247,7 +247,7 @@ def _trak(s: Setting):
   rows = s.built("TRAK rows", lambda: trak.trak_rows(s.model, s.packed, max_rows=s.num_rows,
                                                      cfg=cfg),
                  lambda built: built.phi_ExMR.nbytes)  # the projections: fixed, not per row
-  return rows.ids_E, trak.trak_query_scores(s.model, s.queries.batch(), rows, cfg=cfg)
+  return rows.ids_E, trak.trak_query_scores(s.model, s.queries.batch(), rows)
 
 
 @register("random")

@@ -107,14 +107,22 @@ def query_features(model, factors: ekfac.Factors, query: dict, cfg: CachedEkfacC
   return np.asarray(flat if proj is None else jnp.matmul(flat, proj, precision=_HI))
 
 
+def score_rows(model, factors: ekfac.Factors, query: dict, rows_ExR: np.ndarray,
+               cfg: CachedEkfacConfig, dtype=None) -> np.ndarray:
+  """(Q, E) float64: every query row of `query` scored against the cached rows (build_rows,
+  the same `cfg`)."""
+  q = query_features(model, factors, query, cfg, dtype)
+  return np.asarray(q, np.float64) @ np.asarray(rows_ExR, np.float64).T
+
+
 def cached_ekfac_scores(model, factors: ekfac.Factors, query: dict, train_batches,
                         cfg: CachedEkfacConfig, dtype=None) -> tuple[np.ndarray, np.ndarray]:
   """(ids_E, scores_QxE): the rows' cache built, then every query scored against it."""
   t0 = time.time()
   ids, rows = build_rows(model, train_batches, cfg, dtype)
   t1 = time.time()
-  q = query_features(model, factors, query, cfg, dtype)
-  scores = np.asarray(q, np.float64) @ np.asarray(rows, np.float64).T
+  scores = score_rows(model, factors, query, rows, cfg, dtype)
   logging.info("cached EK-FAC %s: rows cached in %.1f s (%d x %d), %d queries scored in "
-               "%.2f s", "+".join(cfg.layers), t1 - t0, *rows.shape, len(q), time.time() - t1)
+               "%.2f s", "+".join(cfg.layers), t1 - t0, *rows.shape, len(scores),
+               time.time() - t1)
   return ids, scores

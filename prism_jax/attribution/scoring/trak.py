@@ -96,11 +96,10 @@ def trak_rows(model, packed, *, split: str = "train", max_rows: int | None = Non
 
 
 def trak_query_scores(model, query: dict[str, np.ndarray], rows: TrakRows, *,
-                      cfg: TrakConfig = TrakConfig(), batch_rows: int = 16) -> np.ndarray:
-  """(Q, E): every query row of the batch `query` scored against `rows` (trak_rows, the
-  same `cfg`), the ensemble's mean."""
-  if rows.cfg != cfg:
-    raise ValueError(f"TRAK rows built with {rows.cfg}, scored with {cfg}: use the same")
+                      batch_rows: int = 16) -> np.ndarray:
+  """(Q, E): every query row of the batch `query` scored against `rows` (trak_rows: its
+  projections, damping and ensemble), the ensemble's mean."""
+  cfg = rows.cfg
   q_QxP = grad_dot.query_gradients(model, query, batch_rows)
   phi_q = np.asarray(jnp.matmul(q_QxP, rows.proj_PxMR, precision=jax.lax.Precision.HIGHEST))
   r, phi = cfg.proj_dim, rows.phi_ExMR
@@ -115,4 +114,4 @@ def trak_scores(model, query: dict[str, np.ndarray], packed, *, split: str = "tr
   `split`) for every query row of the batch `query`, the ensemble's mean."""
   rows = trak_rows(model, packed, split=split, max_rows=max_rows, cfg=cfg,
                    batch_rows=batch_rows)
-  return rows.ids_E, trak_query_scores(model, query, rows, cfg=cfg, batch_rows=batch_rows)
+  return rows.ids_E, trak_query_scores(model, query, rows, batch_rows=batch_rows)
