@@ -7,10 +7,12 @@ and fixed (issue 44, item 4).
 The `small` model (d 768, 12 layers, K 8192, k 16, GPT-2 BPE) on the embedded corpus with
 the rehearsal's cut (global batch 8 rows x 128 tokens, its recipe's learning rate and
 schedule for --steps steps), val_fraction 0.1 so that the val split holds >= 8,192 tokens.
-Three runs at equal steps:
+Runs at equal steps:
   unfixed    the bank set at step --init_step (the rehearsal's 6), nothing else
   late_init  the bank set at step --late_init_step: is a young backbone the cause?
   revive     as unfixed, with train.revive_every=--revive_every (prism_jax/train/revive.py)
+  auto       the recipe's own defaults: train.proto_init_step=auto (the bank set at the
+             first eval step where the states have spread), its eval and revival cadence
 Per run, on the whole val split: alive = prototypes selected at least once (K - dead),
 val CE, agreement of argmax W z_hat with argmax W z (all, decisive), R̄1/R̄2, and the mean
 cosine of the val hidden states to their mean direction (a shared direction makes cosine
@@ -20,6 +22,7 @@ the same computation for every run; only revive_every differs after it, resumed 
 `allow_config_change`), so a fair test at a trained backbone pays for its warm-up once.
 """
 
+import json
 import os
 import shutil
 
@@ -42,20 +45,33 @@ flags.DEFINE_string("results_json", None, "write the rows here")
 flags.mark_flag_as_required("root")
 FLAGS = flags.FLAGS
 
-RUNS = ("unfixed", "late_init", "revive")
+RUNS = ("unfixed", "late_init", "revive", "auto")
+AUTO_CKPT_EVERY = 50  # the auto run keeps checkpoints to resume from, not to share
 
 
 def run_config(name: str, root: str):
   from prism_jax.config import preset  # pylint: disable=g-import-not-at-top
   from prism_jax.train import apply_overrides  # pylint: disable=g-import-not-at-top
-  init = FLAGS.late_init_step if name == "late_init" else FLAGS.init_step
   sets = ["train.batch_size=8", "data.seq_len=128", "data.val_fraction=0.1",
-          f"train.proto_init_step={init}", f"train.eval_every={FLAGS.steps}",
           "train.eval_at_start=false", "train.eval_batches=0", "train.log_every=1",
-          f"train.ckpt_every={FLAGS.init_step}", "train.keep_checkpoints=2",
-          f"train.revive_every={FLAGS.revive_every if name == 'revive' else 0}",
-          f"data.packed_dir={os.path.join(root, 'data')}"]
+          "train.keep_checkpoints=2", f"data.packed_dir={os.path.join(root, 'data')}"]
+  if name == "auto":  # the bank's timing, eval and revival cadence as the recipe sets them
+    return apply_overrides(preset("small", FLAGS.steps),
+                           sets + [f"train.ckpt_every={AUTO_CKPT_EVERY}"])
+  init = FLAGS.late_init_step if name == "late_init" else FLAGS.init_step
+  sets += [f"train.proto_init_step={init}", f"train.eval_every={FLAGS.steps}",
+           f"train.ckpt_every={FLAGS.init_step}",
+           f"train.revive_every={FLAGS.revive_every if name == 'revive' else 0}"]
   return apply_overrides(preset("small", FLAGS.steps), sets)
+
+
+def bank_set_at(workdir: str) -> int:
+  """The step an "auto" run set its bank at, from its newest checkpoint's data state."""
+  from prism_jax.train.recipe import BANK_SET_AT  # pylint: disable=g-import-not-at-top
+  ckpts = os.path.join(workdir, "checkpoints")
+  newest = max((d for d in os.listdir(ckpts) if d.isdigit()), key=int)
+  with open(os.path.join(ckpts, newest, "data", "metadata"), encoding="utf-8") as f:
+    return int(json.load(f)[BANK_SET_AT])
 
 
 def common_direction(workdir: str) -> float:
@@ -95,7 +111,8 @@ def measure(name: str, donor: str | None) -> dict:
   result = train(cfg, workdir, allow_config_change=allow)
   ev = dict(result.eval)
   k = cfg.model.num_prototypes
-  return {"init_step": cfg.train.proto_init_step, "revive_every": cfg.train.revive_every,
+  init = bank_set_at(workdir) if name == "auto" else cfg.train.proto_init_step
+  return {"init_step": init, "revive_every": cfg.train.revive_every,
           "steps": cfg.train.steps, "val_tokens": ev["tokens"], "loss": ev["loss"],
           "alive": k - ev["dead_prototypes"], "alive_frac": 1 - ev["dead_prototypes"] / k,
           "agreement": ev["agreement"], "agreement_decisive": ev["agreement_decisive"],
@@ -122,8 +139,9 @@ def main(argv):
   runs, first = {}, {}
   for name in FLAGS.runs:
     init = FLAGS.late_init_step if name == "late_init" else FLAGS.init_step
-    donor = first.get(init) if FLAGS.share_warmup else None
-    first.setdefault(init, os.path.join(FLAGS.root, name))
+    donor = first.get(init) if FLAGS.share_warmup and name != "auto" else None
+    if name != "auto":  # its bank's step is its own: no donor for the others
+      first.setdefault(init, os.path.join(FLAGS.root, name))
     runs[name] = measure(name, donor)
     logging.info("%s: %s", name, runs[name])
   data = {**provenance.record("experiments.bank_alive"), "runs": runs}

@@ -6,7 +6,7 @@
 The real model shape of --config (small: d 768, 12 layers, K 8192, k 16, GPT-2 BPE) and
 its recipe (`preset(config, steps)`: learning rate, warm-up, decay, weight decay, loss,
 checkpoint cadence), cut only where this box cannot afford it: --steps (bank set from data
-at --proto_init_step, not the recipe's 5% of the run), the global batch --batch and the
+at --proto_init_step, not the recipe's auto: a 12-step run has no evaluation to decide at), the global batch --batch and the
 sequence length --seq_len, the data (every --corpus_stride-th document of the embedded
 corpus, since the attribution cache covers every train row), one evaluation at the end
 on --eval_batches val batches (not at the start and every 2%), checkpoints every

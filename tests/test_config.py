@@ -115,8 +115,8 @@ def test_gpt2_recipes_budget_batch_lr_and_placement():
     assert tc.steps % 100 == 0 and tc.lr == lr and tc.min_lr_ratio == 0.1
     assert 0 < tc.warmup_steps <= tc.steps // 10
     assert tc.warmup_steps == min(715, tc.steps // 10)  # 375M tokens / 524,288
-    assert 0 < tc.proto_init_step < tc.steps and C.bank_init_problem(cfg) is None
-    assert tc.proto_init_step == round(0.05 * tc.steps)
+    assert tc.proto_init_step == "auto" and C.bank_init_problem(cfg) is None
+    assert C.latest_proto_init(tc) == tc.steps // 2
     assert tc.steps // tc.eval_every == 50 and tc.steps // tc.ckpt_every >= 5
     assert cfg.data.tokenizer == ("bpe" if name == "llama_1b" else "gpt2")
 
@@ -129,12 +129,13 @@ def test_steps_rescale_the_recipe_and_explicit_sets_win():
     tc = cfg.train
     assert tc.steps == steps and cfg.model == full.model and tc.lr == full.train.lr
     assert C.bank_init_problem(cfg) is None, steps
-    assert 1 <= tc.proto_init_step < steps
+    assert tc.proto_init_step == "auto" and 1 <= C.latest_proto_init(tc) < steps
     assert tc.warmup_steps <= max(steps // 10, 0) and tc.warmup_steps <= 715
     assert 1 <= tc.eval_every <= steps and 1 <= tc.ckpt_every <= steps
   assert build_config("medium", None, None, ["train.steps=1000"]).train == C.preset(
       "medium", 1000).train
-  assert C.preset("medium", 1000).train.proto_init_step == 50
+  assert C.preset("medium", 1000).train.proto_init_step == "auto"
+  assert C.latest_proto_init(C.preset("medium", 1000).train) == 500  # half the run
   cfg = build_config("small", None, None, ["train.steps=1000", "train.warmup_steps=7",
                                            "train.proto_init_step=9"])
   assert (cfg.train.steps, cfg.train.warmup_steps, cfg.train.proto_init_step) == (1000, 7, 9)
@@ -175,7 +176,7 @@ def test_a_bank_never_set_from_data_is_refused(tmp_path):
   """The refusal: one line naming both settings, before anything is prepared or written;
   random prototypes (model.proto_init=normal) and the dense twin are not refused."""
   from prism_jax.train import apply_overrides, train  # pylint: disable=import-outside-toplevel
-  cfg = apply_overrides(C.preset("small"), ["train.steps=100"])  # recipe init 250
+  cfg = apply_overrides(C.preset("small"), ["train.steps=100", "train.proto_init_step=250"])
   problem = C.bank_init_problem(cfg)
   assert problem == (
       "train.proto_init_step=250 >= train.steps=100: the prototype bank would never be set "

@@ -415,6 +415,6 @@ def bank_init_problem(cfg: Config) -> str | None:
 # they are built from the classes above.
 from prism_jax.config.presets import (  # noqa: E402  pylint: disable=wrong-import-position
     CKPT_EVERY_MAX, EVAL_FRACTION, GPT2_CONTEXT, GPT2_VOCAB, MODEL_PRESETS,
-    PROTO_INIT_FRACTION, RECIPE_ROWS, RECIPES, REVIVE_FRACTION, SMOKE, TOKENS_PER_PARAM,
+    PROTO_INIT_STEP, RECIPE_ROWS, RECIPES, REVIVE_FRACTION, SMOKE, TOKENS_PER_PARAM,
     WARMUP_MAX_FRACTION, WARMUP_TOKENS, grad_accum_for, model_preset, preset, preset_names,
     recipe_train, slice_name)

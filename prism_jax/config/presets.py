@@ -69,7 +69,11 @@ RECIPES: dict[str, tuple[int, float]] = {  # name -> (steps, peak lr)
 }
 WARMUP_TOKENS = 375_000_000  # GPT-3's linear warm-up (App. B) ...
 WARMUP_MAX_FRACTION = 0.1  # ... at most 10% of the run
-PROTO_INIT_FRACTION = 0.05  # the bank is set from data after 5% of the run (dense warm-up)
+# The bank is set from data once the hidden states have spread (train.proto_init_step=auto:
+# at the first evaluation where their mean cosine to their mean direction is below
+# train.proto_init_cos), at half the run at the latest. A bank set at a fixed early step,
+# while the states still share one direction, collapses onto a few prototypes (issue 44).
+PROTO_INIT_STEP = "auto"
 EVAL_FRACTION = 0.02  # 50 evaluations per run, 8 val batches (4.2M tokens) each
 REVIVE_FRACTION = 0.02  # unused prototypes set anew 50 times a run (train/revive.py)
 CKPT_EVERY_MAX = 500  # a checkpoint every 20% of the run or 500 steps, whichever is sooner
@@ -78,14 +82,16 @@ SMOKE = "_smoke"  # "small_smoke": the GPT-2 model with a 10-step, batch-8 run (
 
 def recipe_train(name: str, steps: int | None = None) -> TrainConfig:
   """The training recipe of GPT-2 preset `name` for `steps` steps (default: its token
-  budget). Warm-up, the prototype init, evaluation and checkpoints are placed as fractions
-  of the run, so any step count gives a coherent recipe."""
+  budget). Warm-up, evaluation and checkpoints are placed as fractions of the run and the
+  prototype init is "auto" (at half the run at the latest), so any step count gives a
+  coherent recipe."""
   default_steps, lr = RECIPES[name]
   steps = default_steps if steps is None else steps
   _check(isinstance(steps, int) and steps > 0, f"train.steps must be positive, got {steps!r}")
   warmup = min(round(WARMUP_TOKENS / (RECIPE_ROWS * GPT2_CONTEXT)),
                int(WARMUP_MAX_FRACTION * steps))
-  init = min(max(round(PROTO_INIT_FRACTION * steps), 1), steps - 1)
+  # A one-step run has no evaluation to decide at: its bank is set at step 0.
+  init = PROTO_INIT_STEP if steps > 1 else 0
   return TrainConfig(steps=steps, batch_size=RECIPE_ROWS, lr=lr, warmup_steps=warmup,
                      min_lr_ratio=0.1, proto_init_step=init,
                      eval_every=max(round(EVAL_FRACTION * steps), 1), eval_batches=8,
