@@ -334,7 +334,7 @@ def check_flags() -> None:
   check.output_file("results_json", FLAGS.results_json)
   # the config each train process builds, and the batch split over every device
   from prism_jax import sharding  # pylint: disable=import-outside-toplevel
-  from prism_jax.train.config_files import resolve_config  # pylint: disable=import-outside-toplevel
+  from prism_jax.config import resolve_config  # pylint: disable=import-outside-toplevel
   cfg = resolve_config(FLAGS.config, overrides())
   data, fsdp, _ = sharding.resolve_mesh_shape(cfg.mesh, FLAGS.num_processes
                                               * FLAGS.local_devices)

@@ -10,7 +10,6 @@ a mistyped --cache_dir can never overwrite a run's data or checkpoints.
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 from typing import Callable
@@ -102,16 +101,6 @@ def claim_output_dir(path: str, kind: str, *, rebuild: bool = False,
     _empty(path)
   _write_marker(path, kind)
   return path
-
-
-def resolve_config_paths(cfg):
-  """cfg with data.packed_dir made absolute (against the cwd the user typed it in), so the
-  run's stored config works from any directory."""
-  packed = cfg.data.packed_dir
-  if not packed or os.path.isabs(packed) or paths.is_remote(packed):
-    return cfg
-  data = dataclasses.replace(cfg.data, packed_dir=paths.resolve(packed))
-  return dataclasses.replace(cfg, data=data)
 
 
 def find_packed_dir(workdir: str, packed_dir: str, must_exist: bool = True) -> str:

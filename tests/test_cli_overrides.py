@@ -8,7 +8,7 @@ import sys
 import pytest
 
 from prism_jax.config import Config, preset, to_dict
-from prism_jax.train import overrides
+from prism_jax.config import overrides
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
@@ -91,7 +91,7 @@ def test_cli_rejects_bad_set_before_training(tmp_path):
 
 def test_a_run_started_from_a_runs_config_json_trains_like_the_original(tmp_path):
   from prism_jax.train import train  # pylint: disable=import-outside-toplevel
-  from prism_jax.train.config_files import build_config  # pylint: disable=import-outside-toplevel
+  from prism_jax.config import build_config  # pylint: disable=import-outside-toplevel
   from prism_jax.train.metrics import read_metrics  # pylint: disable=import-outside-toplevel
   sets = ["train.steps=4", "train.batch_size=8", "train.proto_init_step=2",
           "train.eval_every=4", "train.eval_batches=1", "train.log_every=1",

@@ -292,7 +292,7 @@ def test_lds_recipe_pins_every_model_option_and_loss_weight():
   silently: each must be written in RECIPE."""
   from experiments import lds_recipe  # pylint: disable=g-import-not-at-top
   from prism_jax.config import Config  # pylint: disable=g-import-not-at-top
-  from prism_jax.train.overrides import flatten  # pylint: disable=g-import-not-at-top
+  from prism_jax.config import flatten  # pylint: disable=g-import-not-at-top
   fields = set(flatten(Config()))
   pinned = set(lds_recipe.RECIPE)
   unpinned = {f for f in fields if f.startswith(lds_recipe.UNPINNED)}

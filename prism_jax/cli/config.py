@@ -20,8 +20,7 @@ FLAGS = flags.FLAGS
 
 def main(argv):
   del argv
-  from prism_jax.train.config_files import build_config  # pylint: disable=g-import-not-at-top
-  from prism_jax.config import to_json  # pylint: disable=g-import-not-at-top
+  from prism_jax.config import build_config, to_json  # pylint: disable=g-import-not-at-top
   print(to_json(build_config(FLAGS.config, FLAGS.data, FLAGS.model, FLAGS.set)))
 
 

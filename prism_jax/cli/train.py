@@ -44,7 +44,7 @@ from prism_jax import distributed  # noqa: E402  (registers the multi-host flags
 distributed.define_flags()
 
 
-from prism_jax.train.config_files import build_config  # noqa: E402,F401  (tests import it here)
+from prism_jax.config import build_config  # noqa: E402,F401  (tests import it here)
 
 
 def main(argv, callbacks=()):

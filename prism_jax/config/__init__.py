@@ -418,3 +418,9 @@ from prism_jax.config.presets import (  # noqa: E402  pylint: disable=wrong-impo
     PROTO_INIT_STEP, RECIPE_ROWS, RECIPES, REVIVE_FRACTION, SMOKE, TOKENS_PER_PARAM,
     WARMUP_MAX_FRACTION, WARMUP_TOKENS, grad_accum_for, model_preset, preset, preset_names,
     recipe_train, slice_name)
+# Building a config (overrides, files) and finishing it for a run, on the classes above.
+from prism_jax.config.overrides import (  # noqa: E402  pylint: disable=wrong-import-position
+    apply_overrides, config_diff, config_from_dict, flatten, parse_override, valid_keys)
+from prism_jax.config.files import (  # noqa: E402  pylint: disable=wrong-import-position
+    build_config, is_config_file, load_config_file, resolve_config)
+from prism_jax.config.finish import finish  # noqa: E402  pylint: disable=wrong-import-position

@@ -32,6 +32,7 @@ import numpy as np
 from flax import nnx
 
 from prism_jax import paths
+from prism_jax.config import config_from_dict
 from prism_jax.hf import convert, hf_dir
 from prism_jax.hf.gpt2_config import HFFormatError
 
@@ -122,7 +123,6 @@ def load_hub(path: str) -> tuple[Any, Any, Any]:
   """(model, Config, tokenizer) of a directory export_hub wrote, checked file by file."""
   from prism_jax.data import tokenizers as tok_lib  # pylint: disable=g-import-not-at-top
   from prism_jax.model.lm import build_model  # pylint: disable=g-import-not-at-top
-  from prism_jax.train.overrides import config_from_dict  # pylint: disable=g-import-not-at-top
   missing = [n for n in REQUIRED if not os.path.isfile(os.path.join(path, n))]
   if missing:
     raise HFFormatError(f"{path} is not a prism_jax Hub directory: it lacks "

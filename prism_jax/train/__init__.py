@@ -17,8 +17,8 @@ from prism_jax.train.run import TrainResult, prepare, train
 from prism_jax.train.metrics import read_metrics
 from prism_jax.train.optimizer import decay_mask, lr_schedule, make_optimizer, reset_moments
 from prism_jax.train.recipe import Recipe, init_prototypes
-from prism_jax.train.overrides import (apply_overrides, config_diff, config_from_dict,
-                                       valid_keys)
+# Building a config lives in prism_jax.config; these names stay here for existing callers.
+from prism_jax.config import apply_overrides, config_diff, config_from_dict, valid_keys
 from prism_jax.train.state import (TrainState, abstract_state, create_train_state,
                                    default_mesh, state_shardings)
 from prism_jax.train.step import make_eval_step, make_train_step

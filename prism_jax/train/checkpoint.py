@@ -31,8 +31,8 @@ import orbax.checkpoint as ocp
 from absl import logging
 
 from prism_jax import paths
-from prism_jax.config import Config, to_dict, to_json
-from prism_jax.train import integrity, overrides
+from prism_jax.config import Config, config_diff, config_from_dict, to_dict, to_json
+from prism_jax.train import integrity
 from prism_jax.train.state import TrainState, abstract_state, default_mesh, model_template
 
 CKPT_DIR = "checkpoints"
@@ -188,7 +188,7 @@ class Checkpointer:
 
   def check_config(self, step: int, cfg: Config,
                    allow: tuple[str, ...] = RESUMABLE_CHANGES) -> None:
-    diffs = overrides.config_diff(self.read_config(step), cfg, ignore=allow)
+    diffs = config_diff(self.read_config(step), cfg, ignore=allow)
     if diffs:
       raise ConfigMismatchError(describe_mismatch(diffs, paths.join(self.directory,
                                                                     str(step))))
@@ -232,7 +232,7 @@ class Checkpointer:
       except Exception as e:  # pylint: disable=broad-except
         self._report_corrupt(step, e)
         continue
-      diffs = overrides.config_diff(saved_cfg, cfg, ignore=allow)
+      diffs = config_diff(saved_cfg, cfg, ignore=allow)
       if diffs:
         raise ConfigMismatchError(describe_mismatch(diffs, paths.join(self.directory,
                                                                       str(step))))
@@ -263,7 +263,7 @@ def read_workdir_config(workdir: str) -> dict[str, Any]:
 # reads a source run with them).
 def load_config(workdir: str) -> Config:
   """The resolved Config of a run (<workdir>/config.json)."""
-  return overrides.config_from_dict(read_workdir_config(workdir))
+  return config_from_dict(read_workdir_config(workdir))
 
 
 def load_params(workdir: str, cfg: Config | None = None, step: int | None = None,
@@ -286,12 +286,12 @@ def load_params(workdir: str, cfg: Config | None = None, step: int | None = None
       raise FileNotFoundError(f"no checkpoint {step} in {ckpt.directory}; have {steps}")
     with _damage_reported(ckpt.directory, step, steps):
       raw = ckpt.read_config(step)
-    saved = overrides.config_from_dict(raw)  # a config this version refuses: its own error
+    saved = config_from_dict(raw)  # a config this version refuses: its own error
     warn_if_config_file_differs(workdir, saved, step)
     if cfg is None:
       cfg = saved
     else:
-      diffs = [d for d in overrides.config_diff(saved, cfg, RESUMABLE_CHANGES)
+      diffs = [d for d in config_diff(saved, cfg, RESUMABLE_CHANGES)
                if d[0].startswith("model.")]
       if diffs:
         raise ConfigMismatchError(describe_mismatch(
@@ -310,12 +310,12 @@ def model_differences(workdir: str, saved: Config) -> list[tuple[str, Any, Any]]
   """model.* fields where <workdir>/config.json disagrees with `saved` (the checkpoint's
   own config): [(field, config.json's, checkpoint's)]; [] when it agrees or is absent."""
   try:
-    written = overrides.config_from_dict(read_workdir_config(workdir))
+    written = config_from_dict(read_workdir_config(workdir))
   except FileNotFoundError:
     return []
   except ValueError as e:  # unparsable, or a value no config may hold
     return [(CONFIG_FILE, f"invalid: {_first_line(e)}", "valid")]
-  diffs = overrides.config_diff(written, saved, RESUMABLE_CHANGES)
+  diffs = config_diff(written, saved, RESUMABLE_CHANGES)
   return [d for d in diffs if d[0].startswith("model.")]
 
 

@@ -25,16 +25,6 @@ from prism_jax.train import checkpoint as ckpt_lib
 from prism_jax.train.state import TrainState
 
 
-def resolve(cfg: Config) -> Config:
-  """cfg with train.init_from made absolute (the stored config works from any cwd)."""
-  src = cfg.train.init_from
-  if not src or paths.is_remote(src) or os.path.isabs(src):
-    return cfg
-  import dataclasses  # pylint: disable=g-import-not-at-top
-  return dataclasses.replace(cfg, train=dataclasses.replace(cfg.train,
-                                                            init_from=os.path.abspath(src)))
-
-
 def check_backbone(cfg: ModelConfig, source: ModelConfig, where: str) -> None:
   diffs = [(k, getattr(source, k), getattr(cfg, k)) for k in BACKBONE_FIELDS
            if getattr(source, k) != getattr(cfg, k)]

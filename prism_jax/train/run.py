@@ -17,13 +17,11 @@ from absl import logging
 
 from prism_jax import paths, run_lock
 from prism_jax import sharding as shard_lib
-from prism_jax.config import Config, bank_init_problem, latest_proto_init
-from prism_jax.io_guard import resolve_config_paths
+from prism_jax.config import Config, config_diff, config_from_dict, finish, latest_proto_init
 from prism_jax.train import checkpoint as ckpt_lib
 from prism_jax.train import evaluation
 from prism_jax.train import init_from as init_from_lib
 from prism_jax.train import metrics as metrics_lib
-from prism_jax.train import overrides
 from prism_jax.train import step as step_lib
 from prism_jax.train import engine
 from prism_jax.train.preemption import Preemption
@@ -98,10 +96,7 @@ def train(cfg: Config, workdir: str, *, mesh: jax.sharding.Mesh | None = None,
   t_start = time.time()
   workdir = paths.resolve(workdir)  # a local path or a gs:// URI
   paths.check_access(workdir)
-  problem = bank_init_problem(cfg)
-  if problem:
-    raise ValueError(problem)
-  cfg = init_from_lib.resolve(resolve_config_paths(cfg))  # stored absolute: any cwd works
+  cfg = finish(cfg)  # checked, paths absolute (the stored config works from any cwd)
   paths.path(workdir).mkdir(parents=True, exist_ok=True)
   mesh = default_mesh(cfg) if mesh is None else mesh
   tc = cfg.train
@@ -265,7 +260,7 @@ def _check_auto_schedule(ckpt, step: int, cfg: Config) -> None:
   """train.proto_init_step="auto" decides at train.eval_every steps and by its latest step:
   a resume before it has set the bank must keep both (they may change once it has), or the
   bank would be set at another step than an uninterrupted run sets it."""
-  saved = overrides.config_from_dict(ckpt.read_config(step)).train
+  saved = config_from_dict(ckpt.read_config(step)).train
   was = (saved.eval_every, latest_proto_init(saved))
   now = (cfg.train.eval_every, latest_proto_init(cfg.train))
   if was != now:
@@ -280,7 +275,7 @@ def _check_auto_schedule(ckpt, step: int, cfg: Config) -> None:
 def _record_config_changes(loop: engine.Loop, ckpt, step: int, cfg: Config) -> None:
   """A resume that changed allowed fields (a longer train.steps, --allow_change) writes
   one metrics.jsonl record {"split": "config_change", "step": step, field: [old, new]}."""
-  diffs = overrides.config_diff(ckpt.read_config(step), cfg)
+  diffs = config_diff(ckpt.read_config(step), cfg)
   if diffs:
     loop.write(step, "config_change", {k: [a, b] for k, a, b in diffs})
     loop.note(f"resumed at step {step} with "

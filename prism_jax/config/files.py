@@ -20,7 +20,7 @@ from collections.abc import Sequence
 
 from prism_jax import paths
 from prism_jax.config import Config, preset
-from prism_jax.train.overrides import apply_overrides, config_from_dict, parse_override
+from prism_jax.config.overrides import apply_overrides, config_from_dict, parse_override
 
 FILE_SUFFIXES = (".json", ".yaml", ".yml")
 
@@ -39,7 +39,7 @@ def load_config_file(path: str) -> Config:
     if path.lower().endswith(".json"):
       data = json.loads(text)
     else:
-      import yaml  # pylint: disable=g-import-not-at-top
+      import yaml  # pylint: disable=g-import-not-at-top  (deferred: a YAML file only)
       data = yaml.safe_load(text)
   except ValueError as e:  # json.JSONDecodeError and yaml.YAMLError's parse errors
     raise ValueError(f"--config={path}: not valid {'JSON' if path.endswith('.json') else 'YAML'}"
