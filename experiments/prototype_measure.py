@@ -18,7 +18,7 @@ def measure_half(workdir: str, half: str, half_seed: int) -> dict:
   from prism_jax.data.val_halves import HalfLoader, val_halves  # pylint: disable=g-import-not-at-top
   from prism_jax.model.lm import decompose  # pylint: disable=g-import-not-at-top
   from prism_jax.model.trust import carriers_N  # pylint: disable=g-import-not-at-top
-  from prism_jax.train.evaluation import evaluate  # pylint: disable=g-import-not-at-top
+  from prism_jax.train.validation import evaluate  # pylint: disable=g-import-not-at-top
   from prism_jax.loading import load_params  # pylint: disable=g-import-not-at-top
   graphdef, params, cfg, _ = load_params(workdir)
   packed = data_lib.prepare_data(cfg.data, cfg.model.vocab_size, workdir)

@@ -79,7 +79,7 @@ def evaluate_run(workdir: str) -> dict:
   """The final checkpoint's metrics on the whole val split, with this code's evaluation."""
   from prism_jax import data as data_lib  # pylint: disable=g-import-not-at-top
   from prism_jax import sharding as shard_lib  # pylint: disable=g-import-not-at-top
-  from prism_jax.train.evaluation import evaluate  # pylint: disable=g-import-not-at-top
+  from prism_jax.train.validation import evaluate  # pylint: disable=g-import-not-at-top
   from prism_jax.loading import load_params  # pylint: disable=g-import-not-at-top
   from prism_jax.train.state import default_mesh  # pylint: disable=g-import-not-at-top
   graphdef, params, cfg, _ = load_params(workdir)

@@ -135,7 +135,7 @@ def _test_rows(model, tok, split, neutral, gen_kw, conditions) -> list[dict]:
   """Each condition once on the test prompts: its rate (CI over prompts), its fall against
   the unedited first row, neutral-text quality and the validation measure on test."""
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from prism_jax.control import measure, stats  # pylint: disable=g-import-not-at-top
+  from prism_jax.control import behaviour_cis, measure  # pylint: disable=g-import-not-at-top
   num_p = len(split.test_prompts)
   rows, base = [], None
   for name, edit in conditions:
@@ -145,13 +145,13 @@ def _test_rows(model, tok, split, neutral, gen_kw, conditions) -> list[dict]:
     base = score if base is None else base
     row = {"condition": name, "prototypes": len(edit.get("ids", ())),
            "banned_tokens": len(edit.get("ban", ())),
-           "rate": stats.clustered_mean(score, num_p, seed=FLAGS.seed)._asdict(),
+           "rate": behaviour_cis.clustered_mean(score, num_p, seed=FLAGS.seed)._asdict(),
            "ppl": q["ppl_after"], "ppl_change": q["ppl_after"] / q["ppl_before"] - 1,
            "kl": q["kl"], "argmax_change": q["argmax_change"],
            "validation_measure_on_test": float(np.mean([split.validation_score(t)
                                                         for t in texts]))}
     if name != "unedited" and base.mean() > 0:
-      row["rate_fall"] = stats.clustered_fall(base, score, num_p, seed=FLAGS.seed)._asdict()
+      row["rate_fall"] = behaviour_cis.clustered_fall(base, score, num_p, seed=FLAGS.seed)._asdict()
     rows.append(row)
     logging.info("%s: rate %.3f", name, row["rate"]["mean"])
   return rows

@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from prism_jax.config import model_preset
-from prism_jax.control import behaviours, heldout, planted, selection, stats
+from prism_jax.control import behaviours, heldout, planted, selection, behaviour_cis
 from prism_jax.data.tokenizers import ByteTokenizer
 from prism_jax.model.lm import build_model
 
@@ -143,18 +143,18 @@ def test_prompt_clustered_cis_against_direct_numpy():
   seed = int(rng.integers(1000))
   idx = np.random.default_rng(seed).integers(0, p, size=(2000, p))
   pm_b, pm_a = before.mean(1), after.mean(1)
-  m = stats.clustered_mean(before.ravel(), p, seed=seed)
+  m = behaviour_cis.clustered_mean(before.ravel(), p, seed=seed)
   assert m.mean == pytest.approx(before.mean())
   np.testing.assert_allclose([m.lo, m.hi], np.quantile(pm_b[idx].mean(1), [0.025, 0.975]))
-  f = stats.clustered_fall(before.ravel(), after.ravel(), p, seed=seed)
+  f = behaviour_cis.clustered_fall(before.ravel(), after.ravel(), p, seed=seed)
   ratios = 1 - pm_a[idx].mean(1) / pm_b[idx].mean(1)
   assert f.mean == pytest.approx(1 - after.mean() / before.mean())
   np.testing.assert_allclose([f.lo, f.hi], np.quantile(ratios, [0.025, 0.975]))
   # prompts differ a lot here: resampling prompts gives a wider CI than generations would
-  iid = stats.bootstrap_mean(before.ravel(), seed=seed)
+  iid = behaviour_cis.bootstrap_mean(before.ravel(), seed=seed)
   assert m.hi - m.lo > iid.hi - iid.lo
   with pytest.raises(ValueError, match="equal prompts"):
-    stats.clustered_mean(np.ones(10), 3)
+    behaviour_cis.clustered_mean(np.ones(10), 3)
 
 
 def test_doctest_split_prompts_disjoint_and_seeded():

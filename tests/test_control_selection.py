@@ -10,7 +10,7 @@ import pytest
 
 from prism_jax.analysis.cards import Card, CardSet, Context
 from prism_jax.config import model_preset
-from prism_jax.control import behaviours, planted, selection, stats
+from prism_jax.control import behaviours, planted, selection, behaviour_cis
 from prism_jax.model.lm import build_model
 
 VOCAB, K, D = 64, 32, 16
@@ -172,17 +172,17 @@ def test_planted_corpus(tmp_path):
 def test_bootstrap():
   rng = np.random.default_rng(secrets.randbits(32))
   x = rng.exponential(2.0, size=400)
-  est = stats.bootstrap_mean(x, seed=1)
+  est = behaviour_cis.bootstrap_mean(x, seed=1)
   se = x.std(ddof=1) / np.sqrt(x.size)  # the normal approximation it should agree with
   assert est.lo < est.mean < est.hi
   np.testing.assert_allclose([est.lo, est.hi], [x.mean() - 1.96 * se, x.mean() + 1.96 * se],
                              rtol=0.05)
-  fall = stats.bootstrap_ratio_change(x, 0.2 * x, seed=1)
+  fall = behaviour_cis.bootstrap_ratio_change(x, 0.2 * x, seed=1)
   np.testing.assert_allclose([fall.mean, fall.lo, fall.hi], 0.8, atol=1e-9)
   with pytest.raises(ValueError, match="never occurs"):
-    stats.bootstrap_ratio_change(np.zeros(3), np.zeros(3))
+    behaviour_cis.bootstrap_ratio_change(np.zeros(3), np.zeros(3))
   with pytest.raises(ValueError, match="level must be in"):
-    stats.bootstrap_ratio_change(x, 0.5 * x, level=1.5)
+    behaviour_cis.bootstrap_ratio_change(x, 0.5 * x, level=1.5)
 
 
 def test_batched_text_features_equal_one_call():

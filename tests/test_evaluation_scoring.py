@@ -151,11 +151,11 @@ def test_whitespace_moves_to_the_continuation():
 
 
 def test_evaluate_tasks_accuracy_equals_float64_brute_force(tmp_path):
-  """prism_jax.compare's whole-run path (`prism evaluate` without controllers): a user
+  """prism_jax.task_comparison's whole-run path (`prism evaluate` without controllers): a user
   .jsonl task loaded, both models scored, each accuracy = argmax of the float64 option
   log-probabilities by hand (items whose top two lie within rounding are left out)."""
   import json  # pylint: disable=import-outside-toplevel
-  from prism_jax import compare  # pylint: disable=import-outside-toplevel
+  from prism_jax import task_comparison  # pylint: disable=import-outside-toplevel
   tok = ByteTokenizer()
   models = {"prism": _model("prism", tok.vocab_size), "dense": _model("dense", tok.vocab_size)}
   rng = np.random.default_rng(secrets.randbits(16))
@@ -167,10 +167,10 @@ def test_evaluate_tasks_accuracy_equals_float64_brute_force(tmp_path):
     d["gold"] = int(rng.integers(len(d["choices"])))
   path = tmp_path / "user_task.jsonl"
   path.write_text("\n".join(json.dumps(d) for d in docs) + "\n")
-  task_set = compare.load_tasks([str(path)], None, tok, MAX_LEN)
+  task_set = task_comparison.load_tasks([str(path)], None, tok, MAX_LEN)
   items = task_set.items[str(path)]
   assert len(items) == len(docs) and task_set.dropped == {}
-  rows, controllers, traces = compare.evaluate_tasks(task_set, models["prism"],
+  rows, controllers, traces = task_comparison.evaluate_tasks(task_set, models["prism"],
                                                      models["dense"], tok, None)
   assert len(rows) == 1 and controllers == {} and traces == {}
   row = rows[0]

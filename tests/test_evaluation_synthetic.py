@@ -7,7 +7,7 @@ import numpy as np
 import pytest
 
 from prism_jax.data.tokenizers import ByteTokenizer
-from prism_jax import stats
+from prism_jax import bootstrap
 from prism_jax.evaluation import synthetic
 
 
@@ -62,16 +62,16 @@ def test_paired_bootstrap_matches_a_loop():
   rng = np.random.default_rng(secrets.randbits(16))
   a = (rng.random(50) < 0.5).astype(float)
   b = np.where(rng.random(50) < 0.8, a, 1 - a)
-  index = stats.bootstrap_index(50, 500, seed=2)
+  index = bootstrap.bootstrap_index(50, 500, seed=2)
   diffs = sorted(np.mean(b[r]) - np.mean(a[r]) for r in index)
-  mean, lo, hi = stats.paired_diff_ci(a, b, index)
+  mean, lo, hi = bootstrap.paired_diff_ci(a, b, index)
   assert mean == pytest.approx(b.mean() - a.mean())
   assert lo == pytest.approx(np.quantile(diffs, 0.025)) and hi == pytest.approx(
       np.quantile(diffs, 0.975))
-  m, lo, hi = stats.mean_ci(a, index)
+  m, lo, hi = bootstrap.mean_ci(a, index)
   assert lo <= m <= hi and m == pytest.approx(a.mean())
   with pytest.raises(ValueError, match="same items"):
-    stats.paired_diff_ci(a, b[:10], index)
+    bootstrap.paired_diff_ci(a, b[:10], index)
   for level in (0.0, 1.0, 95):
     with pytest.raises(ValueError, match="level must be in"):
-      stats.mean_ci(a, index, level)
+      bootstrap.mean_ci(a, index, level)

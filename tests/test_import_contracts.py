@@ -36,11 +36,11 @@ def test_each_kind_of_violation_breaks_a_contract(tmp_path):
       "prism_jax/model/params.py": "import prism_jax.train.metrics",
       "prism_jax/data/batch.py": "import prism_jax.model.lm",
       "prism_jax/losses.py": "import prism_jax.cli.launcher",
-      "prism_jax/control/stats.py": "import prism_jax.evaluation.scoring",
+      "prism_jax/control/behaviour_cis.py": "import prism_jax.evaluation.scoring",
       "prism_jax/evaluation/scoring.py": "import prism_jax.control.controllers",
       "prism_jax/analysis/cards.py": "import prism_jax.evaluation.tasks",
       "prism_jax/control/sae.py": "import prism_jax.analysis.card_stats",
-      "prism_jax/attribution/caching/cache.py": "import prism_jax.compare",
+      "prism_jax/attribution/caching/cache.py": "import prism_jax.task_comparison",
       "benchmarks/bench_topk.py": "import experiments.reproduce",
   }
   _copy_tree(tmp_path)  # one tree, one lint: every violation must be reported

@@ -57,7 +57,7 @@ def main(argv):
   from prism_jax import io_guard  # pylint: disable=g-import-not-at-top
   from prism_jax.control import sae as sae_lib  # pylint: disable=g-import-not-at-top
   from prism_jax.data import prepare_data  # pylint: disable=g-import-not-at-top
-  from prism_jax import compare, stats  # pylint: disable=g-import-not-at-top
+  from prism_jax import bootstrap, task_comparison  # pylint: disable=g-import-not-at-top
   from prism_jax.evaluation import scoring  # pylint: disable=g-import-not-at-top
   from prism_jax.loading import load_for_inference  # pylint: disable=g-import-not-at-top
 
@@ -68,7 +68,7 @@ def main(argv):
   prism, cfg, tok = load_for_inference(FLAGS.workdir,
                                        needs_prototypes="the prototype controllers")
   packed = prepare_data(cfg.data, cfg.model.vocab_size, FLAGS.workdir)
-  task_set = compare.load_tasks(FLAGS.tasks, packed, tok, cfg.model.max_len,
+  task_set = task_comparison.load_tasks(FLAGS.tasks, packed, tok, cfg.model.max_len,
                                 too_long=FLAGS.too_long, synthetic_n=FLAGS.synthetic_n,
                                 limit=FLAGS.limit, seed=FLAGS.seed)
   all_items = task_set.items
@@ -85,25 +85,25 @@ def main(argv):
                      f"{tok.vocab_size}), got kind {dcfg.model.kind!r}, vocab {dtok.vocab_size}")
   out_dir = FLAGS.out or os.path.join(FLAGS.workdir, "evaluate_mc")
   io_guard.claim_output_dir(out_dir, "evaluate_mc")
-  setup = None if FLAGS.controller == "none" else compare.ControlSetup(
+  setup = None if FLAGS.controller == "none" else task_comparison.ControlSetup(
       FLAGS.controller, tuple(float(x) for x in FLAGS.lams), steps=FLAGS.controller_steps,
       cal_fraction=FLAGS.cal_fraction, seed=FLAGS.seed)
   sae, sae_report = None, None
   if FLAGS.sae and setup is not None:
     t0 = time.time()
-    sae, sae_report = compare.sae_baseline(dense, packed, cfg.model.num_prototypes,
+    sae, sae_report = task_comparison.sae_baseline(dense, packed, cfg.model.num_prototypes,
                                            cfg.model.k, steps=FLAGS.sae_steps, seed=FLAGS.seed,
                                            sae_path=FLAGS.sae_path)
     sae_lib.save_sae(os.path.join(out_dir, "sae.npz"), sae)
     logging.info("SAE (%.0f s): %s", time.time() - t0, sae_report)
-  rows, controllers, all_traces = compare.evaluate_tasks(
+  rows, controllers, all_traces = task_comparison.evaluate_tasks(
       task_set, prism, dense, tok, packed, setup=setup, sae=sae,
       progress=lambda name, s: logging.info("%s done in %.0f s", name, s))
   for name, c in controllers.items():
     c.save(os.path.join(out_dir, f"{name}.json"))
   with open(os.path.join(out_dir, "traces.json"), "w", encoding="utf-8") as f:
     json.dump(all_traces, f, indent=1)
-  _print_table(rows, stats)
+  _print_table(rows, bootstrap)
   for key, tr in all_traces.items():
     print(f"\n{key}: {len(tr)} non-zero weights; largest:")
     for t in tr[:3]:
@@ -129,14 +129,14 @@ def _dropped(row):
   return f" ({cut} with a continuation cut to max_len)" if cut else ""
 
 
-def _print_table(rows, stats):
+def _print_table(rows, bootstrap):
   cols = ["dense", "prism", "prism+ctrl", "dense+sae_ctrl"]
   print("\n| task | n eval | chance | dense acc | PRISM acc | PRISM + controller | "
         "dense + SAE controller | Δ ctrl (PRISM) | Δ SAE ctrl (dense) |")
   print("|---|---|---|---|---|---|---|---|---|")
   for r in rows:
-    cells = [stats.fmt(*r["acc"][c]) if c in r["acc"] else "-" for c in cols]
-    deltas = [stats.fmt(*r["delta"][k]) if k in r["delta"] else "-"
+    cells = [bootstrap.fmt(*r["acc"][c]) if c in r["acc"] else "-" for c in cols]
+    deltas = [bootstrap.fmt(*r["delta"][k]) if k in r["delta"] else "-"
               for k in ("prism+ctrl - prism", "dense+sae_ctrl - dense")]
     print(f"| {r['task']} | {r['n_eval']}{_dropped(r)} | {100 * r['chance']:.1f} | " + " | ".join(cells)
           + " | " + " | ".join(deltas) + " |")

@@ -109,15 +109,15 @@ def _condition(model, tokenizer, b, val, gen_kw, **edit):
 def _row(name, num_ids, num_banned, measured, base, num_k, seed) -> dict:
   """One table row: the condition's rate, its fall against the unedited model, quality."""
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from prism_jax.control import stats  # pylint: disable=g-import-not-at-top
+  from prism_jax.control import behaviour_cis  # pylint: disable=g-import-not-at-top
   (scores, q), (base_scores, base_q) = measured, base
   row = {"condition": name, "prototypes": num_ids, "share_of_bank": num_ids / num_k,
          "banned_tokens": num_banned,
-         "rate": stats.bootstrap_mean(scores["score"], seed=seed)._asdict(),
+         "rate": behaviour_cis.bootstrap_mean(scores["score"], seed=seed)._asdict(),
          "ppl": q["ppl_after"], "ppl_change": q["ppl_after"] / base_q["ppl_before"] - 1,
          "kl": q["kl"], "argmax_change": q["argmax_change"]}
   if name != "unedited" and base_scores["score"].mean() > 0:
-    row["rate_fall"] = stats.bootstrap_ratio_change(base_scores["score"], scores["score"],
+    row["rate_fall"] = behaviour_cis.bootstrap_ratio_change(base_scores["score"], scores["score"],
                                                     seed=seed)._asdict()
   if "score_selection" in scores:
     row["rate_selection_half"] = float(np.mean(scores["score_selection"]))
@@ -213,7 +213,7 @@ def main(argv):
 
 
 def _dense_twin(b, gen_kw):
-  from prism_jax.control import measure, stats  # pylint: disable=g-import-not-at-top
+  from prism_jax.control import behaviour_cis, measure  # pylint: disable=g-import-not-at-top
   from prism_jax.loading import load_for_inference  # pylint: disable=g-import-not-at-top
   dense, cfg, tokenizer = load_for_inference(FLAGS.dense_workdir)
   texts = measure.generations(dense, tokenizer, b.prompts, **gen_kw)
@@ -221,7 +221,7 @@ def _dense_twin(b, gen_kw):
   return {"workdir": FLAGS.dense_workdir, "val_perplexity": ev.get("perplexity"),
           "val_loss": ev.get("loss"), "step": ev.get("step"),
           "generations": len(texts),
-          "rate": stats.bootstrap_mean([b.score(t) for t in texts], seed=FLAGS.seed)._asdict()}
+          "rate": behaviour_cis.bootstrap_mean([b.score(t) for t in texts], seed=FLAGS.seed)._asdict()}
 
 
 def _print_table(s):

@@ -12,7 +12,7 @@
 from prism_jax.train.checkpoint import (Checkpointer, ConfigMismatchError,
                                         NoReadableCheckpointError, load_config, load_params)
 from prism_jax.train.integrity import CheckpointCorruptError
-from prism_jax.train.evaluation import Evaluator, evaluate
+from prism_jax.train.validation import Evaluator, evaluate
 from prism_jax.train.run import TrainResult, prepare, train
 from prism_jax.train.metrics import read_metrics
 from prism_jax.train.optimizer import decay_mask, lr_schedule, make_optimizer, reset_moments

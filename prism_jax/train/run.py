@@ -19,7 +19,7 @@ from prism_jax import paths, run_lock
 from prism_jax import sharding as shard_lib
 from prism_jax.config import Config, config_diff, config_from_dict, finish, latest_proto_init
 from prism_jax.train import checkpoint as ckpt_lib
-from prism_jax.train import evaluation
+from prism_jax.train import validation
 from prism_jax.train import init_from as init_from_lib
 from prism_jax.train import metrics as metrics_lib
 from prism_jax.train import step as step_lib
@@ -248,10 +248,10 @@ def _evaluators(recipe: Recipe, cfg: Config, mesh, packed, val_loader):
   """(val evaluator, train-split evaluator or None): the train-split loss on a fixed sample
   of as many batches as val uses."""
   params = recipe.shardings.params
-  eval_fn = evaluation.Evaluator(recipe.graphdef, cfg, params, mesh, val_loader)
+  eval_fn = validation.Evaluator(recipe.graphdef, cfg, params, mesh, val_loader)
   if val_loader is None:
     return eval_fn, None
-  return eval_fn, evaluation.Evaluator(recipe.graphdef, cfg, params, mesh,
+  return eval_fn, validation.Evaluator(recipe.graphdef, cfg, params, mesh,
                                        _train_sample_loader(packed, cfg, mesh),
                                        num_batches=eval_fn.num_batches)
 

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from prism_jax import stats
+from prism_jax import bootstrap
 
 
 def subset_masks(num_train: int, num_subsets: int, alpha: float, seed: int) -> np.ndarray:
@@ -91,7 +91,7 @@ def bootstrap_ci(values_Q: np.ndarray, *, num_samples: int = 2000, level: float 
   v = v[np.isfinite(v)]
   if len(v) == 0:
     raise ValueError("no finite value to average (every query's correlation is undefined)")
-  return stats.mean_ci(v, stats.bootstrap_index(len(v), num_samples, seed), level)
+  return bootstrap.mean_ci(v, bootstrap.bootstrap_index(len(v), num_samples, seed), level)
 
 
 def noise_ceiling(measured_a_QxM: np.ndarray, measured_b_QxM: np.ndarray) -> np.ndarray:

@@ -1,4 +1,4 @@
-"""Bootstrap CIs of per-generation behaviour scores, on prism_jax.stats' one resampler."""
+"""Bootstrap CIs of per-generation behaviour scores, on prism_jax.bootstrap' one resampler."""
 
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ from typing import NamedTuple
 
 import numpy as np
 
-from prism_jax import stats as eval_stats
+from prism_jax import bootstrap
 
 
 class Estimate(NamedTuple):
@@ -21,7 +21,7 @@ def bootstrap_mean(values, *, num_resamples: int = 2000, level: float = 0.95,
   x = np.asarray(values, np.float64).reshape(-1)
   if x.size == 0:
     raise ValueError("bootstrap of an empty sample")
-  return Estimate(*eval_stats.mean_ci(x, eval_stats.bootstrap_index(x.size, num_resamples,
+  return Estimate(*bootstrap.mean_ci(x, bootstrap.bootstrap_index(x.size, num_resamples,
                                                                      seed), level))
 
 
@@ -34,9 +34,9 @@ def bootstrap_ratio_change(before, after, *, num_resamples: int = 2000, level: f
     raise ValueError(f"paired samples must have one equal, non-empty shape: {b.shape} {a.shape}")
   if b.mean() <= 0:
     raise ValueError("the behaviour never occurs before the edit: no rate to reduce")
-  pick = eval_stats.bootstrap_index(b.size, num_resamples, seed)
+  pick = bootstrap.bootstrap_index(b.size, num_resamples, seed)
   ratios = 1.0 - a[pick].mean(1) / np.maximum(b[pick].mean(1), 1e-12)
-  return Estimate(float(1.0 - a.mean() / b.mean()), *eval_stats.percentile_ci(ratios, level))
+  return Estimate(float(1.0 - a.mean() / b.mean()), *bootstrap.percentile_ci(ratios, level))
 
 
 def _per_prompt(values, num_prompts: int) -> np.ndarray:
@@ -52,7 +52,7 @@ def clustered_mean(values, num_prompts: int, *, num_resamples: int = 2000,
   """Mean of prompt-major scores, CI by resampling prompts (the generations of one prompt
   are not independent: the prompt is the unit)."""
   p = _per_prompt(values, num_prompts)
-  return Estimate(*eval_stats.mean_ci(p, eval_stats.bootstrap_index(p.size, num_resamples,
+  return Estimate(*bootstrap.mean_ci(p, bootstrap.bootstrap_index(p.size, num_resamples,
                                                                      seed), level))
 
 
@@ -62,6 +62,6 @@ def clustered_fall(before, after, num_prompts: int, *, num_resamples: int = 2000
   b, a = _per_prompt(before, num_prompts), _per_prompt(after, num_prompts)
   if b.mean() <= 0:
     raise ValueError("the behaviour never occurs before the edit: no rate to reduce")
-  pick = eval_stats.bootstrap_index(b.size, num_resamples, seed)
+  pick = bootstrap.bootstrap_index(b.size, num_resamples, seed)
   ratios = 1.0 - a[pick].mean(1) / np.maximum(b[pick].mean(1), 1e-12)
-  return Estimate(float(1.0 - a.mean() / b.mean()), *eval_stats.percentile_ci(ratios, level))
+  return Estimate(float(1.0 - a.mean() / b.mean()), *bootstrap.percentile_ci(ratios, level))

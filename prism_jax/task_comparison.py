@@ -18,7 +18,7 @@ import numpy as np
 from prism_jax.attribution.caching.cache_format import model_fingerprint
 from prism_jax.control import controllers as ctl
 from prism_jax.control import sae as sae_lib
-from prism_jax import stats
+from prism_jax import bootstrap
 from prism_jax.evaluation import scoring
 from prism_jax.evaluation.tasks import ACC_NORM_TASKS, Item, chance
 
@@ -85,17 +85,17 @@ def evaluate_task(items: list[Item], prism, dense, tok, *, setup: ControlSetup |
                                          **_fit_kw(setup))
       systems["dense+sae_ctrl"] = ctl.controlled_scores(fitted["sae"], dense, w_dec,
                                                         data.subset(held), fp)
-  index = stats.bootstrap_index(len(held_items), resamples, seed=0)
+  index = bootstrap.bootstrap_index(len(held_items), resamples, seed=0)
   correct = {k: scoring.correct(held_items, v) for k, v in systems.items()}
   row = {"task": items[0].task, "n_items": len(items), "n_calibration": int(len(cal)),
          "n_eval": len(held_items), "chance": chance(held_items),
          "truncated_options": int(enc.truncated_O.sum()),
-         "acc": {k: stats.mean_ci(c, index) for k, c in correct.items()}}
+         "acc": {k: bootstrap.mean_ci(c, index) for k, c in correct.items()}}
   if items[0].task in ACC_NORM_TASKS:
-    row["acc_norm"] = {k: stats.mean_ci(scoring.correct(held_items, v, norm=True), index)
+    row["acc_norm"] = {k: bootstrap.mean_ci(scoring.correct(held_items, v, norm=True), index)
                        for k, v in systems.items() if k in ("dense", "prism")}
   pairs = [("prism", "dense"), ("prism+ctrl", "prism"), ("dense+sae_ctrl", "dense")]
-  row["delta"] = {f"{a} - {b}": stats.paired_diff_ci(correct[b], correct[a], index)
+  row["delta"] = {f"{a} - {b}": bootstrap.paired_diff_ci(correct[b], correct[a], index)
                   for a, b in pairs if a in correct}
   for name, c in fitted.items():
     if c is not None:
