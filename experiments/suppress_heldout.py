@@ -117,25 +117,19 @@ def check_flags() -> tuple[list[int], list[bool]]:
 def _test_conditions(ranked, n: int, refill: bool, num_k: int) -> list[tuple[str, dict]]:
   """(name, edit) of every test row: unedited, the contrast set, the logit signature's, the
   token ban and --random_sets random sets outside the contrast set (all n, the chosen)."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  rng = np.random.default_rng(FLAGS.seed)
-  outside = np.setdiff1d(np.arange(num_k), ranked.contrast.ids[:n])
-  conditions = [("unedited", {}),
-                (f"suppress (contrast, top {n})", {"ids": ranked.contrast.ids[:n],
-                                                   "refill": refill}),
-                (f"logit signature (top {n})", {"ids": ranked.logit_signature.ids[:n],
-                                                "refill": refill}),
-                (f"token ban (contrast on tokens, {n} tokens)", {"ban": ranked.ban.ids[:n]})]
-  conditions += [(f"random #{r}", {"ids": tuple(int(i) for i in rng.choice(outside, n, False)),
-                                   "refill": refill}) for r in range(FLAGS.random_sets)]
-  return conditions
+  from prism_jax.control import suppression_table  # pylint: disable=g-import-not-at-top
+  return suppression_table.conditions(
+      [(f"suppress (contrast, top {n})", ranked.contrast.ids[:n]),
+       (f"logit signature (top {n})", ranked.logit_signature.ids[:n])],
+      (f"token ban (contrast on tokens, {n} tokens)", ranked.ban.ids[:n]), num_k,
+      refill=refill, random_sets=FLAGS.random_sets, seed=FLAGS.seed)
 
 
 def _test_rows(model, tok, split, neutral, gen_kw, conditions) -> list[dict]:
-  """Each condition once on the test prompts: its rate (CI over prompts), its fall against
-  the unedited first row, neutral-text quality and the validation measure on test."""
+  """Each condition once on the test prompts (control.suppression_table.condition_row, CIs
+  over prompts), with the validation measure on test."""
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from prism_jax.control import behaviour_cis, measure  # pylint: disable=g-import-not-at-top
+  from prism_jax.control import behaviour_cis, measure, suppression_table  # pylint: disable=g-import-not-at-top
   num_p = len(split.test_prompts)
   rows, base = [], None
   for name, edit in conditions:
@@ -143,15 +137,12 @@ def _test_rows(model, tok, split, neutral, gen_kw, conditions) -> list[dict]:
     score = np.array([split.test_score(t) for t in texts])
     q = measure.quality(model, neutral["inputs"], neutral["targets"], neutral["mask"], **edit)
     base = score if base is None else base
-    row = {"condition": name, "prototypes": len(edit.get("ids", ())),
-           "banned_tokens": len(edit.get("ban", ())),
-           "rate": behaviour_cis.clustered_mean(score, num_p, seed=FLAGS.seed)._asdict(),
-           "ppl": q["ppl_after"], "ppl_change": q["ppl_after"] / q["ppl_before"] - 1,
-           "kl": q["kl"], "argmax_change": q["argmax_change"],
-           "validation_measure_on_test": float(np.mean([split.validation_score(t)
-                                                        for t in texts]))}
-    if name != "unedited" and base.mean() > 0:
-      row["rate_fall"] = behaviour_cis.clustered_fall(base, score, num_p, seed=FLAGS.seed)._asdict()
+    row = suppression_table.condition_row(
+        name, edit, score, q, base,
+        rate_ci=lambda x: behaviour_cis.clustered_mean(x, num_p, seed=FLAGS.seed),
+        fall_ci=lambda b, a: behaviour_cis.clustered_fall(b, a, num_p, seed=FLAGS.seed))
+    row["validation_measure_on_test"] = float(np.mean([split.validation_score(t)
+                                                       for t in texts]))
     rows.append(row)
     logging.info("%s: rate %.3f", name, row["rate"]["mean"])
   return rows
@@ -161,7 +152,7 @@ def main(argv):
   del argv
   nums, refills = check_flags()
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from prism_jax.control import heldout  # pylint: disable=g-import-not-at-top
+  from prism_jax.control import heldout, suppression_table  # pylint: disable=g-import-not-at-top
   from prism_jax.loading import load_for_inference  # pylint: disable=g-import-not-at-top
   model, cfg, tok = load_for_inference(FLAGS.workdir, needs_prototypes="suppression")
   packed, neutral = _neutral(FLAGS.workdir, cfg)
@@ -181,8 +172,6 @@ def main(argv):
   # 3. Once, on test.
   conditions = _test_conditions(ranked, n, refill, cfg.model.num_prototypes)
   rows = _test_rows(model, tok, split, neutral, gen_kw, conditions)
-  randoms = [r for r in rows if r["condition"].startswith("random")]
-  supp = rows[1]
   result = {
       **provenance.record("experiments.suppress_heldout"), "behaviour": split.behaviour,
       "protocol": {
@@ -203,9 +192,7 @@ def main(argv):
                    "ban_token_text": [tok.decode([i]) for i in ranked.ban.ids[:n]]},
       "neutral_tokens": int(np.asarray(neutral["mask"]).sum()),
       "rows": rows,
-      "random_over_suppression": (float(np.mean([abs(r["rate_fall"]["mean"]) for r in randoms]))
-                                  / max(abs(supp["rate_fall"]["mean"]), 1e-12))
-                                 if randoms and "rate_fall" in supp else None,
+      "random_over_suppression": suppression_table.random_over_suppression(rows),
   }
   _print(result)
   out = FLAGS.results_json or os.path.join(FLAGS.workdir, f"suppression_heldout_{split.behaviour}.json")

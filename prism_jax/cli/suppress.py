@@ -59,34 +59,24 @@ def _val_batch(workdir, cfg):
                                      None)
 
 
-def select(model, tokenizer, packed, b, ban_ids, num):
-  from prism_jax.control import selection  # pylint: disable=g-import-not-at-top
-  from prism_jax.loading import load_config  # pylint: disable=g-import-not-at-top
-  from prism_jax.control.suppression import ProtoSet  # pylint: disable=g-import-not-at-top
-  kind, _, arg = FLAGS.select.partition(":")
-  if kind == "logit_signature":
-    return selection.by_logit_signature(model, ban_ids, num=num)
-  if kind in ("contrast", "probe"):
-    with_BxK, without_BxK = selection.row_contrast_features(
-        model, packed, b.select_words, num_rows=FLAGS.contrast_rows, seed=FLAGS.seed)
-    fn = selection.by_contrast if kind == "contrast" else selection.by_probe
-    return fn(with_BxK, without_BxK, num=num)
-  if kind == "keywords":
+def select(model, packed, b, ban_ids, num):
+  """The --select spec's ranked set (the run's cards loaded, or built, for keywords:)."""
+  from prism_jax.control import suppression_table  # pylint: disable=g-import-not-at-top
+  cards = None
+  if FLAGS.select.startswith("keywords"):
     if not FLAGS.cards_dir:
       raise ValueError("--select=keywords: needs --cards_dir=DIR (built there when missing)")
     from prism_jax.analysis import cards as cards_lib  # pylint: disable=g-import-not-at-top
+    from prism_jax.loading import load_config  # pylint: disable=g-import-not-at-top
     if os.path.isfile(os.path.join(FLAGS.cards_dir, cards_lib.CARDS_FILE)):
-      card_set = cards_lib.CardSet.load(FLAGS.cards_dir, model)
+      cards = cards_lib.CardSet.load(FLAGS.cards_dir, model)
     else:
-      card_set = cards_lib.build_cards(model, load_config(FLAGS.workdir), packed,
-                                       out_dir=FLAGS.cards_dir)
-    words = [w for w in arg.split(",") if w] or list(b.select_words)
-    return selection.by_keywords(card_set, words, where=FLAGS.keywords_in, num=num)
-  if kind == "file":
-    pset = ProtoSet.load(arg, model)
-    return selection.Selection(pset.ids, pset.scores, pset.method, pset.query)
-  raise ValueError(f"unknown --select={FLAGS.select!r}: use logit_signature, contrast, probe, "
-                   "keywords:W1,W2 or file:PATH")
+      cards = cards_lib.build_cards(model, load_config(FLAGS.workdir), packed,
+                                    out_dir=FLAGS.cards_dir)
+  return suppression_table.selection_from_spec(
+      FLAGS.select, model, ban_ids=ban_ids, packed=packed, words=b.select_words, num=num,
+      contrast_rows=FLAGS.contrast_rows, seed=FLAGS.seed, cards=cards,
+      keywords_in=FLAGS.keywords_in)
 
 
 def _last_eval(workdir):
@@ -106,19 +96,18 @@ def _condition(model, tokenizer, b, val, gen_kw, **edit):
   return scores, q
 
 
-def _row(name, num_ids, num_banned, measured, base, num_k, seed) -> dict:
-  """One table row: the condition's rate, its fall against the unedited model, quality."""
+def _row(name, edit, measured, base, num_k, seed) -> dict:
+  """One table row (control.suppression_table.condition_row, CIs over generations) with
+  the set's share of the bank and the selection-half rate."""
   import numpy as np  # pylint: disable=g-import-not-at-top
   from prism_jax.control import behaviour_cis  # pylint: disable=g-import-not-at-top
-  (scores, q), (base_scores, base_q) = measured, base
-  row = {"condition": name, "prototypes": num_ids, "share_of_bank": num_ids / num_k,
-         "banned_tokens": num_banned,
-         "rate": behaviour_cis.bootstrap_mean(scores["score"], seed=seed)._asdict(),
-         "ppl": q["ppl_after"], "ppl_change": q["ppl_after"] / base_q["ppl_before"] - 1,
-         "kl": q["kl"], "argmax_change": q["argmax_change"]}
-  if name != "unedited" and base_scores["score"].mean() > 0:
-    row["rate_fall"] = behaviour_cis.bootstrap_ratio_change(base_scores["score"], scores["score"],
-                                                    seed=seed)._asdict()
+  from prism_jax.control import suppression_table  # pylint: disable=g-import-not-at-top
+  scores, q = measured
+  row = suppression_table.condition_row(
+      name, edit, scores["score"], q, base[0]["score"],
+      rate_ci=lambda x: behaviour_cis.bootstrap_mean(x, seed=seed),
+      fall_ci=lambda b, a: behaviour_cis.bootstrap_ratio_change(b, a, seed=seed))
+  row["share_of_bank"] = row["prototypes"] / num_k
   if "score_selection" in scores:
     row["rate_selection_half"] = float(np.mean(scores["score_selection"]))
   return row
@@ -137,25 +126,10 @@ def _dense_only(b, gen_kw) -> None:
   provenance.write_results(out, dense, "prism suppress")
 
 
-def _conditions(sel, ban_ids, num_k) -> list[tuple[str, dict]]:
-  """(name, edit) of every row: unedited, the suppressed set, the token ban and
-  --random_sets random sets of as many prototypes outside the set."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  rng = np.random.default_rng(FLAGS.seed)
-  outside = np.setdiff1d(np.arange(num_k), sel.ids)
-  conditions = [("unedited", {}), (f"suppress ({sel.method})",
-                                   {"ids": sel.ids, "refill": FLAGS.refill}),
-                ("token ban", {"ban": ban_ids})]
-  conditions += [(f"random #{r}", {"ids": tuple(rng.choice(outside, len(sel.ids), False))})
-                 for r in range(FLAGS.random_sets)]
-  return conditions
-
-
 @launcher.writes_into_run  # one writer per run (its cache, cards, report, sets)
 def main(argv):
   del argv
-  import numpy as np  # pylint: disable=g-import-not-at-top
-  from prism_jax.control import behaviours  # pylint: disable=g-import-not-at-top
+  from prism_jax.control import behaviours, suppression_table  # pylint: disable=g-import-not-at-top
   from prism_jax.control.suppression import ProtoSet  # pylint: disable=g-import-not-at-top
   from prism_jax.loading import load_for_inference  # pylint: disable=g-import-not-at-top
   b = behaviours.behaviour(FLAGS.behaviour)
@@ -169,26 +143,27 @@ def main(argv):
   packed, val = _val_batch(FLAGS.workdir, cfg)
   ban_ids = behaviours.word_token_ids(tokenizer, b.select_words)
   sweep = sorted(int(n) for n in FLAGS.sweep)
-  ranked = select(model, tokenizer, packed, b, ban_ids, max([FLAGS.num] + sweep))
+  ranked = select(model, packed, b, ban_ids, max([FLAGS.num] + sweep))
   sel = ranked.top(FLAGS.num)
   saved = ProtoSet.create(model, sel.ids, sel.scores, sel.method, sel.query).save(
       FLAGS.workdir, name=f"{b.name}_{sel.method}_{len(sel.ids)}")
   num_k = cfg.model.num_prototypes
-  conditions = _conditions(sel, ban_ids, num_k)
+  conditions = suppression_table.conditions(
+      [(f"suppress ({sel.method})", sel.ids)], ("token ban", ban_ids), num_k,
+      refill=FLAGS.refill, random_sets=FLAGS.random_sets, seed=FLAGS.seed)
   results = {}
   for name, edit in conditions:
     results[name] = _condition(model, tokenizer, b, val, gen_kw, **edit)
   base = results["unedited"]
-  rows = [_row(name, len(edit.get("ids", ())), len(edit.get("ban", ())), results[name], base,
-               num_k, FLAGS.seed) for name, edit in conditions]
+  rows = [_row(name, edit, results[name], base, num_k, FLAGS.seed)
+          for name, edit in conditions]
   for n in sweep:
     if n > len(ranked.ids):
       continue  # the selection ranked fewer prototypes
     measured = _condition(model, tokenizer, b, val, gen_kw, ids=ranked.ids[:n],
                           refill=FLAGS.refill)
-    rows.append(_row(f"sweep: top {n}", n, 0, measured, base, num_k, seed=0))  # CIs: seed 0
-  randoms = [r for r in rows if r["condition"].startswith("random")]
-  supp = rows[1]
+    rows.append(_row(f"sweep: top {n}", {"ids": ranked.ids[:n]}, measured, base, num_k,
+                     seed=0))  # CIs: seed 0
   summary = {
       **rec,
       "behaviour": b.name, "score": b.description, "selection": {
@@ -199,9 +174,7 @@ def main(argv):
                        ("agreement", "proto_ce_ratio", "centred_proto_share", "residual_share",
                         "r1_bar", "r2_bar", "perplexity")},
       "rows": rows,
-      "random_over_suppression": (float(np.mean([abs(r["rate_fall"]["mean"]) for r in randoms]))
-                                  / max(abs(supp["rate_fall"]["mean"]), 1e-12))
-                                 if randoms and "rate_fall" in supp else None,
+      "random_over_suppression": suppression_table.random_over_suppression(rows),
       "samples": {name: results[name][0]["texts"][:3] for name, _ in conditions[:3]},
   }
   if FLAGS.dense_workdir:
