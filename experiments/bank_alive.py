@@ -55,9 +55,12 @@ def run_config(name: str, root: str):
   sets = ["train.batch_size=8", "data.seq_len=128", "data.val_fraction=0.1",
           "train.eval_at_start=false", "train.eval_batches=0", "train.log_every=1",
           "train.keep_checkpoints=2", f"data.packed_dir={os.path.join(root, 'data')}"]
-  if name == "auto":  # the bank's timing, eval and revival cadence as the recipe sets them
+  if name == "auto":  # the bank's timing, eval and revival cadence as the recipe sets them;
+    # its 50 evaluations on one val batch each (the whole split takes minutes here), the
+    # measurement on the whole split after the run (whole_val_eval)
     return apply_overrides(preset("small", FLAGS.steps),
-                           sets + [f"train.ckpt_every={AUTO_CKPT_EVERY}"])
+                           sets + [f"train.ckpt_every={AUTO_CKPT_EVERY}",
+                                   "train.eval_batches=1"])
   init = FLAGS.late_init_step if name == "late_init" else FLAGS.init_step
   sets += [f"train.proto_init_step={init}", f"train.eval_every={FLAGS.steps}",
            f"train.ckpt_every={FLAGS.init_step}",
@@ -87,6 +90,15 @@ def common_direction(workdir: str) -> float:
   return common_direction_cos(z)
 
 
+def whole_val_eval(workdir: str, cfg, result) -> dict:
+  """The trained run's metrics on the whole val split (as the other runs' last eval)."""
+  from prism_jax import data as data_lib  # pylint: disable=g-import-not-at-top
+  from prism_jax.train import evaluate  # pylint: disable=g-import-not-at-top
+  packed = data_lib.prepare_data(cfg.data, cfg.model.vocab_size, workdir)
+  val = data_lib.make_loader(packed, "val", cfg.train.batch_size, cfg.data.seed)
+  return evaluate(result.graphdef, result.state.params, cfg, val, num_batches=0)
+
+
 def start_from_donor(workdir: str, donor: str, step: int) -> None:
   """Copies `donor`'s checkpoint at `step` into `workdir` unless it holds one already
   (then the run resumes from its own)."""
@@ -109,7 +121,7 @@ def measure(name: str, donor: str | None) -> dict:
     start_from_donor(workdir, donor, cfg.train.proto_init_step)
     allow = ("train.revive_every",)
   result = train(cfg, workdir, allow_config_change=allow)
-  ev = dict(result.eval)
+  ev = dict(result.eval) if name != "auto" else whole_val_eval(workdir, cfg, result)
   k = cfg.model.num_prototypes
   init = bank_set_at(workdir) if name == "auto" else cfg.train.proto_init_step
   return {"init_step": init, "revive_every": cfg.train.revive_every,
