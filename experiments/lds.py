@@ -8,7 +8,8 @@
 The model: experiments/lds_recipe.py's RECIPE (every model option and loss weight pinned;
 --set changes them) trained with the model's own recipe (attribution/quality/retrain.py) on the
 first --num_rows training rows, seed 0. Every method scores
-every (query, row) pair on it (attribution/quality/methods.py). Then:
+every (query, row) pair on it (attribution/quality/methods.py). Then the protocol
+(attribution/quality/protocol.py):
   LDS      --subsets random subsets at --alpha, each retrained (seed 0); per query the
            Spearman of the predicted loss (−Σ kept scores) with the measured summed loss;
            mean ± bootstrap CI over queries. Noise ceiling: the first --ceiling_subsets
@@ -27,7 +28,6 @@ the key, prints it and stops. Prints the tables (markdown).
 
 import json
 import os
-import time
 
 import numpy as np
 from absl import flags, logging
@@ -65,25 +65,6 @@ FLAGS = flags.FLAGS
 
 
 RETENTION_M = 100  # the retention of the top-m rows (the cache's projection vs none)
-
-
-class _Retrains:
-  """The store plus a log line per retrain (done / total, its time, the ETA)."""
-
-  def __init__(self, store, cfg, packed, queries, total):
-    self.store, self.cfg, self.packed, self.q = store, cfg, packed, queries
-    self.total, self.done, self.spent, self.trained = total, 0, 0.0, 0
-
-  def __call__(self, name, keep_E, seed):
-    t, fresh = time.time(), not self.store.has(name)
-    loss = self.store.run(name, self.cfg, self.packed, np.flatnonzero(keep_E), seed, self.q)
-    self.done += 1
-    if fresh:
-      self.spent, self.trained = self.spent + time.time() - t, self.trained + 1
-      eta = self.spent / self.trained * (self.total - self.done)
-      logging.info("retrain %d/%d %s: %.1f s (ETA %.0f min)", self.done, self.total, name,
-                   time.time() - t, eta / 60)
-    return loss
 
 
 def _write_plot(path, ms, removal_ci):
@@ -167,60 +148,11 @@ def _plot_from(path: str) -> None:
   print(f"wrote {FLAGS.plot}")
 
 
-def _method_scores(cfg, packed, queries, E: int, score_dir: str):
-  """Every method's (query, row) scores and seconds: saved under score_dir, the full model
-  (seed 0 on every row) retrained only when some method's scores are missing."""
-  from prism_jax.attribution.quality import methods, retrain  # pylint: disable=g-import-not-at-top
-  scores, cost, model = {}, {}, None
-  for name in FLAGS.methods:
-    path = os.path.join(score_dir, f"{name}.npz")
-    if not os.path.exists(path):
-      if model is None:  # the full model: seed 0 on every row (retrained: deterministic)
-        t = time.time()
-        model, _ = retrain.retrain(cfg, packed, np.arange(E), 0)
-        logging.info("full model trained in %.1f s", time.time() - t)
-      sc, sec = methods.scores(name, model, cfg, packed, queries, E, FLAGS.out,
-                               rank=FLAGS.rank, seed=FLAGS.seed)
-      np.savez(path, scores=sc, seconds=sec)
-      logging.info("%s: scores in %.1f s", name, sec)
-      # the factors serve every EK-FAC form; another method's row caches need not stay
-      methods.BUILDS.keep_only("EK-FAC factors", "prototype cache")
-    with np.load(path) as f:
-      scores[name], cost[name] = f["scores"], float(f["seconds"])
-  return scores, cost
-
-
-def _measure(run, E: int, ms: list[int], removal_methods, scores) -> dict:
-  """The retrains: both full models, the LDS subsets (and the ceiling's second seed), and
-  the removal curves' query loss changes against the full model, and each method's
-  per-query LDS."""
-  from prism_jax.attribution.quality import lds  # pylint: disable=g-import-not-at-top
-  everything = np.ones(E, bool)
-  full0 = run("full_s0", everything, 0)
-  full1 = run("full_s1", everything, 1)
-  keep = lds.subset_masks(E, FLAGS.subsets, FLAGS.alpha, FLAGS.seed)
-  meas = np.stack([run(f"lds{m}_s0", keep[m], 0) for m in range(FLAGS.subsets)], 1)
-  c = FLAGS.ceiling_subsets
-  ceiling = None
-  if c:
-    meas_b = np.stack([run(f"lds{m}_s1", keep[m], 1) for m in range(c)], 1)
-    ceiling = lds.bootstrap_ci(lds.noise_ceiling(meas[:, :c], meas_b))
-  deltas = {n: np.zeros((FLAGS.removal_queries, len(ms))) for n in removal_methods}
-  for j, m in enumerate(ms):
-    for name in removal_methods:
-      for q in range(FLAGS.removal_queries):
-        loss = run(f"rm_{name}_q{q}_m{m}", lds.removal_keep(scores[name][q], m), 0)
-        deltas[name][q, j] = loss[q] - full0[q]
-  per_query = {n: lds.lds_per_query(scores[n], keep, meas) for n in FLAGS.methods}
-  return {"full0": full0, "full1": full1, "keep": keep, "meas": meas, "ceiling": ceiling,
-          "deltas": deltas, "per_query": per_query}
-
-
 def _lds_table(cfg, packed, E: int, scores, cost, measured) -> tuple[list[str], list[dict]]:
   """The LDS table's markdown lines and its results rows (with the ceiling and, with both
   prism and full scored, the cache's top-m retention)."""
   from prism_jax.attribution.quality import lds  # pylint: disable=g-import-not-at-top
-  ceiling = measured["ceiling"]
+  ceiling = measured.ceiling
   # Two seeds' measurements correlate at ρ ≈ reliability; the best possible predictor of one
   # seed's measurement correlates with it at ≈ √ρ: that is the LDS ceiling.
   ceil_txt = "–" if ceiling is None else (
@@ -236,7 +168,7 @@ def _lds_table(cfg, packed, E: int, scores, cost, measured) -> tuple[list[str], 
            "|---|---|---|---|"]
   rows_json = []
   for name in FLAGS.methods:
-    mean, lo, hi = lds.bootstrap_ci(measured["per_query"][name])
+    mean, lo, hi = lds.bootstrap_ci(measured.per_query[name])
     lines.append(f"| {name} | {mean:.3f} [{lo:.3f}, {hi:.3f}] | {ceil_txt} | "
                  f"{cost[name]:.1f} |")
     rows_json.append({"metric": f"LDS ({name})", "paper": "not reported", "ours": round(mean, 4),
@@ -265,7 +197,7 @@ def _held_out_choice(measured) -> tuple[list[str], list[dict]]:
   """--choose_among: the variant the choose half of the queries picks, and every method's
   LDS on the report half (the chosen one's measured there once)."""
   from prism_jax.attribution.quality import lds  # pylint: disable=g-import-not-at-top
-  per_q = measured["per_query"]
+  per_q = measured.per_query
   choose_q, report_q = lds.query_halves(FLAGS.queries, FLAGS.seed)
   best, means = lds.choose_best(per_q, list(FLAGS.choose_among), choose_q)
   lines = ["", f"Held-out choice: the choose half ({len(choose_q)} queries) picks **{best}** "
@@ -296,7 +228,7 @@ def main(argv):
   jax.config.update("jax_compilation_cache_dir", os.path.join(FLAGS.out, "jax_cache"))
   jax.config.update("jax_persistent_cache_min_compile_time_secs", 0)
   from prism_jax.data import prepare_data  # pylint: disable=g-import-not-at-top
-  from prism_jax.attribution.quality import retrain  # pylint: disable=g-import-not-at-top
+  from prism_jax.attribution.quality import protocol, retrain  # pylint: disable=g-import-not-at-top
   cfg = lds_recipe.config(FLAGS.set)
   os.makedirs(FLAGS.out, exist_ok=True)
   packed = prepare_data(cfg.data, cfg.model.vocab_size, FLAGS.out)
@@ -317,18 +249,21 @@ def main(argv):
   if FLAGS.dry_run:
     print(json.dumps(dict(key, hash=retrain.key_hash(key)), indent=1))
     return
-  total = (2 + FLAGS.subsets + FLAGS.ceiling_subsets
-           + FLAGS.removal_queries * len(removal_methods) * len(ms))
-  run = _Retrains(store, cfg, packed, queries, total)
-  scores, cost = _method_scores(cfg, packed, queries, E, score_dir)
-  measured = _measure(run, E, ms, removal_methods, scores)
+  p = protocol.Protocol(num_rows=E, subsets=FLAGS.subsets, alpha=FLAGS.alpha,
+                        ceiling_subsets=FLAGS.ceiling_subsets,
+                        removal_queries=FLAGS.removal_queries, removal_m=tuple(ms),
+                        seed=FLAGS.seed)
+  run = protocol.Retrains(store, cfg, packed, queries, p.num_retrains(removal_methods))
+  scores, cost = protocol.method_scores(FLAGS.methods, cfg, packed, queries, p, score_dir,
+                                        scratch=FLAGS.out, rank=FLAGS.rank)
+  measured = protocol.measure(run, p, scores, removal_methods)
   lines, rows_json = _lds_table(cfg, packed, E, scores, cost, measured)
   if FLAGS.choose_among:
     held_lines, held_rows = _held_out_choice(measured)
     lines, rows_json = lines + held_lines, rows_json + held_rows
-  deltas = measured["deltas"]
+  deltas = measured.deltas
   removal_lines, removal_ci = removal_section(
-      deltas, ms, np.abs(measured["full1"] - measured["full0"]))
+      deltas, ms, np.abs(measured.full1 - measured.full0))
   table = "\n".join(lines + removal_lines)
   print(table)
   with open(os.path.join(FLAGS.out, "results.md"), "w") as f:
