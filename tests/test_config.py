@@ -136,6 +136,8 @@ def test_steps_rescale_the_recipe_and_explicit_sets_win():
       "medium", 1000).train
   assert C.preset("medium", 1000).train.proto_init_step == "auto"
   assert C.latest_proto_init(C.preset("medium", 1000).train) == 500  # half the run
+  one = C.preset("medium", 1)  # no evaluation to decide at: the bank from the start
+  assert one.train.proto_init_step == 0 and C.bank_init_problem(one) is None
   cfg = build_config("small", None, None, ["train.steps=1000", "train.warmup_steps=7",
                                            "train.proto_init_step=9"])
   assert (cfg.train.steps, cfg.train.warmup_steps, cfg.train.proto_init_step) == (1000, 7, 9)

@@ -123,7 +123,8 @@ def recipe_rows(preset_names: Sequence[str]) -> list[dict]:
                  "tokens_per_param": tc.steps * batch_tokens / params,
                  "batch_size": tc.batch_size, "seq_len": seq, "batch_tokens": batch_tokens,
                  "steps": tc.steps, "lr": tc.lr, "warmup_steps": tc.warmup_steps,
-                 "proto_init_step": tc.proto_init_step, "eval_every": tc.eval_every,
+                 "proto_init_step": tc.proto_init_step,
+                 "proto_init_latest": config.latest_proto_init(tc), "eval_every": tc.eval_every,
                  "ckpt_every": tc.ckpt_every, "train_flops": total,
                  "eval_share": eval_flops / total})
   return rows
@@ -146,6 +147,12 @@ def slice_rows(recipes: Sequence[dict], data: dict) -> list[dict]:
   return out
 
 
+def _bank_step(r: dict) -> str:
+  if r["proto_init_step"] == "auto":  # once the states have spread (train.proto_init_cos)
+    return f"auto (step {r['proto_init_latest']:,} at the latest)"
+  return f"step {r['proto_init_step']}"
+
+
 def format_recipes(rows: Sequence[dict]) -> str:
   lines = _markdown_table(
       ("preset", "PRISM params", "tokens (per param)", "batch (rows x T = tokens)", "steps",
@@ -154,7 +161,7 @@ def format_recipes(rows: Sequence[dict]) -> str:
       ((r["preset"], f"{r['params'] / 1e6:,.1f}M",
         f"{r['tokens'] / 1e9:.2f}B ({r['tokens_per_param']:.1f})",
         f"{r['batch_size']} x {r['seq_len']} = {r['batch_tokens']:,}", f"{r['steps']:,}",
-        f"{r['lr']:.1e}", r["warmup_steps"], f"step {r['proto_init_step']}",
+        f"{r['lr']:.1e}", r["warmup_steps"], _bank_step(r),
         f"{r['eval_every']} / {r['ckpt_every']}",
         f"{r['train_flops']:.3g} ({100 * r['eval_share']:.1f}%)") for r in rows))
   lines.append(
