@@ -33,14 +33,20 @@ FLAGS = flags.FLAGS
 TARGET_RATIO = 0.7  # issue 56: a fresh clone's `make test` <= 0.7 x 14df241's
 
 
-def _time(target: str, cwd: str, env: dict) -> dict:
+def _time(target: str, cwd: str, env: dict, must_pass: bool) -> dict:
+  """Wall seconds and pytest's summary of `make target`. A failing run of the measured
+  commit stops the benchmark; the baseline's is recorded with its failures (an old commit's
+  flaky test still ran the whole suite, so its time stands)."""
   t0 = time.perf_counter()
   res = subprocess.run(["make", target], cwd=cwd, env=env, capture_output=True, text=True)
   wall = time.perf_counter() - t0
-  if res.returncode:
+  if res.returncode and must_pass:
     raise RuntimeError(f"make {target} in {cwd} failed:\n{res.stdout[-3000:]}"
                        f"{res.stderr[-2000:]}")
-  return {"wall_s": wall, **side_by_side.pytest_summary(res.stdout + res.stderr)}
+  out = {"wall_s": wall, **side_by_side.pytest_summary(res.stdout + res.stderr)}
+  if res.returncode:
+    out["failed_tail"] = (res.stdout + res.stderr)[-1500:]
+  return out
 
 
 def _has_target(cwd: str, target: str) -> bool:
@@ -62,11 +68,11 @@ def main(argv):
     for label, run in runs.items():
       run["dir"] = os.path.join(tmp, label)
       run["sha"] = side_by_side.clone(run["ref"], run["dir"])
-      run["test"] = _time("test", run["dir"], env)
+      run["test"] = _time("test", run["dir"], env, must_pass=label == "commit")
       print(f"{label} make test: {run['test']}", flush=True)
     for label, run in runs.items():
       if FLAGS.long and _has_target(run["dir"], "test-long"):
-        run["test_long"] = _time("test-long", run["dir"], env)
+        run["test_long"] = _time("test-long", run["dir"], env, must_pass=label == "commit")
         print(f"{label} make test-long: {run['test_long']}", flush=True)
   finally:
     shutil.rmtree(tmp, ignore_errors=True)
