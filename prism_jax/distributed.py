@@ -24,6 +24,8 @@ from typing import Any, Mapping
 
 import jax
 from absl import flags, logging
+from jax._src import distributed as jax_distributed  # the runtime's client: see _client
+from jax.experimental import multihost_utils
 
 _ENV = {
     "coordinator_address": ("PRISM_COORDINATOR_ADDRESS", "JAX_COORDINATOR_ADDRESS"),
@@ -141,7 +143,6 @@ def log_main(msg: str, *args: Any) -> None:
 def sync(name: str) -> None:
   """Barrier across all processes (no-op on one process)."""
   if jax.process_count() > 1:
-    from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
     multihost_utils.sync_global_devices(name)
 
 
@@ -155,7 +156,6 @@ EXIT_GRACE_S = 3
 
 def _client():
   # jax has no public accessor for the runtime's client (orbax reads the same attribute)
-  from jax._src import distributed as jax_distributed  # pylint: disable=import-outside-toplevel
   return jax_distributed.global_state.client
 
 

@@ -16,9 +16,11 @@ naming the path (`check_access`).
 
 from __future__ import annotations
 
+import glob as glob_lib
 import io
 import os
 import re
+import shutil
 import time
 from typing import Any
 
@@ -58,7 +60,7 @@ def _check_backend(s: str) -> None:
   from deep inside etils."""
   if scheme(s) == "gs":
     try:
-      import gcsfs  # pylint: disable=import-outside-toplevel,unused-import  # noqa: F401
+      import gcsfs  # pylint: disable=import-outside-toplevel,unused-import  # noqa: F401  (deferred: optional, the gcs extra)
     except ImportError:
       raise PathAccessError(f"cannot open {s}: {GCS_EXTRA}") from None
 
@@ -107,8 +109,8 @@ def check_access(p) -> None:
 def _check_gcs_credentials(s: str) -> None:
   """Fails fast (before any request and its retries) when no credentials are found."""
   try:
-    import google.auth  # pylint: disable=import-outside-toplevel
-    import google.auth.exceptions  # pylint: disable=import-outside-toplevel
+    import google.auth  # pylint: disable=import-outside-toplevel  (deferred: optional, the gcs extra)
+    import google.auth.exceptions  # pylint: disable=import-outside-toplevel  (deferred: optional, the gcs extra)
   except ImportError as e:
     raise PathAccessError(f"cannot open {s}: {GCS_EXTRA}") from e
   try:
@@ -119,7 +121,7 @@ def _check_gcs_credentials(s: str) -> None:
 
 
 def _fsspec(s: str):
-  import fsspec  # pylint: disable=import-outside-toplevel
+  import fsspec  # pylint: disable=import-outside-toplevel  (deferred: fsspec, for gs:// only)
   try:
     return fsspec.filesystem(scheme(s))
   except ImportError as e:
@@ -207,7 +209,6 @@ def open_file(p, mode: str = "rb"):
 def glob(pattern: str) -> list[str]:
   """Files matching pattern, sorted ('**' recursive); gs:// patterns through fsspec."""
   if not is_remote(pattern):
-    import glob as glob_lib  # pylint: disable=import-outside-toplevel
     return sorted(p for p in glob_lib.glob(pattern, recursive=True) if os.path.isfile(p))
   check_access(pattern)
   fs, sch = _fsspec(pattern), scheme(pattern)
@@ -218,7 +219,6 @@ def move_tree(src, dst) -> None:
   """Moves a directory: a rename locally, copy-then-delete (fsspec) on an object store."""
   src, dst = resolve(src), resolve(dst)
   if not is_remote(src) and not is_remote(dst):
-    import shutil  # pylint: disable=import-outside-toplevel
     shutil.move(src, dst)
     return
   fs = _fsspec(src)

@@ -8,6 +8,7 @@ import dataclasses
 import html
 from typing import Any
 
+from prism_jax import paths
 from prism_jax.model.trust import trust_label
 
 TOP_SHOWN = 3  # prototypes a token's line shows (all k are in the records)
@@ -145,7 +146,6 @@ class Report:
     return f"Report({len(self.html) / 1e6:.1f} MB of self-contained HTML; .save(path) writes it)"
 
   def save(self, path: str) -> str:
-    from prism_jax import paths  # pylint: disable=g-import-not-at-top
     paths.write_text_atomic(path, self.html)
     return path
 

@@ -18,19 +18,32 @@ and the prototypes' share of the prediction's lead over the runner-up.
 
 from __future__ import annotations
 
+import contextlib
+
+import jax
 import jax.numpy as jnp
 import numpy as np
 
+from prism_jax import paths, run_lock
+from prism_jax.analysis import report_page
+from prism_jax.analysis.token_report import token_report
+from prism_jax.attribution.hessians import curvature
 from prism_jax.control.steering import gains_vector
 from prism_jax.control.suppression import model_fingerprint
+from prism_jax.data import batch as batch_lib
+from prism_jax.data import prepare_data
 from prism_jax.data.tokenizers import piece
 from prism_jax.generate import SAMPLING, generate as generate_ids, sampling_label
 from prism_jax.model.lm import decompose as decompose_logits
 from prism_jax.model.logit_edit import controlled_logits, edited_trust
-from prism_jax.model.trust import output_trust
+from prism_jax.model.trust import RESIDUAL_DECIDED, output_trust, prediction_trust
 
 from prism_jax.run_views import (TOP_SHOWN, Decomposition, Generation, Report,  # noqa: F401
                                  TokenAttribution, TokenExplanation)
+
+# Attribution, cards, the report's data, the Hessian block and load() import their modules
+# when called (deferred: scipy.sparse and orbax, ~0.6 s): importing this module costs what
+# the model and generate cost.
 
 
 class Run:
@@ -181,7 +194,6 @@ class Run:
       A Generation: `.text` (the continuation), `.output` (ids and trace), `.report`; a
       list of them, in order, for a list of texts.
     """
-    from prism_jax.analysis.token_report import token_report  # pylint: disable=g-import-not-at-top
     if isinstance(text, (list, tuple)) and text and all(isinstance(t, str) for t in text):
       return self._generate_many(list(text), max_new_tokens, greedy=greedy,
                                  temperature=temperature, top_k=top_k, seed=seed, top=top)
@@ -204,7 +216,6 @@ class Run:
                      temperature: float, top_k: int | None, seed: int, top: int
                      ) -> list[Generation]:
     """Run.generate on a list: one batched call per prompt length."""
-    from prism_jax.analysis.token_report import token_report  # pylint: disable=g-import-not-at-top
     ids = [self._ids(t) for t in texts]
     groups: dict[int, list[int]] = {}
     for i, x in enumerate(ids):
@@ -281,12 +292,10 @@ def _row(out, r: int):
 
 
 def _packed(run: "Run"):
-  from prism_jax.data import prepare_data  # pylint: disable=g-import-not-at-top
   return prepare_data(run.config.data, run.config.model.vocab_size, run.workdir)
 
 
 def _cache(run: "Run", packed, build: bool):
-  from prism_jax import paths  # pylint: disable=g-import-not-at-top
   from prism_jax.attribution.caching import cache_format  # pylint: disable=g-import-not-at-top
   cache_dir = paths.join(run.workdir, "attribution_cache")
   if not build and not cache_format.is_cache_dir(cache_dir):
@@ -300,8 +309,6 @@ def open_or_build_cache(run: "Run", packed, writer: str = "prism_jax.load(...)",
   """<workdir>/attribution_cache opened, or built (`build_kwargs`: cache.build_cache's)
   under the run lock: a build writes into the run; opening a complete cache writes nothing.
   `writer` names this process in the lock."""
-  import contextlib  # pylint: disable=g-import-not-at-top
-  from prism_jax import paths, run_lock  # pylint: disable=g-import-not-at-top
   from prism_jax.attribution.caching import cache as cache_lib  # pylint: disable=g-import-not-at-top
   from prism_jax.attribution.caching import cache_format  # pylint: disable=g-import-not-at-top
   cache_dir = paths.join(run.workdir, "attribution_cache")
@@ -315,7 +322,6 @@ def attribute(run: "Run", text, position: int | None = None, *, top: int = 5,
               build: bool = True) -> TokenAttribution:
   """Run.attribute: see its docstring."""
   from prism_jax.attribution.scoring import influence  # pylint: disable=g-import-not-at-top
-  from prism_jax.model.trust import RESIDUAL_DECIDED, prediction_trust  # pylint: disable=g-import-not-at-top
   if run.config.model.kind != "prism":
     raise ValueError(f"{run.workdir} is a dense run: cached attribution needs prototypes")
   ids = run._ids(text)  # pylint: disable=protected-access
@@ -341,7 +347,6 @@ def run_cards(run: "Run", cache=None, *, build: bool = True,
   """Run.cards: <workdir>/cards read, or built there under the run lock (with `cache`'s
   index when given; `build_kwargs`: cards.build_cards'); None when absent and not `build`.
   `writer` names this process in the lock; `packed`: the run's data, when held already."""
-  from prism_jax import paths, run_lock  # pylint: disable=g-import-not-at-top
   from prism_jax.analysis import cards as cards_lib  # pylint: disable=g-import-not-at-top
   cards_dir = paths.join(run.workdir, "cards")
   if paths.path(paths.join(cards_dir, cards_lib.CARDS_FILE)).is_file():
@@ -360,10 +365,7 @@ def run_cards(run: "Run", cache=None, *, build: bool = True,
 def hessian_block(run: "Run", i: int, j: int, *, rows: int = 4, path: str = "full",
                   loss_cfg=None) -> np.ndarray:
   """Run.hessian_block: see its docstring."""
-  import jax  # pylint: disable=g-import-not-at-top
-  from prism_jax.attribution.hessians import curvature  # pylint: disable=g-import-not-at-top
   from prism_jax.attribution.hessians.hessian_block import hessian_block as block  # pylint: disable=g-import-not-at-top
-  from prism_jax.data import batch as batch_lib  # pylint: disable=g-import-not-at-top
   loss_cfg = run.config.loss if loss_cfg is None else loss_cfg
   curvature.check_loss(loss_cfg)  # before reading any data: one line naming the term
   if rows < 1:
@@ -383,9 +385,7 @@ def hessian_block(run: "Run", i: int, j: int, *, rows: int = 4, path: str = "ful
 def report(run: "Run", text, max_new_tokens: int = 32, *, attribution: bool = False,
            **sampling) -> Report:
   """Run.report: see its docstring."""
-  from prism_jax import paths  # pylint: disable=g-import-not-at-top
   from prism_jax.analysis import report as report_lib  # pylint: disable=g-import-not-at-top
-  from prism_jax.analysis import report_page  # pylint: disable=g-import-not-at-top
   if run.config.model.kind != "prism":
     raise ValueError(f"{run.workdir} is a dense run: a report needs prototypes")
   packed = _packed(run)

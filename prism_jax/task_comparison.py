@@ -14,12 +14,14 @@ import hashlib
 import time
 
 import numpy as np
+from flax import nnx
 
 from prism_jax.attribution.caching.cache_format import model_fingerprint
 from prism_jax.control import controllers as ctl
 from prism_jax.control import sae as sae_lib
 from prism_jax import bootstrap
-from prism_jax.evaluation import scoring
+from prism_jax.data import batch as batch_lib
+from prism_jax.evaluation import scoring, synthetic, tasks
 from prism_jax.evaluation.tasks import ACC_NORM_TASKS, Item, chance
 
 
@@ -109,8 +111,6 @@ def evaluate_task(items: list[Item], prism, dense, tok, *, setup: ControlSetup |
 def hidden_states(model, packed, split: str, max_rows: int) -> tuple[np.ndarray, np.ndarray]:
   """(z (N, D), next tokens (N,)): a model's final hidden states on the first `max_rows`
   packed rows of `split`, valid positions only (what the SAE baseline is trained on)."""
-  from flax import nnx  # pylint: disable=g-import-not-at-top
-  from prism_jax.data import batch as batch_lib  # pylint: disable=g-import-not-at-top
   rows = packed.rows(split)
   n = min(max_rows, len(rows["tokens"]))
   b = batch_lib.from_rows(np.asarray(rows["tokens"][:n]), np.asarray(rows["example_id"][:n]),
@@ -134,7 +134,6 @@ def load_tasks(names: list[str], packed, tok, max_len: int, *, too_long: str = "
   """Offline tasks (evaluation/tasks.py) and synthetic ones from the run's val documents
   (evaluation/synthetic.py), fitted to `max_len` as `too_long` says (truncate, drop,
   refuse: scoring.encode_items)."""
-  from prism_jax.evaluation import synthetic, tasks  # pylint: disable=g-import-not-at-top
   tasks.check_task_names(names, synthetic.SYNTHETIC_TASKS)
   out = TaskSet({}, {}, {})
   for name in names:

@@ -67,7 +67,7 @@ def open_url(url: str, *, width: int = 1400, height: int = 1000):
 @contextlib.contextmanager
 def _browse(url: str, allowed_prefix: str, width: int, height: int, bypass_csp: bool = False):
   try:
-    from playwright.sync_api import sync_playwright  # pylint: disable=import-outside-toplevel
+    from playwright.sync_api import sync_playwright  # pylint: disable=import-outside-toplevel  (deferred: playwright, optional, for screenshots only)
   except ImportError:
     raise ImportError("the browser needs playwright: pip install -e '.[test]'") from None
   exe = chromium_path()

@@ -68,7 +68,7 @@ def bank_map(protos_KxD: np.ndarray, method: str = "auto") -> tuple[np.ndarray, 
   unit = protos_KxD / np.maximum(np.linalg.norm(protos_KxD, axis=1, keepdims=True), 1e-12)
   if method in ("auto", "umap"):
     try:
-      import umap  # pylint: disable=import-outside-toplevel
+      import umap  # pylint: disable=import-outside-toplevel  (deferred: umap-learn, optional)
       return np.asarray(umap.UMAP(n_components=2, metric="cosine", random_state=0)
                         .fit_transform(unit), np.float64), "umap"
     except ImportError:

@@ -28,6 +28,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from prism_jax import faithfulness, io_guard, paths
+from prism_jax import generate as gen
 from prism_jax.analysis import report_page
 from prism_jax.analysis.cards import LABEL_METHOD, CardSet
 from prism_jax.attribution.caching import cache_format as fmt
@@ -50,7 +51,6 @@ CARD_CONTEXTS, CARD_LOGITS = 5, 8  # what each embedded card keeps (the page sta
 def _generate(model, prompt, max_new_tokens, cache, packed, eos_id, top, sampling):
   """(new tokens, per new token [(example_id, score, snippet)] or None without a cache)."""
   if cache is None:
-    from prism_jax import generate as gen  # pylint: disable=import-outside-toplevel
     out = gen.generate(model, prompt[None], max_new_tokens=max_new_tokens, eos_id=eos_id,
                        **sampling)
     return out.tokens_BxL[0, :int(out.lengths_B[0])].astype(np.int32), None

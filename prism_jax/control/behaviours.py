@@ -51,7 +51,7 @@ def doctest_lines(text: str) -> int:
 
 def _profanity_score() -> Callable[[str], float]:
   try:
-    from profanity_check import predict_prob  # pylint: disable=g-import-not-at-top
+    from profanity_check import predict_prob  # pylint: disable=g-import-not-at-top  (deferred: optional, the scorers extra)
   except ImportError as e:
     raise ValueError("behaviour 'profanity' needs alt-profanity-check: pip install "
                      "'prism_jax[scorers]' (alt-profanity-check==1.9.1)") from e
@@ -60,7 +60,7 @@ def _profanity_score() -> Callable[[str], float]:
 
 def _negative_sentiment_score() -> Callable[[str], float]:
   try:
-    from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer  # pylint: disable=g-import-not-at-top
+    from vaderSentiment.vaderSentiment import SentimentIntensityAnalyzer  # pylint: disable=g-import-not-at-top  (deferred: optional, the scorers extra)
   except ImportError as e:
     raise ValueError("behaviour 'negative_sentiment' needs vaderSentiment: pip install "
                      "'prism_jax[scorers]' (vaderSentiment==3.3.2)") from e

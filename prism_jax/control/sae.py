@@ -12,6 +12,7 @@ fixed sample of `dead_sample` tokens at the last check (every `dead_every` steps
 
 from __future__ import annotations
 
+import ast
 import dataclasses
 import hashlib
 from typing import Any, NamedTuple
@@ -197,7 +198,6 @@ def save_sae(path: str, fit: SaeFit) -> None:
 
 
 def load_sae(path: str) -> SaeFit:
-  import ast  # pylint: disable=g-import-not-at-top
   with np.load(path) as f:
     params = {k: jnp.asarray(f[k]) for k in ("W_enc", "b_enc", "W_dec", "b_pre")}
     cfg = SaeConfig(**ast.literal_eval(str(f["cfg"])))

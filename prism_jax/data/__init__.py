@@ -22,7 +22,7 @@ def __getattr__(name):
   """The grain pipeline loads on first use: importing grain (and jax) takes seconds, which a
   packing worker process, which needs neither, should not pay."""
   if name in _PIPELINE:
-    from prism_jax.data import pipeline  # pylint: disable=g-import-not-at-top
+    from prism_jax.data import pipeline  # pylint: disable=g-import-not-at-top  (deferred: grain and jax)
     return getattr(pipeline, name)
   raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 

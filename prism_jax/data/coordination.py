@@ -34,11 +34,11 @@ class Processes:
 
 
 def _jax_processes() -> Processes:
-  import jax  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top  (deferred: jax, which packing never imports)
   if not jax.distributed.is_initialized() or jax.process_count() == 1:
     return Processes()
-  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
-  from prism_jax import distributed  # pylint: disable=g-import-not-at-top
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top  (deferred: jax, only under jax.distributed)
+  from prism_jax import distributed  # pylint: disable=g-import-not-at-top  (deferred: jax, only under jax.distributed)
 
   def all_true(flag: bool) -> bool:
     return bool(np.all(multihost_utils.process_allgather(np.array([int(flag)], np.int32))))

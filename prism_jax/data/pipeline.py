@@ -21,6 +21,7 @@ import grain
 import numpy as np
 
 from prism_jax.data import batch as batch_lib
+from prism_jax.data.packed import PackedData
 
 
 class PackedRows:
@@ -177,6 +178,5 @@ def make_loader(packed, split: str, global_batch: int, seed: int = 0,
   `packed`: a PackedData or the path of a packed directory.
   """
   if isinstance(packed, str):
-    from prism_jax.data.packed import PackedData  # pylint: disable=g-import-not-at-top
     packed = PackedData(packed)
   return Loader(packed, split, global_batch, seed, process_index, process_count, **kwargs)

@@ -205,7 +205,7 @@ def neox_available() -> bool:
 
 def load_hf(kind: str):
   """The HuggingFace `tokenizers.Tokenizer` of a pretrained kind ("gpt2" | "neox")."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # pylint: disable=g-import-not-at-top
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # pylint: disable=g-import-not-at-top  (deferred: tokenizers, only for a pretrained BPE)
   if kind == "neox":
     return Tokenizer.from_str(neox_json())
   if kind != "gpt2":

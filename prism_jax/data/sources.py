@@ -240,8 +240,8 @@ def _read_jsonl(path, text_field, on_decode_error, warn):
 
 def open_parquet(path, text_field):
   """(ParquetFile, is_binary) after checking the text column; errors name the file."""
-  import pyarrow as pa  # pylint: disable=g-import-not-at-top
-  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top  (deferred: pyarrow, for parquet only)
+  import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top  (deferred: pyarrow, for parquet only)
   try:
     pf = pq.ParquetFile(path if not paths_lib.is_remote(path) else paths_lib.open_file(path))
   except (pa.ArrowException, OSError) as e:  # pyarrow's message lacks the file name
@@ -263,7 +263,7 @@ _PARQUET_BATCH_ROWS = 1024  # rows decoded at a time: memory stays one batch, no
 def _read_parquet(path, text_field, on_decode_error, warn, row_groups=None, first_row=0):
   """`row_groups`: (first, end) of the groups to read (all by default); `first_row`: the
   file row where the first of them starts (names are `path:row`)."""
-  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top  (deferred: pyarrow, for parquet only)
   pf, is_binary = open_parquet(path, text_field)
   decoder = Utf8Decoder(path, on_decode_error)
   row = first_row
@@ -296,7 +296,7 @@ def _parquet_values(values, path, row, is_binary, decoder):
 
 
 def _read_default_corpus():
-  from pydoc_data import topics  # pylint: disable=g-import-not-at-top
+  from pydoc_data import topics  # pylint: disable=g-import-not-at-top  (deferred: pydoc_data, the embedded corpus, 0.8 MB)
   for name in sorted(topics.topics):
     chunks = split_paragraphs(topics.topics[name])
     for part, (_, chunk) in enumerate(chunks):
@@ -391,7 +391,7 @@ def source_hash(sources: Sequence[str] = (), text_field: str = "text",
   h = hashlib.sha256()
   h.update(f"text_field={text_field}\n".encode())
   if not sources:
-    from pydoc_data import topics  # pylint: disable=g-import-not-at-top
+    from pydoc_data import topics  # pylint: disable=g-import-not-at-top  (deferred: pydoc_data, the embedded corpus, 0.8 MB)
     h.update(json.dumps(topics.topics, sort_keys=True).encode())
     return h.hexdigest()
   for path in resolve_paths(sources):
@@ -410,7 +410,7 @@ def _stored_checksum(path: str) -> str | None:
   """A gs:// object's crc32c (GCS computes it from the content on upload), else None."""
   if paths_lib.scheme(path) != "gs":
     return None
-  import fsspec  # pylint: disable=g-import-not-at-top
+  import fsspec  # pylint: disable=g-import-not-at-top  (deferred: fsspec, for gs:// only)
   fs = fsspec.filesystem("gs")
   fs.invalidate_cache(path)  # a listing cached before the file was written would hide it
   info = fs.info(path)

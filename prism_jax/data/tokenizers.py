@@ -16,6 +16,7 @@ from typing import Callable, Iterable, Protocol, Sequence
 import numpy as np
 
 from prism_jax import paths
+from prism_jax.data import pretrained
 
 TOKENIZER_FILE = "tokenizer.json"
 EOS, PAD, UNK = "<eos>", "<pad>", "<unk>"
@@ -232,8 +233,8 @@ def train_bpe(texts: Iterable[str], vocab_size: int) -> BpeTokenizer:
   If the corpus runs out of merges first, the vocabulary is filled with unused
   `<unused_i>` specials so that ids line up with the model's embedding rows.
   """
-  from tokenizers import Tokenizer as HfTokenizer  # pylint: disable=g-import-not-at-top
-  from tokenizers import decoders, models, pre_tokenizers, trainers  # pylint: disable=g-import-not-at-top
+  from tokenizers import Tokenizer as HfTokenizer  # pylint: disable=g-import-not-at-top  (deferred: tokenizers, only for a BPE)
+  from tokenizers import decoders, models, pre_tokenizers, trainers  # pylint: disable=g-import-not-at-top  (deferred: tokenizers, only for a BPE)
   _check_vocab(vocab_size, "bpe")
   tok = HfTokenizer(models.BPE())
   tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
@@ -282,7 +283,6 @@ def make_tokenizer(kind: str, vocab_size: int, texts: Iterable[str] | None = Non
   if kind == "char":
     return CharTokenizer.from_texts(texts, vocab_size)
   if kind in ("gpt2", "neox"):
-    from prism_jax.data import pretrained  # pylint: disable=g-import-not-at-top
     tok = BpeTokenizer(pretrained.load_hf(kind), kind)
     if tok.vocab_size > int(vocab_size):
       raise ValueError(f"the {kind} tokenizer has {tok.vocab_size} ids but model.vocab_size="
@@ -327,7 +327,7 @@ def _from_text(text: str):
   if spec.get("prism_tokenizer") == "char":
     return CharTokenizer(list(spec["chars"]), spec["vocab_size"])
   if "model" in spec:
-    from tokenizers import Tokenizer as HfTokenizer  # pylint: disable=g-import-not-at-top
+    from tokenizers import Tokenizer as HfTokenizer  # pylint: disable=g-import-not-at-top  (deferred: tokenizers, only for a BPE)
     hf = HfTokenizer.from_str(text)
     kind = "bpe" if hf.token_to_id(EOS) is not None else (
         "neox" if hf.token_to_id("<|padding|>") is not None else "gpt2")

@@ -144,7 +144,7 @@ class LMEvalAdapter(LM):
   # -- scoring ------------------------------------------------------------------------------
 
   def _score(self, pairs, desc: str, disable_tqdm: bool):
-    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+    from tqdm import tqdm  # pylint: disable=g-import-not-at-top  (deferred: tqdm, only while lm-eval runs)
     enc = scoring.encode_token_pairs(pairs, self.max_len)
     with tqdm(total=len(pairs), desc=desc, disable=disable_tqdm) as bar:
       return scoring.score_options(self.run.model, enc, batch_rows=self.batch_rows,
@@ -218,7 +218,7 @@ class LMEvalAdapter(LM):
   def generate_until(self, requests, disable_tqdm: bool = False) -> list[str]:
     """The continuation of each request's context (`Instance.args` = (context,
     gen_kwargs)), cut at its first stop string."""
-    from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+    from tqdm import tqdm  # pylint: disable=g-import-not-at-top  (deferred: tqdm, only while lm-eval runs)
     tok = self.run.tokenizer
     jobs = []  # (settings, prompt ids, request index)
     for i, r in enumerate(requests):

@@ -86,7 +86,7 @@ def _data_path(task: str) -> str:
 
 def read_arrow_rows(directory: str) -> list[dict]:
   """The rows of a HF `datasets` split saved as Arrow IPC stream files, via pyarrow alone."""
-  import pyarrow as pa  # pylint: disable=g-import-not-at-top
+  import pyarrow as pa  # pylint: disable=g-import-not-at-top  (deferred: pyarrow, only for Arrow task files)
   files = sorted(f for f in os.listdir(directory) if f.endswith(".arrow"))
   if not files:
     raise FileNotFoundError(f"no .arrow file in {directory}: {INSTALL_HINT}")

@@ -10,6 +10,7 @@ from typing import Any
 
 import numpy as np
 
+from prism_jax.data.tokenizers import BpeTokenizer
 from prism_jax.hf.gpt2_config import HFFormatError
 
 CONFIG_FILE = "config.json"
@@ -45,8 +46,8 @@ def read_config(hf_dir: str) -> dict[str, Any]:
 def _safetensors():
   """The safetensors package, or one clear error naming the `hf` extra."""
   try:
-    import safetensors  # pylint: disable=g-import-not-at-top
-    import safetensors.numpy  # pylint: disable=g-import-not-at-top,unused-import  # noqa: F401
+    import safetensors  # pylint: disable=g-import-not-at-top  (deferred: optional, the hf extra)
+    import safetensors.numpy  # pylint: disable=g-import-not-at-top,unused-import  # noqa: F401  (deferred: optional, the hf extra)
   except ImportError:
     raise ModuleNotFoundError("Hugging Face directories need the hf extra: pip install "
                       "'prism_jax[hf]'") from None
@@ -72,8 +73,7 @@ def read_weights(hf_dir: str) -> dict[str, np.ndarray]:
 
 def read_tokenizer(hf_dir: str):
   """The directory's tokenizer as a prism_jax BpeTokenizer (kind "gpt2")."""
-  from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # pylint: disable=g-import-not-at-top
-  from prism_jax.data.tokenizers import BpeTokenizer  # pylint: disable=g-import-not-at-top
+  from tokenizers import Tokenizer, decoders, models, pre_tokenizers  # pylint: disable=g-import-not-at-top  (deferred: tokenizers, only for the directory's tokenizer)
   tok_json = os.path.join(hf_dir, "tokenizer.json")
   vocab, merges = os.path.join(hf_dir, "vocab.json"), os.path.join(hf_dir, "merges.txt")
   try:

@@ -31,10 +31,12 @@ import jax
 import numpy as np
 from flax import nnx
 
-from prism_jax import paths
-from prism_jax.config import config_from_dict
-from prism_jax.hf import convert, hf_dir
+from prism_jax import loading, paths
+from prism_jax.config import config_from_dict, to_dict
+from prism_jax.data import tokenizers as tok_lib
+from prism_jax.hf import convert, hf_dir, hub_card
 from prism_jax.hf.gpt2_config import HFFormatError
+from prism_jax.model.lm import build_model
 
 HEAD_FILE = "prism_head.safetensors"
 TOKENIZER_FILE = "prism_tokenizer.json"
@@ -76,9 +78,6 @@ def _nest(flat: dict[str, np.ndarray]) -> dict:
 
 def export_hub(workdir: str, out: str, step: int | None = None) -> str:
   """Writes `out` (new or empty) from the run's newest (or given) checkpoint; returns it."""
-  from prism_jax.config import to_dict  # pylint: disable=g-import-not-at-top
-  from prism_jax import loading  # pylint: disable=g-import-not-at-top
-  from prism_jax.hf import hub_card  # pylint: disable=g-import-not-at-top
   out = convert._check_empty(out, "--out")  # pylint: disable=protected-access
   hf_out = os.path.join(out, ".transformers")
   convert.export_hf(workdir, hf_out, step)  # the backbone, its checks and tokenizer files
@@ -121,8 +120,6 @@ def _read_head(path: str) -> dict:
 
 def load_hub(path: str) -> tuple[Any, Any, Any]:
   """(model, Config, tokenizer) of a directory export_hub wrote, checked file by file."""
-  from prism_jax.data import tokenizers as tok_lib  # pylint: disable=g-import-not-at-top
-  from prism_jax.model.lm import build_model  # pylint: disable=g-import-not-at-top
   missing = [n for n in REQUIRED if not os.path.isfile(os.path.join(path, n))]
   if missing:
     raise HFFormatError(f"{path} is not a prism_jax Hub directory: it lacks "
@@ -160,7 +157,7 @@ def resolve(path: str) -> str:
     return path
   repo, _, revision = path[len(SCHEME):].partition("@")
   try:
-    import huggingface_hub  # pylint: disable=g-import-not-at-top
+    import huggingface_hub  # pylint: disable=g-import-not-at-top  (deferred: optional, the hf extra)
   except ImportError:
     raise ModuleNotFoundError("hf:// paths need huggingface_hub: pip install "
                               "'prism_jax[hf]'") from None

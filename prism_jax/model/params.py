@@ -10,13 +10,14 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from prism_jax.sharding import constrain
+
 Axes = tuple[str | None, ...]
 
 
 def logical_param(value: jax.Array, axes: Axes) -> nnx.Param:
   # Flax's eager sharding would look the *logical* names up as mesh axes; instead the
   # value is constrained through the rules table (a no-op without a mesh).
-  from prism_jax.sharding import constrain  # pylint: disable=import-outside-toplevel
   return nnx.Param(constrain(value, axes), out_sharding=axes, eager_sharding=False)
 
 

@@ -80,7 +80,7 @@ def load_test(url: str, jobs: list[tuple[str, dict]], *, concurrency: int = 16,
 
 
 def percentiles(ms: list[float]) -> dict:
-  import numpy as np  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top  (deferred: numpy; the load-test client imports httpx alone)
   a = np.asarray(ms)
   return {"p50_ms": float(np.percentile(a, 50)), "p95_ms": float(np.percentile(a, 95)),
           "max_ms": float(a.max()), "n": int(a.size)}

@@ -81,9 +81,9 @@ def build(workdir: str, *, build_cache: bool = True, build_cards: bool = True,
           token: str | None = None, step: int | None = None, do_warm: bool = True,
           host: str = "127.0.0.1", allow_hosts=()):
   """(app, explorer): the loaded run behind a ready ASGI application bound to `host`."""
-  from prism_jax.runs import load  # pylint: disable=g-import-not-at-top
-  from prism_jax.serve.app import create_app  # pylint: disable=g-import-not-at-top
-  from prism_jax.serve.state import Explorer  # pylint: disable=g-import-not-at-top
+  from prism_jax.runs import load  # pylint: disable=g-import-not-at-top  (deferred: jax)
+  from prism_jax.serve.app import create_app  # pylint: disable=g-import-not-at-top  (cycle: serve.app imports this module)
+  from prism_jax.serve.state import Explorer  # pylint: disable=g-import-not-at-top  (deferred: jax)
   explorer = Explorer(load(workdir, step=step), build_cache=build_cache,
                       build_cards=build_cards)
   if do_warm:
@@ -94,7 +94,7 @@ def build(workdir: str, *, build_cache: bool = True, build_cards: bool = True,
 def serve(workdir: str, *, host: str = "127.0.0.1", port: int = 8000, token: str | None = None,
           build_cache: bool = True, build_cards: bool = True, step: int | None = None,
           allow_hosts=()) -> None:
-  import uvicorn  # pylint: disable=g-import-not-at-top
+  import uvicorn  # pylint: disable=g-import-not-at-top  (deferred: optional, the serve extra)
   token = access_token(host, token)
   host_names(host, token, allow_hosts)  # a bad --allow_host fails before the run loads
   if not is_loopback(host):
@@ -115,7 +115,7 @@ def serve(workdir: str, *, host: str = "127.0.0.1", port: int = 8000, token: str
 def running(app, host: str = "127.0.0.1", port: int = 0):
   """Serves `app` on uvicorn in a background thread (port 0: a free one); yields its URL.
   For notebooks and tests: `with running(app) as url: ...`; stopped on exit."""
-  import uvicorn  # pylint: disable=g-import-not-at-top
+  import uvicorn  # pylint: disable=g-import-not-at-top  (deferred: optional, the serve extra)
   srv = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="warning",
                                       timeout_graceful_shutdown=1))
   thread = threading.Thread(target=srv.run, daemon=True, name="prism-serve")

@@ -17,9 +17,11 @@ import threading
 import numpy as np
 
 from prism_jax import paths
+from prism_jax.control.suppression import model_fingerprint
 from prism_jax.data.tokenizers import piece
 from prism_jax.generate import SAMPLING, sampling_label
-from prism_jax.model.trust import RESIDUAL_DECIDED, trust_label
+from prism_jax.model.trust import RESIDUAL_DECIDED, prediction_trust, trust_label
+from prism_jax.runs import _packed, open_or_build_cache, run_cards
 from prism_jax.serve import requests as rq
 from prism_jax.serve.engine import Engine
 
@@ -89,19 +91,16 @@ class Explorer:
     self._packed = None
     self.cards = self._cards(build_cards, progress)
     self.val_usage = self._val_usage()
-    from prism_jax.control.suppression import model_fingerprint  # pylint: disable=g-import-not-at-top
     self.fingerprint = model_fingerprint(run.model)
 
   # --- start-up ----------------------------------------------------------------------
 
   def packed(self):
     if self._packed is None:
-      from prism_jax.runs import _packed  # pylint: disable=g-import-not-at-top
       self._packed = _packed(self.run)
     return self._packed
 
   def _cards(self, build: bool, progress: bool):
-    from prism_jax.runs import run_cards  # pylint: disable=g-import-not-at-top
     # the packed data is read at start-up anyway (the validation usage below)
     return run_cards(self.run, build=build, writer="prism serve", packed=self.packed(),
                      progress=progress)
@@ -233,7 +232,7 @@ class Explorer:
   # --- attribution (the cache, built on first use) ---------------------------------------
 
   def cache_state(self) -> dict:
-    from prism_jax.attribution.caching import cache_format  # pylint: disable=g-import-not-at-top
+    from prism_jax.attribution.caching import cache_format  # pylint: disable=g-import-not-at-top  (deferred: scipy.sparse, as in runs.py)
     if self._cache is not None:
       return {"state": "ready"}
     if self._cache_error:
@@ -245,7 +244,6 @@ class Explorer:
                                                  else "absent, building off")}
 
   def _open_cache(self):
-    from prism_jax.runs import open_or_build_cache  # pylint: disable=g-import-not-at-top
     packed = self.packed()
     total = packed.num_rows("train")
 
@@ -263,7 +261,7 @@ class Explorer:
 
   def _cache_or_start(self):
     """The open cache, or None after starting (or while running) its build / open."""
-    from prism_jax.attribution.caching import cache_format  # pylint: disable=g-import-not-at-top
+    from prism_jax.attribution.caching import cache_format  # pylint: disable=g-import-not-at-top  (deferred: scipy.sparse, as in runs.py)
     with self._cache_lock:
       if self._cache is not None:
         return self._cache
@@ -293,8 +291,7 @@ class Explorer:
     return await self.run_on_model(self._attribute, cache, ids, pos, top), 200
 
   def _attribute(self, cache, ids, pos, top) -> dict:
-    from prism_jax.attribution.scoring import influence  # pylint: disable=g-import-not-at-top
-    from prism_jax.model.trust import prediction_trust  # pylint: disable=g-import-not-at-top
+    from prism_jax.attribution.scoring import influence  # pylint: disable=g-import-not-at-top  (deferred: scipy.sparse, as in runs.py)
     att = influence.attribute(self.run.model, cache, np.asarray(ids[:pos + 1], np.int32), [pos],
                               cfg=influence.InfluenceConfig(top=top), packed=self.packed())
     agrees = bool(prediction_trust(self.run.model, np.asarray(ids, np.int32),

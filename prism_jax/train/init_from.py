@@ -19,7 +19,8 @@ from typing import Any
 import jax
 
 from prism_jax import data as data_lib
-from prism_jax import paths
+from prism_jax import io_guard, paths
+from prism_jax.data import tokenizers as tok_lib
 from prism_jax.config import BACKBONE_FIELDS, Config, ModelConfig
 from prism_jax.train import checkpoint as ckpt_lib
 from prism_jax.train.state import TrainState
@@ -54,8 +55,6 @@ def seed_tokenizer(cfg: Config, workdir: str) -> None:
   kind) packs its text with the source's tokenizer instead: its ids must be the source's (an imported Llama's
   or Qwen2's tokenizer.json, a dense twin's BPE), and a BPE trained anew would not give
   them. Written beside the packed data before packing, unless one is there already."""
-  from prism_jax import io_guard  # pylint: disable=g-import-not-at-top
-  from prism_jax.data import tokenizers as tok_lib  # pylint: disable=g-import-not-at-top
   src = cfg.train.init_from
   if not src or cfg.data.tokenizer not in ("bpe", "char"):
     return

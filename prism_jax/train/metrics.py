@@ -19,6 +19,7 @@ from absl import logging
 
 from prism_jax import flops, paths
 from prism_jax.config import LossConfig, ModelConfig
+from prism_jax.train.tracking import WandbTracker
 
 METRICS_FILE = "metrics.jsonl"
 UPLOAD_EVERY_S = 30.0  # an object-store metrics file is re-uploaded at most this often
@@ -49,12 +50,11 @@ class MetricsWriter:
     self._file = None if self._lines is not None else open(self.path, "a", buffering=1)
     if tensorboard:
       try:
-        from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top
+        from tensorboardX import SummaryWriter  # pylint: disable=g-import-not-at-top  (deferred: tensorboardX, only when logging to tensorboard)
         self._tb = SummaryWriter(paths.join(workdir, "tb"), purge_step=start_step + 1)
       except Exception as e:  # pylint: disable=broad-except
         logging.warning("TensorBoard disabled: %s", e)
     if wandb:
-      from prism_jax.train.tracking import WandbTracker  # pylint: disable=g-import-not-at-top
       self._wandb = WandbTracker(workdir, config)
 
   def write(self, step: int, split: str, metrics: dict[str, Any]) -> None:

@@ -28,6 +28,7 @@ import signal
 from collections.abc import Iterator
 
 import jax
+from jax.experimental import multihost_utils
 
 SIGNALS = (signal.SIGTERM, signal.SIGINT)
 
@@ -54,7 +55,6 @@ class Preemption:
   def reached(self, step: int) -> bool:
     """True at the step to save and stop after: call once per step, on every process."""
     if self.multiprocess:
-      from jax.experimental import multihost_utils  # pylint: disable=import-outside-toplevel
       return multihost_utils.reached_preemption_sync_point(step)
     return self.signal_name is not None
 

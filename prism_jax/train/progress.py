@@ -52,7 +52,7 @@ class Progress:
     self.total = total
     self.bar = None
     if _terminal_width() > 0 and jax.process_index() == 0:
-      from tqdm import tqdm  # pylint: disable=g-import-not-at-top
+      from tqdm import tqdm  # pylint: disable=g-import-not-at-top  (deferred: tqdm, only on a terminal)
       self.bar = tqdm(total=total, initial=start, unit="step", dynamic_ncols=True)
 
   def update(self, step: int, m: dict[str, float], rates: dict[str, float],

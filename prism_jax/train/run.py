@@ -15,6 +15,7 @@ from typing import Any
 import jax
 from absl import logging
 
+from prism_jax import data as data_lib
 from prism_jax import paths, run_lock
 from prism_jax import sharding as shard_lib
 from prism_jax.config import Config, config_diff, config_from_dict, finish, latest_proto_init
@@ -33,7 +34,6 @@ from prism_jax.train.engine import Callback
 
 def prepare(cfg: Config, workdir: str, mesh) -> tuple[Any, Any, Any]:
   """(packed data, train loader, val loader or None) for this process."""
-  from prism_jax import data as data_lib  # pylint: disable=g-import-not-at-top
   init_from_lib.seed_tokenizer(cfg, workdir)
   packed = data_lib.prepare_data(cfg.data, cfg.model.vocab_size, workdir)
   if packed.vocab_size > cfg.model.vocab_size:
@@ -155,7 +155,6 @@ def _check_resume(workdir: str, cfg: Config, allow: tuple[str, ...]) -> int | No
 def _train_sample_loader(packed, cfg: Config, mesh):
   """Training rows for the train-split loss at each eval: a fixed shuffled sample, drawn
   with another seed than the training order."""
-  from prism_jax import data as data_lib  # pylint: disable=g-import-not-at-top
   index, count = shard_lib.process_batch_slice(mesh, cfg.train.batch_size)
   return data_lib.make_loader(packed, "train", cfg.train.batch_size,
                               (cfg.data.seed + 1) % 2**32, index, count)

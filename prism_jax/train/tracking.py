@@ -18,6 +18,8 @@ import secrets
 import tempfile
 from typing import Any
 
+import numpy as np
+
 from prism_jax import paths
 
 TRACKERS = ("tensorboard", "wandb")
@@ -39,7 +41,7 @@ class WandbTracker:
 
   def __init__(self, workdir: str, config: dict[str, Any] | None = None):
     try:
-      import wandb  # pylint: disable=g-import-not-at-top
+      import wandb  # pylint: disable=g-import-not-at-top  (deferred: optional, the wandb extra)
     except ImportError:
       raise ModuleNotFoundError("train.log_to=wandb needs the wandb extra: pip install "
                                 "'prism_jax[wandb]'") from None
@@ -61,8 +63,7 @@ class WandbTracker:
 
   def histogram(self, step: int, key: str, counts) -> None:
     """log10(1 + counts) as a W&B histogram at `step` (the report's usage plot)."""
-    import numpy as np  # pylint: disable=g-import-not-at-top
-    import wandb  # pylint: disable=g-import-not-at-top
+    import wandb  # pylint: disable=g-import-not-at-top  (deferred: optional, the wandb extra)
     values = np.log10(1.0 + np.asarray(counts, np.float64))
     self.run.log({key: wandb.Histogram(np_histogram=np.histogram(values, bins=32))},
                  step=int(step))

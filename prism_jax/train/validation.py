@@ -14,6 +14,7 @@ import jax
 
 from prism_jax.config import Config
 from prism_jax.train import step as step_lib
+from prism_jax.train.state import default_mesh, state_shardings
 
 
 class Evaluator:
@@ -51,7 +52,6 @@ class Evaluator:
 def evaluate(graphdef, params, cfg: Config, loader, mesh=None,
              num_batches: int | None = None) -> dict[str, float]:
   """One-off evaluation of `params` on `loader` (e.g. from a notebook)."""
-  from prism_jax.train.state import default_mesh, state_shardings  # pylint: disable=g-import-not-at-top
   mesh = default_mesh(cfg) if mesh is None else mesh
   with jax.set_mesh(mesh):
     shardings = state_shardings(cfg, mesh).params

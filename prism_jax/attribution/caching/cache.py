@@ -118,7 +118,7 @@ class AttributionCache:
     drv = ident["cache"]["driver"]
     rd = lambda n: fmt.store(self.path, n, drv).read().result()
     if self.metadata["stats"]["sparse_A"]:
-      import scipy.sparse  # pylint: disable=import-outside-toplevel
+      import scipy.sparse  # pylint: disable=import-outside-toplevel  (deferred: scipy, only for a sparse A)
       k = self.sizes["K"]
       self.A = scipy.sparse.coo_matrix((rd("A_vals"), (rd("A_rows"), rd("A_cols"))),
                                        shape=(k, k)).tocsr()

@@ -45,7 +45,7 @@ class _Progress:
     self.total, self.desc, self.n, self.t0 = total, desc, initial, time.time()
     self.bar, self.next_log = None, 0.1
     if sys.stderr.isatty():
-      import tqdm  # pylint: disable=import-outside-toplevel
+      import tqdm  # pylint: disable=import-outside-toplevel  (deferred: tqdm, only on a terminal)
       self.bar = tqdm.tqdm(total=total, initial=initial, desc=desc, unit="row")
 
   def update(self, n: int):

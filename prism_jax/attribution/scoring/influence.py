@@ -37,6 +37,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from prism_jax import generate as gen
 from prism_jax.attribution.caching import cache as cache_lib
 from prism_jax.attribution.hessians import curvature as cv
 from prism_jax.config import LossConfig
@@ -350,7 +351,6 @@ def attribute_generation(model, cache: cache_lib.AttributionCache, prompt_tokens
                          max_new_tokens: int = 16, cfg: InfluenceConfig = InfluenceConfig(),
                          packed=None, **generate_kwargs) -> Iterator[tuple[int, Attribution]]:
   """Generates with prism_jax.generate and yields (token, its Attribution) one at a time."""
-  from prism_jax import generate as gen  # pylint: disable=import-outside-toplevel
   prompt = check_token_ids(prompt_tokens, model.cfg.vocab_size,
                            "prompt token ids").astype(np.int32).reshape(-1)
   out = gen.generate(model, prompt[None], max_new_tokens=max_new_tokens, **generate_kwargs)
