@@ -17,6 +17,9 @@ from absl import flags
 from prism_jax.cli import launcher
 from prism_jax.cli import sampling_flags
 
+# The rest of the library (orbax, tensorstore) is imported inside main(): a bad flag or --help is
+# answered before it loads (~0.3 s).
+
 flags.DEFINE_string("workdir", "runs/demo", "run directory (resumed if present)")
 flags.DEFINE_string("prompt", "The for statement", "text to continue")
 flags.DEFINE_integer("max_new_tokens", 32, "tokens to generate")

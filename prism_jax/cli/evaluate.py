@@ -23,6 +23,9 @@ from absl import flags, logging
 from prism_jax.cli import launcher
 from prism_jax.cli import provenance
 
+# The library and jax are imported inside main(): a bad flag or --help is answered before jax loads
+# (~1.5 s).
+
 flags.DEFINE_string("workdir", None, "the trained PRISM run (prism train)")
 flags.DEFINE_string("dense_workdir", None, "its trained dense twin (same data and tokens)")
 flags.DEFINE_list("tasks", ["synthetic_next_span", "synthetic_cloze"], "tasks to evaluate")

@@ -9,15 +9,21 @@ Used by the `prism` subcommands and by the scripts of experiments/ and benchmark
 """
 
 import atexit
+import contextlib
 import errno
 import functools
 import gc
+import io
 import os
 import re
 import sys
+import time
 import traceback
 
-from absl import app, flags
+from absl import app, flags, logging
+
+# jax and the library are imported inside the functions that use them: every command imports this
+# module before its flags are parsed, and a bad flag or --help is answered before jax loads.
 
 flags.DEFINE_bool("debug", False, "show the full traceback of user errors")
 
@@ -94,9 +100,6 @@ def _let_inflight_reads_finish(seconds: float = 1.0) -> None:
   RuntimeError("Event loop is closed") tracebacks from their thread, a second traceback
   about nothing the user can act on: they get `seconds` to finish with stderr captured
   (2 runs in 18 printed one under load before; 0 in 24 after)."""
-  import contextlib  # pylint: disable=g-import-not-at-top
-  import io  # pylint: disable=g-import-not-at-top
-  import time  # pylint: disable=g-import-not-at-top
   with contextlib.redirect_stderr(io.StringIO()):
     time.sleep(seconds)
 
@@ -168,7 +171,6 @@ def retain_freed_host_memory() -> bool:
   step otherwise). Process-wide, so the library never applies it; logged when applied.
   PRISM_JAX_RETAIN_FREED_MEMORY=0 opts out."""
   import jax  # pylint: disable=g-import-not-at-top
-  from absl import logging  # pylint: disable=g-import-not-at-top
   from prism_jax.cli import host_memory  # pylint: disable=g-import-not-at-top
   if jax.default_backend() != "cpu":  # the process's devices, not a traced code path
     return False

@@ -30,7 +30,10 @@ import shlex
 import subprocess
 import sys
 
+from absl import flags
+
 from prism_jax import paths
+from prism_jax.cli.main import COMMANDS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 # Scripts recorded under the name they had before `prism` and benchmarks/: name -> module now.
@@ -100,7 +103,6 @@ def split_command(command: str) -> tuple[str, list[str]]:
   command gives its subcommand's module (prism_jax.cli.main.COMMANDS)."""
   words = shlex.split(command)
   if len(words) >= 2 and words[0] == "prism":
-    from prism_jax.cli.main import COMMANDS  # pylint: disable=g-import-not-at-top
     if words[1] not in COMMANDS:
       raise ValueError(f"unknown prism command in {command!r}")
     return "prism_jax.cli." + COMMANDS[words[1]][0], words[2:]
@@ -163,7 +165,6 @@ def dry_parse(module: str, args: list[str], strict: bool = False) -> set[str]:
   """Parse args with `module`'s absl flags in this process (imports it, runs nothing):
   the names of the flags the parse set. Raises on a flag the script does not define (and,
   `strict`, on a module recorded under a name it no longer has)."""
-  from absl import flags  # pylint: disable=g-import-not-at-top
   _import_script(module, strict)
   fv = flags.FLAGS
   fv.unparse_flags()
@@ -180,7 +181,6 @@ def today_command(command: str) -> str:
   spelling may be renamed again (RENAMED_FLAGS_OF keys today's names too)."""
   module, args = split_command(command)
   args, name = today_args(module, args), MOVED.get(module, module)
-  from prism_jax.cli.main import COMMANDS  # pylint: disable=g-import-not-at-top
   sub = {f"prism_jax.cli.{mod}": cmd for cmd, (mod, _) in COMMANDS.items()}.get(name)
   program = ["prism", sub] if sub else ["python", "-m", name]
   return " ".join(program + [shlex.quote(a) for a in args])

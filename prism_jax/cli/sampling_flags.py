@@ -10,6 +10,9 @@ from absl import flags
 
 FLAGS = flags.FLAGS
 
+# prism_jax.generate (and jax) is imported inside the functions: it loads when a command defines
+# these flags, not when this module is imported.
+
 
 def define(temperature: float | None = None,
            seed_help: str = "sampling seed (same seed, same text)") -> None:

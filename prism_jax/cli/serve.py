@@ -14,6 +14,9 @@ missing; the attribution cache on first use (--nobuild_cache: refused instead). 
 
 from absl import flags
 
+# The serve extra is checked and prism_jax.serve imported inside main(): a bad flag or --help is
+# answered without them.
+
 flags.DEFINE_string("workdir", None, "trained PRISM run directory (prism train)")
 flags.DEFINE_string("host", "127.0.0.1", "address to bind (not loopback: a token is required)")
 flags.DEFINE_integer("port", 8000, "port to bind")

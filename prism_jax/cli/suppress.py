@@ -17,11 +17,15 @@ The set is saved beside the run (<workdir>/suppression_sets/); the table goes to
 import os
 import time
 
+import numpy as np
 from absl import flags, logging
 
 from prism_jax.cli import launcher
 from prism_jax.cli import provenance
 from prism_jax.cli import sampling_flags
+
+# The rest of the library (orbax, tensorstore, scipy) is imported inside main() and its helpers: a
+# bad flag or --help is answered before it loads (~0.5 s).
 
 flags.DEFINE_string("workdir", None, "the trained PRISM run")
 flags.DEFINE_string("behaviour", "planted", "planted | doctest | profanity | negative_sentiment")
@@ -99,7 +103,6 @@ def _condition(model, tokenizer, b, val, gen_kw, **edit):
 def _row(name, edit, measured, base, num_k, seed) -> dict:
   """One table row (control.suppression_table.condition_row, CIs over generations) with
   the set's share of the bank and the selection-half rate."""
-  import numpy as np  # pylint: disable=g-import-not-at-top
   from prism_jax.control import behaviour_cis  # pylint: disable=g-import-not-at-top
   from prism_jax.control import suppression_table  # pylint: disable=g-import-not-at-top
   scores, q = measured

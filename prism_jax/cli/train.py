@@ -20,6 +20,9 @@ from absl import flags, logging
 
 from prism_jax.cli import launcher
 
+# The training library (flax, optax, orbax) is imported inside main(): a bad flag or --help is
+# answered before it loads (~0.6 s).
+
 flags.DEFINE_string("config", "tiny", "preset: tiny, the GPT-2 recipes small/medium/large/xl "
                     "(prism_jax.config.preset; --set train.steps=N rescales warm-up, prototype "
                     "init, eval and checkpoints) or small_smoke ... xl_smoke (10 steps); or a "
