@@ -221,8 +221,9 @@ def defaults_rows(data: dict) -> list[dict]:
 
 def alive_rows(data: dict) -> list[dict]:
   first = next(iter(data["runs"].values()))
+  how = "by the recipe (auto) " if "auto" in data["runs"] else ""
   return [{"metric": "`small`-shape bank alive (selected on >= 8,192 val tokens), bank set "
-                     f"at step {first['init_step']} of {first['steps']}",
+                     f"{how}at step {first['init_step']} of {first['steps']}",
            "paper": "not reported",
            "ours": ", ".join(f"{name} {100 * r['alive_frac']:.1f}%"
                              for name, r in data["runs"].items()),
