@@ -22,7 +22,6 @@ the same computation for every run; only revive_every differs after it, resumed 
 `allow_config_change`), so a fair test at a trained backbone pays for its warm-up once.
 """
 
-import json
 import os
 import shutil
 
@@ -70,11 +69,13 @@ def run_config(name: str, root: str):
 
 def bank_set_at(workdir: str) -> int:
   """The step an "auto" run set its bank at, from its newest checkpoint's data state."""
+  from prism_jax.train import Checkpointer  # pylint: disable=g-import-not-at-top
   from prism_jax.train.recipe import BANK_SET_AT  # pylint: disable=g-import-not-at-top
-  ckpts = os.path.join(workdir, "checkpoints")
-  newest = max((d for d in os.listdir(ckpts) if d.isdigit()), key=int)
-  with open(os.path.join(ckpts, newest, "data", "metadata"), encoding="utf-8") as f:
-    return int(json.load(f)[BANK_SET_AT])
+  ck = Checkpointer(workdir, read_only=True)
+  try:
+    return int(ck.read_data_state(ck.latest_step())[BANK_SET_AT])
+  finally:
+    ck.close()
 
 
 def common_direction(workdir: str) -> float:

@@ -43,11 +43,9 @@ def _cfg(data, cos, steps=20, latest=LATEST, revive=0, every=EVAL):
 def _bank_set_at(workdir, step):
   ck = Checkpointer(workdir, read_only=True)
   try:
-    import orbax.checkpoint as ocp  # pylint: disable=import-outside-toplevel
-    data = ck.manager.restore(step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))
-    return dict(data["data"]).get(BANK_SET_AT)
+    return ck.read_data_state(step).get(BANK_SET_AT)
   finally:
-    ck.manager.close()
+    ck.close()
 
 
 def _statistic(workdir, cfg, step):

@@ -27,7 +27,7 @@ import prism_jax
 from prism_jax import run_lock
 from prism_jax.hf import convert
 from prism_jax.hf.gpt2_config import HFFormatError
-from prism_jax.train import CheckpointCorruptError, load_params, train
+from prism_jax.train import Checkpointer, CheckpointCorruptError, load_params, train
 from prism_jax.train import integrity
 from test_faults import _copy, trained  # noqa: F401  (the same 4-step run, this module's own)
 
@@ -72,6 +72,25 @@ def test_edited_config_item_in_checkpoint_is_refused(trained, tmp_path):
   assert "step= one of [2]" in msg
   _, _, cfg2, step = load_params(run, step=2)  # the intact checkpoint still loads
   assert step == 2 and cfg2.model.k == trained[0].model.k
+
+
+def test_data_state_is_read_checked_like_the_config(trained, tmp_path):
+  """Checkpointer.read_data_state: the saved data item back, and an edited one refused by
+  its digest (the same check as the config item's)."""
+  _, workdir, _ = trained
+  run = _copy(workdir, tmp_path)
+  ck = Checkpointer(run, read_only=True)
+  try:
+    state = ck.read_data_state(4)
+    assert state["step"] == 4  # the loader's position
+    _edit_json(os.path.join(run, "checkpoints", "4", "data", "metadata"),
+               lambda d: d.update(step=d["step"] + 1))
+    with pytest.raises(CheckpointCorruptError) as err:
+      ck.read_data_state(4)
+    assert _one_line(str(err.value)) and "data" in str(err.value)
+    assert ck.read_data_state(2)["step"] == 2  # the intact checkpoint still reads
+  finally:
+    ck.close()
 
 
 def test_edited_config_json_warns_readers_and_export_refuses(trained, tmp_path, caplog):

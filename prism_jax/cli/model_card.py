@@ -124,7 +124,9 @@ def recipe_rows(preset_names: Sequence[str]) -> list[dict]:
                  "batch_size": tc.batch_size, "seq_len": seq, "batch_tokens": batch_tokens,
                  "steps": tc.steps, "lr": tc.lr, "warmup_steps": tc.warmup_steps,
                  "proto_init_step": tc.proto_init_step,
-                 "proto_init_latest": config.latest_proto_init(tc), "eval_every": tc.eval_every,
+                 "proto_init_latest": (config.latest_proto_init(tc)
+                                       if tc.proto_init_step == "auto" else None),
+                 "eval_every": tc.eval_every,
                  "ckpt_every": tc.ckpt_every, "train_flops": total,
                  "eval_share": eval_flops / total})
   return rows

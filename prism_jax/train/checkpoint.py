@@ -141,13 +141,20 @@ class Checkpointer:
   def read_config(self, step: int) -> dict[str, Any]:
     """The config item of `step`, checked against its digest (CheckpointCorruptError when
     it was edited or damaged; checkpoints older than the config digest load unchecked)."""
-    out = self.manager.restore(step, args=ocp.args.Composite(config=ocp.args.JsonRestore()))
-    config = dict(out["config"])
+    return self._read_json_item(step, "config")
+
+  def read_data_state(self, step: int) -> dict[str, Any]:
+    """The data item of `step` (the loader's position; with train.proto_init_step=auto, the
+    step the bank was set at), checked against its digest like the config."""
+    return self._read_json_item(step, "data")
+
+  def _read_json_item(self, step: int, item: str) -> dict[str, Any]:
+    out = self.manager.restore(step, args=ocp.args.Composite(**{item: ocp.args.JsonRestore()}))
+    value = dict(out[item])
     digests = self.read_digests(step, warn=False)  # the array reads warn of an old one
-    if digests is not None and "config" in digests:
-      integrity.verify_json(config, digests["config"],
-                            paths.join(self.directory, str(step), "config"))
-    return config
+    if digests is not None and item in digests:
+      integrity.verify_json(value, digests[item], paths.join(self.directory, str(step), item))
+    return value
 
   def read_digests(self, step: int, warn: bool = True) -> dict[str, Any] | None:
     """The saved per-array digests of `step`; None (with a warning, unless `warn` is False)
