@@ -69,7 +69,7 @@ test: $(STAMP) browser
 	@# The project's own bytecode, once: it is installed editable (pip compiles none of it)
 	@# and PYTHONDONTWRITEBYTECODE=1 environments write none, so each of the suite's ~150
 	@# Python processes would compile the modules it imports again (~0.3 CPU-s each).
-	$(PY) -m compileall -q -j 0 prism_jax pallas_kernels benchmarks experiments tests
+	$(PY) -m compileall -q -j 0 prism_jax pallas_kernels results_md benchmarks experiments tests
 	@cache="$$(mktemp -d -t prism_jax_jit.XXXXXX)"; \
 	  PRISM_JAX_TEST_JIT_CACHE="$$cache" $(PY) -m pytest -q -n 3 --dist loadfile -m "not long" \
 	    $(PYTEST_ARGS); \

@@ -23,7 +23,7 @@ import time
 
 from benchmarks import scale_lib  # sets the compile-only environment before jax loads
 from benchmarks import scale_accum
-from benchmarks import scale_render
+from results_md import scale_table as scale_render
 
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-order
 

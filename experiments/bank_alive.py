@@ -30,7 +30,7 @@ from absl import flags, logging
 
 from prism_jax.cli import launcher as cli
 from prism_jax.cli import provenance
-from experiments.prototype_path_md import alive_markdown as markdown
+from results_md.prototype_path import alive_markdown as markdown
 
 flags.DEFINE_string("root", None, "directory of the runs (resumed / reused)")
 flags.DEFINE_integer("steps", 48, "train.steps of every run")

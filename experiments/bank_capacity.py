@@ -32,8 +32,8 @@ from absl import flags, logging
 from prism_jax.cli import flag_checks as check
 from prism_jax.cli import launcher as cli
 from prism_jax.cli import provenance
-from experiments.prototype_path_md import capacity_markdown as markdown
-from experiments.prototype_path_md import parse_setting
+from results_md.prototype_path import capacity_markdown as markdown
+from results_md.prototype_path import parse_setting
 from experiments.prototype_measure import measure_half, step_seconds
 
 flags.DEFINE_string("root", None, "directory of the runs (reused when finished)")

@@ -19,7 +19,7 @@ from absl import flags, logging
 
 from experiments import bank_capacity as cap
 from experiments import size_trend
-from experiments.prototype_path_md import defaults_markdown
+from results_md.prototype_path import defaults_markdown
 from prism_jax.cli import launcher as cli
 from prism_jax.cli import provenance
 

@@ -27,7 +27,7 @@ import time
 from absl import flags, logging
 
 from experiments import bank_capacity as cap
-from experiments.prototype_path_md import demo_recipe_markdown
+from results_md.prototype_path import demo_recipe_markdown
 from prism_jax.cli import launcher as cli
 from prism_jax.cli import provenance
 

@@ -34,7 +34,7 @@ from absl import flags, logging
 
 from experiments import lds_recipe
 from prism_jax.cli import flag_checks as check
-from experiments.lds_report import removal_section
+from results_md.lds_removal import removal_section
 from prism_jax.cli import launcher
 from prism_jax.cli import provenance
 

@@ -45,7 +45,7 @@ import time
 from absl import flags
 
 from prism_jax.cli import flag_checks as check
-from experiments import reproduce_sources
+from results_md import sources as reproduce_sources
 from prism_jax.cli import launcher as cli
 from prism_jax.cli import provenance
 

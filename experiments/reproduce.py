@@ -5,14 +5,14 @@
 Writes, each between its markers `<!-- NAME:begin -->` / `<!-- NAME:end -->` (a section
 with the markers is appended when they are missing; regenerate, never edit by hand):
   summary    the opening summary: PRISM.md §7's headline claims and the issues' targets,
-             each from the results JSON that measured it (experiments/reproduce_summary.py);
+             each from the results JSON that measured it (results_md/summary.py);
              a claim no JSON answers says so ("not measured", or where the hand-recorded
              number is) and shows no number.
   reproduce  the paper-vs-ours table: every headline claim of PRISM.md §7 (HEADLINES, the
              paper's column), then every other recorded row. "ours" comes from a row of a
              JSON whose "claim" is the headline's key, else NO_JSON's pointer, else "not
              measured".
-  the sections of reproduce_sources.SECTIONS (each file's own tables).
+  the sections of results_md/sources.py's SECTIONS (each file's own tables).
 Every command shown is the recorded one as it is written today (provenance.today_command:
 the module under its current name, `prism <subcommand>` for a prism_jax.cli module, renamed
 flags under today's names), with the commit it ran on.
@@ -29,7 +29,7 @@ Results JSON schema (docs/results/<topic>.json, written by the experiment that m
    "command": ..., "argv": [...], "commit": "..."}   # provenance (prism_jax/cli/provenance)
 
 Files are read in name order; rows without a "claim" follow the headlines in that order.
-Experiments that write their own shape are read through experiments/reproduce_sources.py's
+Experiments that write their own shape are read through results_md/sources.py's
 READERS.
 """
 
@@ -41,8 +41,8 @@ from absl import flags
 
 from prism_jax.cli import launcher
 from prism_jax.cli import provenance
-from experiments import reproduce_sources
-from experiments import reproduce_summary
+from results_md import sources as reproduce_sources
+from results_md import summary as reproduce_summary
 
 flags.DEFINE_string("results_dir", "docs/results", "directory of results JSON files")
 flags.DEFINE_string("results_md", "docs/RESULTS.md", "the markdown file to write into")

@@ -26,8 +26,8 @@ from absl import flags, logging
 from experiments import bank_capacity as cap
 from prism_jax.cli import launcher as cli
 from prism_jax.cli import provenance
-from experiments.prototype_path_md import TARGETS
-from experiments.prototype_path_md import size_markdown as markdown
+from results_md.prototype_path import TARGETS
+from results_md.prototype_path import size_markdown as markdown
 
 flags.DEFINE_string("setting", "2048:4", "the bank K:k[:overrides] of every PRISM run")
 FLAGS = flags.FLAGS

@@ -64,7 +64,7 @@ def test_results_json_rows_per_base(tmp_path):
     assert f"--base={row['base']}" in row["command"]
   # reproduce.py reads the file as schema rows; the sweep (K 512) answers no claim any more
   # (today's default's faithfulness is prototype_defaults.json's), and each row says so.
-  from experiments.reproduce_control import CAVEATS  # pylint: disable=import-outside-toplevel
+  from results_md.control import CAVEATS  # pylint: disable=import-outside-toplevel
   loaded = reproduce.load_rows(str(tmp_path))
   assert [r["base"] for r in loaded] == ["tiny", "byte"]
   assert [r.get("claim") for r in loaded] == [None, None]

@@ -1,7 +1,7 @@
 """The maps of the code name what exists, and list every module.
 
 The docs checked: docs/DESIGN.md, WORKSPACE.md, README.md and every folder README
-(prism_jax/**, pallas_kernels/**, experiments/**, benchmarks/, tests/, tools/).
+(prism_jax/**, pallas_kernels/**, experiments/**, benchmarks/, results_md/, tests/, tools/).
 
 1. Every path they name exists. A path is a token with a known top folder
    (`prism_jax/model/lm.py`, `docs/results/*.json`: a glob must match), a file name with a
@@ -30,16 +30,16 @@ import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 DESIGN = REPO / "docs" / "DESIGN.md"
-TOP_FOLDERS = ("prism_jax", "pallas_kernels", "experiments", "benchmarks", "tests", "tools",
-               "docs", "apidocs", "requirements")
+TOP_FOLDERS = ("prism_jax", "pallas_kernels", "experiments", "benchmarks", "results_md", "tests",
+               "tools", "docs", "apidocs", "requirements")
 NOT_REPO = ("runs/", "build/", ".venv/", "site/")
 BASES = ("", "prism_jax", "pallas_kernels", "docs")
 SOURCE_EXT = {".py", ".ipynb", ".sh", ".md", ".cfg", ".toml"}
-PACKAGE_ROOTS = ("prism_jax", "pallas_kernels", "experiments", "benchmarks")
+PACKAGE_ROOTS = ("prism_jax", "pallas_kernels", "experiments", "benchmarks", "results_md")
 
 URL = re.compile(r"\w+://\S*")
 PATH = re.compile(r"(?<![\w./<>$@-])((?:[\w.*<>{}-]+/)*[\w*<>{}-][\w.*<>{}-]*(?:/)?)")
-DOTTED = re.compile(r"(?<![\w./-])((?:prism_jax|pallas_kernels|experiments|benchmarks)"
+DOTTED = re.compile(r"(?<![\w./-])((?:prism_jax|pallas_kernels|experiments|benchmarks|results_md)"
                     r"(?:\.[A-Za-z_]\w*)+)")
 TEST_MODULE = re.compile(r"(?<![\w./-])(test_[a-z0-9_]+\*?)(?![\w(])")
 FENCE = re.compile(r"^```(\w*)\s*$")
@@ -48,7 +48,8 @@ TREE_ENTRY_MAX_INDENT = 20
 
 def docs() -> list[pathlib.Path]:
   out = [DESIGN, REPO / "WORKSPACE.md", REPO / "README.md"]
-  for folder in ("prism_jax", "pallas_kernels", "experiments", "benchmarks", "tests", "tools"):
+  for folder in ("prism_jax", "pallas_kernels", "experiments", "benchmarks", "results_md", "tests",
+                 "tools"):
     out += sorted(p for p in (REPO / folder).rglob("README*") if "__pycache__" not in p.parts)
   return out
 

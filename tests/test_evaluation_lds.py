@@ -325,7 +325,7 @@ def test_lds_cli_refuses_a_changed_flag_on_resume(tmp_path):
 def test_removal_curves_off_gives_a_table_without_them():
   """--removal_queries=0 (documented: removal curves off) used to end in an IndexError
   after every retrain; now its report says the curves are off and has no removal rows."""
-  from experiments import lds_report as lds_exp  # pylint: disable=import-outside-toplevel
+  from results_md import lds_removal as lds_exp  # pylint: disable=import-outside-toplevel
   gap = np.random.default_rng(0).random(5)
   lines, ci = lds_exp.removal_section({"prism": np.zeros((0, 2)), "ekfac": np.zeros((0, 2))},
                                       [4, 8], gap)

@@ -1,11 +1,11 @@
-"""No function over 80 lines in prism_jax, experiments or benchmarks (issue 56, item 4): a
+"""No function over 80 lines in prism_jax, experiments, benchmarks or results_md (issue 56, item 4): a
 longer one is split where its parts have names."""
 
 import ast
 import os
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-TREES = ("prism_jax", "experiments", "benchmarks")
+TREES = ("prism_jax", "experiments", "benchmarks", "results_md")
 MAX_LINES = 80
 # path:function allowed over the limit, with the reason. Each entry must still be over it
 # (the list only shrinks).

@@ -18,7 +18,7 @@ def _lint(cwd):
 
 
 def _copy_tree(dst):
-  for name in ("prism_jax", "pallas_kernels", "experiments", "benchmarks"):
+  for name in ("prism_jax", "pallas_kernels", "experiments", "benchmarks", "results_md"):
     shutil.copytree(os.path.join(REPO, name), os.path.join(dst, name),
                     ignore=shutil.ignore_patterns("__pycache__"))
   shutil.copy(os.path.join(REPO, ".importlinter"), dst)
@@ -42,6 +42,7 @@ def test_each_kind_of_violation_breaks_a_contract(tmp_path):
       "prism_jax/control/sae.py": "import prism_jax.analysis.card_stats",
       "prism_jax/attribution/caching/cache.py": "import prism_jax.task_comparison",
       "benchmarks/bench_topk.py": "import experiments.reproduce",
+      "results_md/serve_load.py": "import benchmarks.serve_load",
   }
   _copy_tree(tmp_path)  # one tree, one lint: every violation must be reported
   for path, line in violations.items():

@@ -56,7 +56,7 @@ def test_table_rows_come_from_json_alone_with_todays_commands(tmp_path):
 
 
 def test_summary_from_the_results_json_alone(tmp_path):
-  from experiments import reproduce_summary  # pylint: disable=g-import-not-at-top
+  from results_md import summary as reproduce_summary  # pylint: disable=g-import-not-at-top
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   d = tmp_path / "results"
   d.mkdir()
@@ -175,7 +175,7 @@ def _mc_row(rng, task, chance, base_acc, delta):
 
 def test_controller_row_mean_with_and_without_below_chance_tasks():
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from experiments import reproduce_sources  # pylint: disable=g-import-not-at-top
+  from results_md import sources as reproduce_sources  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng()
   deltas = rng.uniform(-0.05, 0.05, 4)
   big = rng.uniform(0.15, 0.3)
@@ -200,7 +200,7 @@ def test_controller_row_mean_with_and_without_below_chance_tasks():
 
 def test_scale_row_is_the_range_over_targets_and_remat_not_the_best():
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from experiments import reproduce_sources  # pylint: disable=g-import-not-at-top
+  from results_md import sources as reproduce_sources  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng()
   values = rng.uniform(0.8, 1.0, 4)
   ratios = [{"target": t, "preset": "xl", "remat": m, "prism_over_dense": float(v)}

@@ -1,5 +1,5 @@
-"""One results writer: provenance.write_results / write_json, and no script of experiments/ or
-benchmarks/ writing JSON by hand (issue 56, item 3)."""
+"""One results writer: provenance.write_results / write_json, and no script of experiments/,
+benchmarks/ or results_md/ writing JSON by hand (issue 56, item 3)."""
 
 import ast
 import json
@@ -19,7 +19,7 @@ OWN_WRITER = {
 
 
 def _scripts():
-  for tree in ("experiments", "benchmarks"):
+  for tree in ("experiments", "benchmarks", "results_md"):
     for folder, _, files in os.walk(os.path.join(ROOT, tree)):
       for name in sorted(files):
         if name.endswith(".py"):

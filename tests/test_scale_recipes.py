@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks import scale_accum
 from benchmarks import scale_lib
-from benchmarks import scale_render
+from results_md import scale_table as scale_render
 from prism_jax import config
 
 

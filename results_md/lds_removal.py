@@ -1,4 +1,4 @@
-"""The removal table of experiments.lds (no flags: tests import it beside other scripts)."""
+"""The removal table of experiments.lds (printed by it, and in its RESULTS.md section)."""
 
 import numpy as np
 

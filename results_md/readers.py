@@ -1,5 +1,5 @@
 """More of experiments.reproduce's readers and renderers: the pinned-recipe LDS runs, the
-retrofit measurement and the packing benchmark (reproduce_sources.READERS / SECTIONS list
+retrofit measurement and the packing benchmark (results_md/sources.py: READERS / SECTIONS list
 them)."""
 
 from __future__ import annotations

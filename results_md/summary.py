@@ -13,8 +13,8 @@ import json
 import os
 from typing import Callable
 
-from experiments import reproduce_control as control
-from experiments import reproduce_sources as sources
+from results_md import control
+from results_md import sources
 
 BEGIN, END = "<!-- summary:begin -->", "<!-- summary:end -->"
 

@@ -3,7 +3,7 @@
 Each experiment writes its results in its own shape (docs/results/<topic>.json, with the
 "command" that wrote it); a reader here picks the numbers the paper-vs-ours table shows.
 A file with no reader must already hold schema rows (reproduce.py's docstring). CAVEATS
-(experiments/reproduce_control.py, with the control and evaluation readers) holds what a
+(results_md/control.py, with the control and evaluation readers) holds what a
 recorded file cannot say about itself; its reader appends it to the row.
 """
 
@@ -12,18 +12,18 @@ from __future__ import annotations
 import os
 from typing import Callable
 
-from benchmarks.clone_timing_render import (demo_time_markdown, demo_time_rows,
+from results_md.clone_timing import (demo_time_markdown, demo_time_rows,
                                               suite_time_markdown, suite_time_rows)
-from benchmarks.scale_render import scale_table_markdown
-from benchmarks.serve_render import serve_load_markdown, serve_load_rows
-from experiments.prototype_path_md import (alive_markdown, alive_rows, capacity_markdown,
+from results_md.scale_table import scale_table_markdown
+from results_md.serve_load import serve_load_markdown, serve_load_rows
+from results_md.prototype_path import (alive_markdown, alive_rows, capacity_markdown,
                                            capacity_rows, defaults_markdown, defaults_rows,
                                            demo_recipe_markdown, demo_recipe_rows,
                                            lds_markdown, size_markdown, size_rows)
-from experiments.reproduce_control import (CAVEATS, heldout_markdown, mc_eval, mc_markdown,
+from results_md.control import (CAVEATS, heldout_markdown, mc_eval, mc_markdown,
                                            suppression_heldout, suppression_heldout_headline,
                                            suppression_superseded)
-from experiments.reproduce_readers import (bench_pack, hf_llama, lds, lds_costs, lds_default,
+from results_md.readers import (bench_pack, hf_llama, lds, lds_costs, lds_default,
                                            retrofit, retrofit_markdown)
 
 

@@ -1,6 +1,5 @@
 """The "Prototype path" sections of docs/RESULTS.md (issue 44), from the results JSONs of
-experiments.bank_capacity and experiments.size_trend. Flag-free (experiments.reproduce
-imports it beside other experiments' renderers)."""
+experiments.bank_capacity and experiments.size_trend (which print them too); no flags."""
 
 import os
 
