@@ -9,7 +9,7 @@ import sys
 import numpy as np
 import pytest
 
-from experiments import reproduce
+from results_md import document
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEYS = ("proto_ce_ratio", "agreement", "centred_proto_share", "r1_bar", "r2_bar",
@@ -65,7 +65,7 @@ def test_results_json_rows_per_base(tmp_path):
   # reproduce.py reads the file as schema rows; the sweep (K 512) answers no claim any more
   # (today's default's faithfulness is prototype_defaults.json's), and each row says so.
   from results_md.control import CAVEATS  # pylint: disable=import-outside-toplevel
-  loaded = reproduce.load_rows(str(tmp_path))
+  loaded = document.load_rows(str(tmp_path))
   assert [r["base"] for r in loaded] == ["tiny", "byte"]
   assert [r.get("claim") for r in loaded] == [None, None]
   assert all(CAVEATS["faithfulness"] in r["note"] for r in loaded)

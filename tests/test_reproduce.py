@@ -1,4 +1,5 @@
-"""experiments/reproduce.py: the paper-vs-ours table from results JSON and RESULTS.md."""
+"""results_md/document.py (run by experiments/reproduce.py): the paper-vs-ours table from
+results JSON, and RESULTS.md."""
 
 import json
 import os
@@ -7,7 +8,7 @@ import sys
 
 import pytest
 
-from experiments import reproduce
+from results_md import document
 
 MD = """# RESULTS
 
@@ -41,9 +42,9 @@ def test_table_rows_come_from_json_alone_with_todays_commands(tmp_path):
        "python -m experiments.suppress --workdir=/w --json=s.json"}], "commit": "a" * 40})
   _write(tmp_path, "a_lds.json", {"rows": [
       {"metric": "LDS (prism)", "ours": 0.125, "ci": [0.1, 0.15], "command": "python -m y"}]})
-  table = reproduce.build_table(reproduce.load_rows(d))
+  table = document.build_table(document.load_rows(d))
   rows = {line.split(" | ")[0].lstrip("| "): line for line in table.splitlines()[2:]}
-  assert len(rows) == len(reproduce.HEADLINES) + len(reproduce.EXTRA) + 1
+  assert len(rows) == len(document.HEADLINES) + len(document.EXTRA) + 1
   # the recorded command as it is spelt today, with the commit it ran on
   assert "0.21" in rows["suppression"] and "commit `aaaaaaaaaaaa`" in rows["suppression"]
   assert "`prism suppress --workdir=/w --results_json=s.json`" in rows["suppression"]
@@ -89,13 +90,13 @@ def test_summary_from_the_results_json_alone(tmp_path):
 
 def test_markers_replaced_idempotently_or_appended(tmp_path):
   table = "| a | b |"
-  once = reproduce.write_between_markers(MD, table)
-  assert once.count(reproduce.BEGIN) == 1 and once.endswith(reproduce.END + "\n")
-  twice = reproduce.write_between_markers(once, "| c | d |")
-  assert twice.count(reproduce.BEGIN) == 1 and "| c | d |" in twice and table not in twice
+  once = document.write_between_markers(MD, table)
+  assert once.count(document.BEGIN) == 1 and once.endswith(document.END + "\n")
+  twice = document.write_between_markers(once, "| c | d |")
+  assert twice.count(document.BEGIN) == 1 and "| c | d |" in twice and table not in twice
   assert twice.replace("| c | d |", table) == once
   with pytest.raises(ValueError, match="without the other"):
-    reproduce.write_between_markers(MD + reproduce.BEGIN, table)
+    document.write_between_markers(MD + document.BEGIN, table)
 
 
 @pytest.mark.parametrize("content, match", [
@@ -106,7 +107,7 @@ def test_markers_replaced_idempotently_or_appended(tmp_path):
 def test_bad_results_files(tmp_path, content, match):
   d = _write(tmp_path, "bad.json", content)
   with pytest.raises(ValueError, match=match):
-    reproduce.load_rows(d)
+    document.load_rows(d)
 
 
 def test_cli_writes_between_markers(tmp_path):
@@ -120,7 +121,7 @@ def test_cli_writes_between_markers(tmp_path):
                         f"--results_md={md}"], capture_output=True, text=True, cwd=root)
     assert r.returncode == 0, r.stderr
   text = md.read_text()
-  assert text.count(reproduce.BEGIN) == 1 and "LDS (ekfac) | – | 0.3" in text
+  assert text.count(document.BEGIN) == 1 and "LDS (ekfac) | – | 0.3" in text
   assert text.count("<!-- summary:begin -->") == 1
   r = subprocess.run([sys.executable, "-m", "experiments.reproduce", f"--results_dir={d}",
                       f"--results_md={tmp_path / 'missing.md'}"], capture_output=True,
@@ -133,8 +134,8 @@ def test_recorded_results_all_read():
   and the headline claims those experiments measure come from them, with their numbers and
   the caveats the audit of issue 47 asked for."""
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-  rows = reproduce.load_rows(os.path.join(root, "docs", "results"))
-  assert all(all(k in r for k in reproduce.REQUIRED) for r in rows)
+  rows = document.load_rows(os.path.join(root, "docs", "results"))
+  assert all(all(k in r for k in document.REQUIRED) for r in rows)
   by_claim = {r["claim"]: r for r in rows if "claim" in r}
   assert {"suppression", "controllers", "throughput", "quality", "grounding",
           "attribution_signal", "faithfulness"} <= set(by_claim)
@@ -146,7 +147,7 @@ def test_recorded_results_all_read():
   old = [r for r in rows if r["file"] in ("suppression.json", "suppression_doctest.json")]
   assert len(old) == 2 and all("superseded" in r["metric"] and "claim" not in r for r in old)
   # a CPU measurement beside the paper's H200 figure says so in the row
-  assert "CPU" in reproduce._ours(by_claim["throughput"])  # pylint: disable=protected-access
+  assert "CPU" in document._ours(by_claim["throughput"])  # pylint: disable=protected-access
   assert "not a GPU" in by_claim["throughput"]["note"]
   # the controllers' rows name the model and the protocol they were measured with
   mc = [r for r in rows if r["file"] == "mc_eval.json"]
@@ -159,7 +160,7 @@ def test_recorded_results_all_read():
   assert "unequal backbone compute" in full["note"]
   # every shown command is today's: no module that no longer exists
   for r in rows:
-    assert not reproduce.command(r).startswith(("python -m experiments.suppress ",
+    assert not document.command(r).startswith(("python -m experiments.suppress ",
                                                 "python -m experiments.bench_train",
                                                 "python -m experiments.evaluate_mc")), r
 

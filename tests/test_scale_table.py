@@ -310,7 +310,7 @@ def test_parallel_searches_share_one_cache_file(tmp_path):
 
 
 def test_rows_roofline_mfu_and_ratio_rendered_by_reproduce(tmp_path):
-  from experiments import reproduce  # pylint: disable=import-outside-toplevel
+  from results_md import document  # pylint: disable=import-outside-toplevel
   from prism_jax import flops  # pylint: disable=import-outside-toplevel
   from prism_jax.config import preset  # pylint: disable=import-outside-toplevel
   target = scale_table.TARGETS["v5e-16 fsdp"]
@@ -353,12 +353,12 @@ def test_rows_roofline_mfu_and_ratio_rendered_by_reproduce(tmp_path):
   results.mkdir()
   (results / "scale_table.json").write_text(json.dumps(data))
   md = "# R\n\n## Scale table\n\n<!-- scale_table:begin -->\nold\n<!-- scale_table:end -->\n"
-  out = reproduce.write_sections(md, str(results))
+  out = document.write_sections(md, str(results))
   assert "old" not in out and "Compiler estimates, not measurements" in out
   none_want = (prism["tokens_per_s_per_chip_no_overlap"]
                / dense["tokens_per_s_per_chip_no_overlap"])
   assert f"| {100 * want:.1f}% / {100 * none_want:.1f}% |" in out and "none fits" in out
-  rows = reproduce.load_rows(str(results))
+  rows = document.load_rows(str(results))
   assert rows[0]["metric"].startswith("predicted PRISM/dense") and "small" in rows[0]["metric"]
 
 
