@@ -75,8 +75,10 @@ test: $(STAMP) browser
 	    $(PYTEST_ARGS); \
 	  rc=$$?; rm -rf "$$cache"; exit $$rc
 
-# The checks that take a minute or more each (`@pytest.mark.long`: 2-process runs, the
-# `small` TPU compile, end-to-end load/attribute/report, accumulation on 8 devices), kept out
+# The checks that take a minute or more each, or repeat on more cases a behaviour `make test`
+# checks once (`@pytest.mark.long`: 2-process runs, SIGKILL and resume, the `small` TPU
+# compile, end-to-end demo/load/attribute/report, the notebooks and the README's snippets
+# run whole, the report in a browser, accumulation, training on the other meshes), kept out
 # of `make test`'s 12 minutes; .ci/run runs this target after `make test`.
 test-long: $(STAMP) browser
 	@cache="$$(mktemp -d -t prism_jax_jit.XXXXXX)"; \

@@ -74,7 +74,8 @@ def _skip_empty_group(name, model):
 
 # The cached EK-FAC groups but the whole one run in `make test-long` (make test's 12 minutes):
 # each equals its streamed ekfac[GROUP] (test_ekfac) and shares the whole one's code path.
-_LONG = ("ekfac_cached[early]", "ekfac_cached[last+early]")
+# ekfac (streamed): make test-long (issue 56 item 7); test_ekfac checks its scores.
+_LONG = ("ekfac_cached[early]", "ekfac_cached[last+early]", "ekfac")
 PROTOCOL_CASES = [pytest.param(n, marks=pytest.mark.long) if n in _LONG else n
                   for n in methods.METHODS]
 

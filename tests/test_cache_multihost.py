@@ -134,6 +134,7 @@ def test_cache_on_gcs_equals_the_local_cache(reference):
   assert one.nbytes_per_token() > 0
 
 
+@pytest.mark.long  # make test-long (issue 56 item 7): two processes, one killed and resumed
 def test_two_process_build_equals_one_process_and_resumes_after_a_kill(reference, gcs,
                                                                       tmp_path):
   workdir, cfg, packed, model, one, _ = reference

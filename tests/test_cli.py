@@ -133,6 +133,7 @@ def demo(tmp_path_factory):
   return base, prism("demo", *base)
 
 
+@pytest.mark.long  # make test-long (issue 56 item 7): the fixture runs `prism demo` end to end
 def test_demo_samples_by_default_greedy_on_request_and_a_mismatch_is_one_line(demo):
   base, first = demo
   assert first.returncode == 0, first.stderr[-3000:]
@@ -146,6 +147,7 @@ def test_demo_samples_by_default_greedy_on_request_and_a_mismatch_is_one_line(de
   assert "to retrain the demo from scratch" in mismatch.stderr
 
 
+@pytest.mark.long  # make test-long (issue 56 item 7): on the `prism demo` fixture
 def test_config_mismatch_is_one_line_and_debug_shows_the_traceback(demo):
   """`prism train` on the demo's run (the same embedded corpus, no --data) with another k."""
   base, first = demo

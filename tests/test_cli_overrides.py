@@ -89,6 +89,7 @@ def test_cli_rejects_bad_set_before_training(tmp_path):
   assert not os.path.exists(tmp_path / "w")  # nothing was created
 
 
+@pytest.mark.long  # make test-long (issue 56 item 7): two `prism train` runs
 def test_a_run_started_from_a_runs_config_json_trains_like_the_original(tmp_path):
   from prism_jax.train import train  # pylint: disable=import-outside-toplevel
   from prism_jax.config import build_config  # pylint: disable=import-outside-toplevel

@@ -236,6 +236,7 @@ def test_every_checkpoint_corrupt_is_refused_until_start_over(trained, tmp_path,
   assert _same_losses(workdir, run)
 
 
+@pytest.mark.long  # make test-long (issue 56 item 7): `prism train` subprocesses
 def test_start_over_flag_of_the_cli(trained, tmp_path):
   cfg, workdir, data = trained
   run = _copy(workdir, tmp_path)

@@ -35,7 +35,8 @@ def _run(tmp_path, name, accum, devices, batch):
   return losses, {jax.tree_util.keystr(k): np.asarray(v) for k, v in leaves}
 
 
-@pytest.mark.parametrize("devices,batch", [(1, 8), pytest.param(8, 32, marks=pytest.mark.long)])
+@pytest.mark.long  # make test-long (issue 56 item 7): several training runs, 8 devices
+@pytest.mark.parametrize("devices,batch", [(1, 8), (8, 32)])
 def test_accumulated_training_equals_the_whole_batch(tmp_path, devices, batch):
   if len(jax.devices()) < devices:
     pytest.skip(f"needs {devices} devices")

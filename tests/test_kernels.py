@@ -359,7 +359,8 @@ def test_sparse_mixture_forms_equal_float64(gather):
     reference.sparse_mixture(jnp.asarray(w), jnp.asarray(idx), jnp.asarray(rows), gather="x")
 
 
-@pytest.mark.parametrize("opts", [TPU_INTERP, GPU_INTERP], ids=["tpu", "gpu"])
+@pytest.mark.parametrize("opts", [pytest.param(TPU_INTERP, marks=pytest.mark.long), GPU_INTERP],
+                         ids=["tpu", "gpu"])  # tpu: make test-long (issue 56 item 7)
 def test_edge_cases_match_reference(opts):
   """k = K (every prototype active), a zero token and a zero prototype (the norm guard),
   and a batch whose tokens are all masked (no column statistics: +-inf as the reference)."""

@@ -33,6 +33,7 @@ def kernel_name(tmp_path, monkeypatch):
   return KERNEL
 
 
+@pytest.mark.long  # make test-long (issue 56 item 7): runs a notebook in a kernel end to end
 def test_hessian_blocks_notebook_runs(kernel_name, tmp_path, tmp_path_factory, monkeypatch):
   out_dir = tmp_path / "figs"
   out_dir.mkdir()
@@ -64,6 +65,7 @@ def _own_copy(tmp_path_factory, tmp_path) -> str:
                          ignore=shutil.ignore_patterns("attribution_cache", "cards"))
 
 
+@pytest.mark.long  # make test-long (issue 56 item 7): runs a notebook in a kernel end to end
 def test_quickstart_notebook_runs_and_displays_each_result_inline(kernel_name, tmp_path,
                                                                   tmp_path_factory, monkeypatch):
   """load, decompose, attribute, suppress, report: each cell runs and the results display
@@ -85,6 +87,7 @@ def test_quickstart_notebook_runs_and_displays_each_result_inline(kernel_name, t
   assert "MB of self-contained HTML" in text
 
 
+@pytest.mark.long  # make test-long (issue 56 item 7): runs a notebook in a kernel end to end
 def test_attribution_and_steering_notebook_runs(kernel_name, tmp_path, tmp_path_factory,
                                                 monkeypatch):
   """attribute a trusted token, read its prototype's card, find the prototypes carrying a

@@ -6,6 +6,8 @@ import os
 import re
 import shutil
 
+import pytest
+
 import tiny_run
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -15,6 +17,7 @@ def python_blocks(text: str) -> list[str]:
   return re.findall(r"^```python\n(.*?)^```", text, flags=re.S | re.M)
 
 
+@pytest.mark.long  # make test-long (issue 56 item 7): trains and attributes as the README does
 def test_readme_python_snippets_run(tmp_path_factory, monkeypatch, capsys):
   blocks = []
   for doc in ("README.md", os.path.join("apidocs", "guide.md")):

@@ -35,6 +35,7 @@ def _lr(step, peak, warmup, total, end_ratio):
   return end + (peak - end) * 0.5 * (1 + math.cos(math.pi * (step - warmup) / (total - warmup)))
 
 
+@pytest.mark.long  # make test-long (issue 56 item 7): on the module's 30-step run, trained again
 def test_finished_run_extends_with_the_new_schedule_and_the_same_data_order(tmp_path, run30,
                                                                             monkeypatch):
   data, finished = run30  # 30 steps done; trained longer here, to 60
@@ -75,6 +76,7 @@ def run30(tmp_path_factory):
   return data, str(tmp / "run")
 
 
+@pytest.mark.long  # make test-long (issue 56 item 7): on the module's 30-step run, trained again
 def test_allow_change_is_explicit_and_recorded(tmp_path, run30):
   data, finished = run30
   run = str(tmp_path / "run")
@@ -92,6 +94,7 @@ def test_allow_change_is_explicit_and_recorded(tmp_path, run30):
   assert lr31 == pytest.approx(_lr(30, 5e-3, 10, 40, 0.1), rel=1e-6)
 
 
+@pytest.mark.long  # make test-long (issue 56 item 7): on the module's 30-step run, trained again
 def test_eval_at_step_zero_train_loss_and_whole_split(run30):
   _, run = run30
   vals = read_metrics(run, "val")

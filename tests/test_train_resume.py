@@ -76,6 +76,10 @@ def _checkpoint_complete(workdir, step):
                else "_CHECKPOINT_METADATA")).exists()
 
 
+# make test-long (issue 56 item 7): each test SIGKILLs a training subprocess and resumes it.
+pytestmark = pytest.mark.long
+
+
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
   """The uninterrupted local run of 2N steps: (its corpus, {step: loss})."""
