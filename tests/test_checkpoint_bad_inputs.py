@@ -106,6 +106,7 @@ def test_config_mismatch_is_refused_naming_fields(trained, tmp_path):
                         os.path.join(run, "checkpoints")).diff_files == []
 
 
+@pytest.mark.long  # make test-long (issue 56 item 7): test_faults checks the fall-back in-process
 def test_corrupt_latest_checkpoint_falls_back_to_previous(trained, tmp_path, caplog):
   cfg, workdir, _ = trained
   run = _copy(workdir, tmp_path)

@@ -252,6 +252,7 @@ def test_render_lists_the_recipes_checks_and_assumptions(tmp_path):
 @pytest.mark.tpu_aot
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                     reason="needs the tpu-aot extra (pip install libtpu==0.0.51)")
+@pytest.mark.long  # make test-long (issue 56 item 7): a TPU compile
 def test_an_accumulated_step_compiles_for_a_tpu_slice(tmp_path):
   """The check's real path on the tiny preset: N = 2 microbatches of 2 rows a chip, the
   bank K-sharded, compiled for v5p-8 (4 chips) with libtpu's compile-only devices."""

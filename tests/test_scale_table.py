@@ -365,6 +365,7 @@ def test_rows_roofline_mfu_and_ratio_rendered_by_reproduce(tmp_path):
 @pytest.mark.tpu_aot
 @pytest.mark.skipif(importlib.util.find_spec("libtpu") is None,
                     reason="needs the tpu-aot extra (pip install libtpu==0.0.51)")
+@pytest.mark.long  # make test-long (issue 56 item 7): a TPU compile
 def test_tiny_table_with_the_k_sharded_bank(tmp_path):
   """One compile, FSDP plus the K-sharded bank (test_sharding_aot compiles FSDP alone)."""
   cache = scale_table.Cache(str(tmp_path / "cache.json"), "test")

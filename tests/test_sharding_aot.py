@@ -46,6 +46,7 @@ def _platform_paths(text: str) -> dict:
           cpu.SCOPE: text.count(f"/{cpu.SCOPE}/")}
 
 
+@pytest.mark.long  # make test-long (issue 56 item 7): a TPU compile
 def test_small_step_lowered_for_tpu_has_no_cpu_path():
   """The default implementation and the model's CPU speed paths are chosen for the
   platform being compiled: the `small` step lowered for a TPU holds no barrier and no op
