@@ -23,7 +23,7 @@ import time
 
 from benchmarks import scale_lib  # sets the compile-only environment before jax loads
 from benchmarks import scale_accum
-from results_md import scale_table as scale_render
+from results_md.scale_table import scale_table_markdown
 
 from absl import flags  # noqa: E402  pylint: disable=wrong-import-order
 
@@ -104,7 +104,7 @@ def main(argv: list[str]) -> None:
           "rows": rows, "ratios": scale_lib.ratios(rows),
           "recipe_rows_per_step": scale_accum.config.RECIPE_ROWS, "recipes": plans,
           "accum_checks": checks}
-  print(scale_render.scale_table_markdown(data))
+  print(scale_table_markdown(data))
   if FLAGS.results_json:
     provenance.write_results(FLAGS.results_json, data)
     print(f"wrote {FLAGS.results_json} ({cache.new} new compiles, {data['cpu_s']} CPU s)")

@@ -45,7 +45,7 @@ import time
 from absl import flags
 
 from prism_jax.cli import flag_checks as check
-from results_md import sources as reproduce_sources
+from results_md.sources import REHEARSAL_CHECKS
 from prism_jax.cli import launcher as cli
 from prism_jax.cli import provenance
 
@@ -298,7 +298,7 @@ def rehearse(out: str, env: dict) -> dict:
   return {"stages_s": {k: round(v, 1) for k, v in stage.times.items()}, "checks": checks}
 
 
-PASS_KEYS = reproduce_sources.REHEARSAL_CHECKS
+PASS_KEYS = REHEARSAL_CHECKS
 # The `small` rehearsal's peak, measured: the two cache-build processes (up to 8.7 GiB each
 # at 4 devices). With the emulator's bucket in memory (7.2 GiB by then) a build process
 # was OOM-killed on this 23 GiB box; the bucket is now on disk (under --out).

@@ -10,6 +10,7 @@ import numpy as np
 import pytest
 
 from results_md import document
+from results_md.control import CAVEATS
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 KEYS = ("proto_ce_ratio", "agreement", "centred_proto_share", "r1_bar", "r2_bar",
@@ -62,9 +63,8 @@ def test_results_json_rows_per_base(tmp_path):
     assert f"agreement {agree}," in row["ours"]
     assert row["metrics"][1]["r2_bar"] == r["before+proto1@s1"]["r2_bar"]
     assert f"--base={row['base']}" in row["command"]
-  # reproduce.py reads the file as schema rows; the sweep (K 512) answers no claim any more
+  # results_md.document reads the file as schema rows; the sweep (K 512) answers no claim any more
   # (today's default's faithfulness is prototype_defaults.json's), and each row says so.
-  from results_md.control import CAVEATS  # pylint: disable=import-outside-toplevel
   loaded = document.load_rows(str(tmp_path))
   assert [r["base"] for r in loaded] == ["tiny", "byte"]
   assert [r.get("claim") for r in loaded] == [None, None]

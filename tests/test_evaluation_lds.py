@@ -20,6 +20,7 @@ from prism_jax.attribution.quality import lds, methods, retrain
 from prism_jax.train import apply_overrides
 
 from micro_lds import ROWS, micro_setting
+from results_md import lds_removal
 
 
 def _reference_lds(scores_QxE, keep_MxE, measured_QxM):
@@ -325,13 +326,12 @@ def test_lds_cli_refuses_a_changed_flag_on_resume(tmp_path):
 def test_removal_curves_off_gives_a_table_without_them():
   """--removal_queries=0 (documented: removal curves off) used to end in an IndexError
   after every retrain; now its report says the curves are off and has no removal rows."""
-  from results_md import lds_removal as lds_exp  # pylint: disable=import-outside-toplevel
   gap = np.random.default_rng(0).random(5)
-  lines, ci = lds_exp.removal_section({"prism": np.zeros((0, 2)), "ekfac": np.zeros((0, 2))},
+  lines, ci = lds_removal.removal_section({"prism": np.zeros((0, 2)), "ekfac": np.zeros((0, 2))},
                                       [4, 8], gap)
   assert ci == {} and lines[-1] == "removal curves: off (--removal_queries=0)"
   deltas = {"prism": np.random.default_rng(1).normal(size=(3, 2))}
-  lines, ci = lds_exp.removal_section(deltas, [4, 8], gap)
+  lines, ci = lds_removal.removal_section(deltas, [4, 8], gap)
   assert len(ci["prism"]) == 2 and lines[-1].startswith("| prism | ")
   np.testing.assert_allclose(ci["prism"][0][0], deltas["prism"][:, 0].mean())
 

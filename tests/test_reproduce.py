@@ -9,6 +9,8 @@ import sys
 import pytest
 
 from results_md import document
+from results_md import sources
+from results_md import summary
 
 MD = """# RESULTS
 
@@ -57,7 +59,6 @@ def test_table_rows_come_from_json_alone_with_todays_commands(tmp_path):
 
 
 def test_summary_from_the_results_json_alone(tmp_path):
-  from results_md import summary as reproduce_summary  # pylint: disable=g-import-not-at-top
   root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
   d = tmp_path / "results"
   d.mkdir()
@@ -68,8 +69,8 @@ def test_summary_from_the_results_json_alone(tmp_path):
     with open(src) as f:
       alive[stem] = json.load(f)
   lines = {line.split(" | ")[0].lstrip("| "): line
-           for line in reproduce_summary.summary(str(d)).splitlines()[2:]}
-  assert len(lines) == len(reproduce_summary.SUMMARY)
+           for line in summary.summary(str(d)).splitlines()[2:]}
+  assert len(lines) == len(summary.SUMMARY)
   claim = "`small`-shape bank alive (issues 44, 53)"
   row = lines[claim]
   for stem, data in alive.items():
@@ -176,7 +177,6 @@ def _mc_row(rng, task, chance, base_acc, delta):
 
 def test_controller_row_mean_with_and_without_below_chance_tasks():
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from results_md import sources as reproduce_sources  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng()
   deltas = rng.uniform(-0.05, 0.05, 4)
   big = rng.uniform(0.15, 0.3)
@@ -185,7 +185,7 @@ def test_controller_row_mean_with_and_without_below_chance_tasks():
            _mc_row(rng, "b", 0.5, 0.35, big)]  # b: CI [0.30, 0.40] below chance 0.5
   for r in rows:
     r["task"] = r["task"].replace("s_", "synthetic_")
-  out = reproduce_sources.mc_eval({"rows": rows, "command": "python -m x"})
+  out = sources.mc_eval({"rows": rows, "command": "python -m x"})
   assert all("round-1" in r["note"] for r in out)  # the recorded file's caveat, first
   offline = next(r for r in out if r["metric"].startswith("controllers, offline"))
   with_b = 100 * (deltas[2] + deltas[3] + big) / 3
@@ -201,14 +201,13 @@ def test_controller_row_mean_with_and_without_below_chance_tasks():
 
 def test_scale_row_is_the_range_over_targets_and_remat_not_the_best():
   import numpy as np  # pylint: disable=g-import-not-at-top
-  from results_md import sources as reproduce_sources  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng()
   values = rng.uniform(0.8, 1.0, 4)
   ratios = [{"target": t, "preset": "xl", "remat": m, "prism_over_dense": float(v)}
             for (t, m), v in zip([("A", False), ("A", True), ("B", False), ("B", True)], values)]
   ratios.append({"target": "A", "preset": "small", "remat": True,
                  "prism_over_dense": float(rng.uniform(0.8, 1.0))})
-  out = reproduce_sources.scale_table({"ratios": ratios[::-1], "command": "python -m x"})
+  out = sources.scale_table({"ratios": ratios[::-1], "command": "python -m x"})
   assert [r["metric"].split(", ")[1] for r in out] == ["small", "xl"]
   lo, hi = ratios[int(np.argmin(values))], ratios[int(np.argmax(values))]
   assert out[1]["ours"] == (f"{100 * lo['prism_over_dense']:.1f}% ({lo['target']}, remat "

@@ -13,7 +13,7 @@ import pytest
 
 from benchmarks import scale_accum
 from benchmarks import scale_lib
-from results_md import scale_table as scale_render
+from results_md.scale_table import scale_table_markdown
 from prism_jax import config
 
 
@@ -221,7 +221,7 @@ def test_the_accumulated_check_compiles_the_recipe_step(monkeypatch, tmp_path):
                             log=lambda _: None)
   assert none == [{"target": "v5e-16 fsdp", "slice": "v5e-16", "preset": "xl",
                    "skipped": "no fitting row of the table to plan from"}]
-  assert "| v5e-16 | xl | | | no fitting row" in scale_render.scale_table_markdown(
+  assert "| v5e-16 | xl | | | no fitting row" in scale_table_markdown(
       {"commit": "c", "command": "x", "rows": [], "ratios": [], "accum_checks": none})
 
 
@@ -236,7 +236,7 @@ def test_render_lists_the_recipes_checks_and_assumptions(tmp_path):
           "fresh_rows": [], "accum_checks": [dict(
               {k: plans[0][k] for k in ("slice", "preset", "remat", "grad_accum",
                                         "microbatch")}, skipped="not compiled")]}
-  md = scale_render.scale_table_markdown(data)
+  md = scale_table_markdown(data)
   p = plans[0]
   assert (f"| v5e-16 | medium | prism | on | 27 | 32 | 2 | 16 | "
           f"{100 * p['prepass_share']:.0f}% |") in md

@@ -15,6 +15,7 @@ from jax.sharding import AxisType, NamedSharding, PartitionSpec as P
 
 from benchmarks import hlo_collectives as hc
 from benchmarks import scale_lib as scale_table
+from results_md import document
 
 
 def test_collectives_of_a_compiled_cpu_program():
@@ -310,7 +311,6 @@ def test_parallel_searches_share_one_cache_file(tmp_path):
 
 
 def test_rows_roofline_mfu_and_ratio_rendered_by_reproduce(tmp_path):
-  from results_md import document  # pylint: disable=import-outside-toplevel
   from prism_jax import flops  # pylint: disable=import-outside-toplevel
   from prism_jax.config import preset  # pylint: disable=import-outside-toplevel
   target = scale_table.TARGETS["v5e-16 fsdp"]
