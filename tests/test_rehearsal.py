@@ -20,8 +20,9 @@ STEPS, INIT, SIGTERM_AT = 12, 2, 3
 
 @pytest.mark.skipif(not os.environ.get("PRISM_JAX_REHEARSAL"),
                     reason="~9 CPU-minutes (three 2-process runs and two cache builds): "
-                    "`make rehearsal-tiny` runs it; make test checks its parts (test_preemption, "
-                    "test_cache_multihost, test_train_resume, test_report_browser)")
+                    "`make rehearsal-tiny` runs it; make test and make test-long check its parts "
+                    "(test_preemption, test_cache_multihost, test_train_resume, "
+                    "test_report_browser)")
 def test_tiny_rehearsal_passes_its_checks(tmp_path):
   out, result = tmp_path / "logs", tmp_path / "rehearsal.json"
   env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=REPO)
