@@ -86,7 +86,8 @@ def load_rows(results_dir: str) -> list[dict]:
       except (KeyError, IndexError, TypeError, StopIteration, ZeroDivisionError) as e:
         raise ValueError(f"{path}: not the shape its reader expects ({e!r})") from e
     if not isinstance(data, dict) or not isinstance(data.get("rows"), list):
-      raise ValueError(f"{path}: needs a top-level {{\"rows\": [...]}} (see results_md/document.py)")
+      raise ValueError(f"{path}: needs a top-level {{\"rows\": [...]}} "
+                       "(see results_md/document.py)")
     for i, row in enumerate(data["rows"]):
       missing = [k for k in REQUIRED if not isinstance(row, dict) or k not in row]
       if missing:
