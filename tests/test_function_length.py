@@ -1,5 +1,5 @@
-"""No function over 80 lines in prism_jax, experiments, benchmarks or results_md (issue 56, item 4): a
-longer one is split where its parts have names."""
+"""No function over 80 lines in prism_jax, experiments, benchmarks or results_md (issue 56,
+item 4): a longer one is split where its parts have names."""
 
 import ast
 import os

@@ -78,8 +78,9 @@ def test_bank_loss_and_output_grads_match_library(model):
   assert np.all(np.asarray(og.act_Nxk)[~mask] == 0) and og.idx_Nxk.shape == (10, KA)
 
 
+# straight_through-cosine: make test-long (issue 56 item 7).
 @pytest.mark.parametrize("routing,distance", [
-    pytest.param("straight_through", "cosine", marks=pytest.mark.long),  # make test-long (issue 56 item 7)
+    pytest.param("straight_through", "cosine", marks=pytest.mark.long),
     ("plain", "sqeuclidean")])
 def test_gauss_newton_blocks_equal_autodiff(model, routing, distance):
   model, batch = _fresh_bank(model, 5), _batch(5)

@@ -49,7 +49,8 @@ def _loss(layer, k, opts, mixture, valid, seed):
 @pytest.mark.parametrize("seed,distance,mixture,dtype,backend", [
     (1, "cosine", "raw", jnp.float32, TPU_INTERP),
     (2, "cosine", "raw", jnp.bfloat16, GPU_INTERP),
-    # Both backends and dtypes above; the other distance and mixture: make test-long (issue 56 item 7).
+    # Both backends and dtypes above; the other distance and mixture: make test-long
+    # (issue 56 item 7).
     pytest.param(3, "sqeuclidean", "normalized", jnp.float32, GPU_INTERP,
                  marks=pytest.mark.long),
     pytest.param(4, "sqeuclidean", "normalized", jnp.bfloat16, TPU_INTERP,

@@ -151,7 +151,8 @@ def _max_rel(ref_tree, tree):
   return max(jax.tree.leaves(errs))
 
 
-# (2, 2, 2) uses every mesh axis and stays in make test; the other meshes: make test-long (issue 56 item 7).
+# (2, 2, 2) uses every mesh axis and stays in make test; the other meshes: make test-long
+# (issue 56 item 7).
 @pytest.mark.parametrize("shape", [pytest.param(s, marks=pytest.mark.long) if s != (2, 2, 2)
                                    else s for s in MESHES])
 def test_training_matches_single_device(single_device, shape):
